@@ -1,0 +1,37 @@
+"""The exceptions ptdstream raises.
+
+Every error derives from :class:`PtdstreamError`. Messages name the key, the
+file and the offset involved and, where a number disagrees, both numbers.
+
+Upstream-compatible errors are kept as upstream raises them: a duplicate key
+with different data is a plain ``ValueError`` with upstream's exact text
+(``exir/_serialize/_named_data_store.py``), so code written against
+``NamedDataStore`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class PtdstreamError(Exception):
+    """Base class of every error raised by ptdstream."""
+
+
+class FormatError(PtdstreamError):
+    """A file is not a valid .pte/.ptd: bad magic, a size field beyond the file, a
+    flatbuffer that does not parse. Raised by the reader, verify and inspect."""
+
+
+class LayoutError(PtdstreamError, ValueError):
+    """A layout parameter or name is not allowed: a non-positive alignment, an
+    external tag that would leave the output folder, an unsupported source."""
+
+
+class IntegrityError(PtdstreamError):
+    """A source changed between plan and write (size, first bytes or digest), a
+    source could not be read in full, or a tensor's storage was freed. Nothing is
+    published when this is raised."""
+
+
+class StateError(PtdstreamError, RuntimeError):
+    """A sink or writer method was called in the wrong state (for example
+    ``write`` after ``commit``)."""

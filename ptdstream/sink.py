@@ -1,0 +1,268 @@
+"""``ChunkedFileSink``: a temp file beside the target, written in pieces, published atomically.
+
+Calls, in order: 1) open (the constructor creates the temp file); 2) ``write`` /
+``write_zeros`` any number of times; 3) ``sync`` (fsync the file, drop its pages);
+4) ``publish`` (rename over the target, fsync the folder). ``commit`` does 3 and
+4. ``abort`` removes the temp file and may be called in any state; it is
+idempotent. Used as a context manager, an exception inside the ``with`` aborts
+and a clean exit commits.
+
+Page cache: every ``window_nbytes`` written, writeback of that window is started
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``), and the window before it is waited
+for and dropped (``POSIX_FADV_DONTNEED``), so at most about two windows of the
+output stay resident while writing and none after ``sync``.
+
+On any failure: the temp file is removed, the target is untouched (absent, or the
+previous complete file). Temp files are named ``.<name>.ptdstream-<pid>-<hex>.tmp``
+so that leftovers of a killed process are recognisable (:func:`stale_temp_files`).
+Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import enum
+import errno
+import glob
+import os
+import secrets
+from typing import Callable, List, Optional
+
+from .errors import StateError
+
+#: Default page-drop window: 64 MiB.
+DEFAULT_WINDOW_NBYTES = 64 << 20
+_ZEROS = bytes(1 << 20)
+
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
+_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_AFTER = 4
+
+
+def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class SinkState(enum.Enum):
+    OPEN = "open"
+    WRITING = "writing"
+    SYNCED = "synced"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+def temp_name_for(target: str) -> str:
+    """A fresh temp path beside ``target`` (same folder, so rename is atomic)."""
+    folder, name = os.path.split(os.path.abspath(target))
+    return os.path.join(folder, f".{name}.ptdstream-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def stale_temp_files(target: str) -> List[str]:
+    """Temp files of ``target`` left by processes that no longer run."""
+    folder, name = os.path.split(os.path.abspath(target))
+    stale = []
+    for path in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.ptdstream-*.tmp")):
+        try:
+            pid = int(os.path.basename(path).rsplit(".ptdstream-", 1)[1].split("-")[0])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            stale.append(path)
+    return stale
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ChunkedFileSink:
+    """Write one file through a temp file, then publish it under ``target``.
+
+    Args:
+        target: the final path.
+        window_nbytes: bytes between page-cache drops (64 MiB).
+        drop_pages: drop written pages per window and after sync (default on).
+        write_fn: ``os.write``-like function (tests inject short writes and faults).
+
+    Raises:
+        OSError: the folder is not writable (nothing is created), or a write,
+            fsync or rename failed (the temp file is removed first).
+        StateError: a method called in the wrong state.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+        drop_pages: bool = True,
+        write_fn: Callable[[int, memoryview], int] = os.write,
+    ) -> None:
+        self.target = os.path.abspath(os.fspath(target))
+        self.temp_path = temp_name_for(self.target)
+        self.window_nbytes = window_nbytes
+        self.drop_pages = drop_pages
+        self._write = write_fn
+        self.nbytes = 0
+        self._window_start = 0
+        self._pending_start: Optional[int] = None
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self._fd: Optional[int] = os.open(self.temp_path, flags, 0o666)
+        self.state = SinkState.OPEN
+
+    def _expect(self, *states: SinkState) -> None:
+        if self.state not in states:
+            names = " or ".join(s.value for s in states)
+            raise StateError(
+                f"sink for {self.target}: expected state {names}, but it is {self.state.value}"
+            )
+
+    def write(self, data) -> None:
+        """Append ``data`` (any bytes-like object); loops until every byte is written."""
+        self._expect(SinkState.OPEN, SinkState.WRITING)
+        self.state = SinkState.WRITING
+        view = memoryview(data).cast("B")
+        total = len(view)
+        done = 0
+        while done < total:
+            try:
+                n = self._write(self._fd, view[done:])
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"writing {self.temp_path} (for {self.target}) at offset "
+                    f"{self.nbytes + done}: {os.strerror(e.errno or 0)}",
+                ) from e
+            if n <= 0:
+                raise OSError(
+                    errno.EIO,
+                    f"writing {self.temp_path} at offset {self.nbytes + done}: "
+                    f"write returned {n} with {total - done} bytes left",
+                )
+            done += n
+        self.nbytes += total
+        if self.drop_pages and self.nbytes - self._window_start >= self.window_nbytes:
+            self._end_window()
+
+    def write_zeros(self, nbytes: int) -> None:
+        """Append ``nbytes`` zero bytes."""
+        while nbytes > 0:
+            n = min(nbytes, len(_ZEROS))
+            self.write(memoryview(_ZEROS)[:n])
+            nbytes -= n
+
+    def _end_window(self) -> None:
+        start, end = self._window_start, self.nbytes
+        if _sync_file_range is not None:
+            _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
+            if self._pending_start is not None:
+                prev = self._pending_start
+                _sync_file_range(
+                    self._fd,
+                    prev,
+                    start - prev,
+                    _SYNC_FILE_RANGE_WAIT_BEFORE
+                    | _SYNC_FILE_RANGE_WRITE
+                    | _SYNC_FILE_RANGE_WAIT_AFTER,
+                )
+                _fadvise_dontneed(self._fd, prev, start - prev)
+            self._pending_start = start
+        self._window_start = end
+
+    def sync(self) -> None:
+        """fsync the temp file and drop its pages; the data is durable but not yet visible."""
+        self._expect(SinkState.OPEN, SinkState.WRITING)
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise OSError(e.errno, f"fsync of {self.temp_path} failed: {os.strerror(e.errno or 0)}") from e
+        if self.drop_pages:
+            _fadvise_dontneed(self._fd, 0, 0)
+        os.close(self._fd)
+        self._fd = None
+        self.state = SinkState.SYNCED
+
+    def publish(self) -> None:
+        """Rename the temp file over the target and fsync the folder."""
+        self._expect(SinkState.SYNCED)
+        os.replace(self.temp_path, self.target)
+        self.state = SinkState.COMMITTED
+        fsync_dir(os.path.dirname(self.target))
+
+    def commit(self) -> None:
+        """``sync`` then ``publish``."""
+        self.sync()
+        self.publish()
+
+    def abort(self) -> None:
+        """Close and remove the temp file; the target is untouched. Idempotent."""
+        if self.state in (SinkState.COMMITTED, SinkState.ABORTED):
+            return
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        try:
+            os.unlink(self.temp_path)
+        except FileNotFoundError:
+            pass
+        self.state = SinkState.ABORTED
+
+    def __enter__(self) -> "ChunkedFileSink":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            if self.state in (SinkState.OPEN, SinkState.WRITING):
+                self.sync()
+            if self.state is SinkState.SYNCED:
+                self.publish()
+        except BaseException:
+            self.abort()
+            raise
+
+
+def _fadvise_dontneed(fd: int, offset: int, nbytes: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
+def fsync_dir(folder: str) -> None:
+    """fsync a folder so a rename in it is durable (ignored where unsupported)."""
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,229 @@
+"""``StreamingNamedDataStore``: upstream ``NamedDataStore`` semantics over sources.
+
+Mirrors ``exir/_serialize/_named_data_store.py`` (executorch 1.5.1) rule for rule:
+
+* keys are global across the .pte and every external tag;
+* a new key whose data equals an existing buffer shares that buffer (the first
+  key's buffer, with the new key's own alignment and layout in its entry);
+* an existing key with equal data is a no-op: the new alignment, tag and layout
+  are ignored (despite upstream's docstring, no lcm is taken);
+* an existing key with other data raises upstream's exact ``ValueError``;
+* ``alignment=None`` means 1, ``alignment <= 0`` raises upstream's ``ValueError``.
+
+The difference is what is held: upstream keeps each buffer as ``bytes`` and
+confirms equality with SHA-256; this store keeps :class:`~ptdstream.sources.Source`
+objects (nothing is copied) and digests with xxh3-128 only the buffers whose
+``(nbytes, first 32 bytes)`` collide with another's (see
+:mod:`ptdstream.fingerprint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .fingerprint import CandidateKey, Fingerprint, candidate_key, fingerprint
+from .layout import check_alignment
+from .sources import BufferRing, Source, as_source
+
+
+@dataclass(frozen=True)
+class DataEntry:
+    """One key's entry: the index of its buffer, its alignment, its tensor layout.
+
+    Same fields as upstream's ``data_serializer.DataEntry``.
+    """
+
+    buffer_index: int
+    alignment: int
+    tensor_layout: Any = None
+
+
+@dataclass
+class NamedDataOutput:
+    """The store's result, shaped like upstream's ``NamedDataStoreOutput``.
+
+    ``buffers`` are sources (not bytes); ``pte_data`` is ``{key: DataEntry}``;
+    ``external_data`` is ``{tag: {key: DataEntry}}`` with empty tags removed.
+    """
+
+    buffers: List[Source]
+    pte_data: Dict[str, DataEntry]
+    external_data: Dict[str, Dict[str, DataEntry]]
+    fingerprints: Dict[int, Fingerprint] = field(default_factory=dict)
+
+
+class StreamingNamedDataStore:
+    """Named data keyed like upstream's store, held as sources.
+
+    Calls, in order: 1) ``add_named_data`` / ``merge_named_data_store`` any number
+    of times; 2) ``get_named_data_store_output`` for the planner.
+
+    Memory: one :class:`~ptdstream.sources.BufferRing` for digesting file sources
+    (``chunk_nbytes`` bytes, allocated on first use), plus metadata. Not
+    thread-safe.
+    """
+
+    def __init__(self, ring: Optional[BufferRing] = None) -> None:
+        self.buffers: List[Source] = []
+        self.pte_data: Dict[str, DataEntry] = {}
+        self.external_data: Dict[str, Dict[str, DataEntry]] = {}
+        self._ring = ring or BufferRing(count=1)
+        self._candidates: Dict[CandidateKey, List[int]] = {}
+        self._candidate_of: Dict[int, CandidateKey] = {}
+        self._fingerprints: Dict[int, Fingerprint] = {}
+        self._key_to_buffer: Dict[str, int] = {}
+        #: Bytes not stored because an equal buffer was already there.
+        self.dedup_saved_nbytes = 0
+
+    def _buffer_fingerprint(self, index: int) -> Fingerprint:
+        fp = self._fingerprints.get(index)
+        if fp is None:
+            fp = fingerprint(self.buffers[index], self._ring)
+            self._fingerprints[index] = fp
+        return fp
+
+    def add_named_data(
+        self,
+        key: str,
+        data: Any,
+        alignment: Optional[int] = 1,
+        external_tag: Optional[str] = None,
+        tensor_layout: Any = None,
+    ) -> None:
+        """Add ``data`` under ``key``, in the .pte (``external_tag=None``) or in ``<tag>.ptd``.
+
+        Args:
+            key: the name the runtime looks the data up by.
+            data: bytes, bytearray, memoryview, a CPU or CUDA tensor (its layout is
+                inferred), executorch ``FileBackedData`` or a ptdstream
+                :class:`~ptdstream.sources.Source`. Nothing is copied.
+            alignment: bytes; ``None`` means 1; any positive int (48 is fine).
+            external_tag: the data file's tag, or ``None`` for the .pte.
+            tensor_layout: executorch ``TensorLayout`` of the data, if a tensor.
+
+        Raises:
+            ValueError: ``alignment <= 0``; ``key`` already holds other data
+                (upstream's text, with both sizes in bytes); a tensor whose layout
+                disagrees with ``tensor_layout``.
+            TypeError: an unsupported data type.
+        """
+        alignment = check_alignment(alignment)
+        if _is_tensor(data):
+            from executorch.exir.tensor_layout import TensorLayout
+
+            real_layout = TensorLayout.from_tensor(data)
+            if tensor_layout is not None and not (real_layout == tensor_layout):
+                raise ValueError(
+                    f"Tensor {key} is a torch.Tensor, with tensor_layout {real_layout}. "
+                    f"The provided tensor layout {tensor_layout} does not match."
+                )
+            tensor_layout = real_layout
+        source = as_source(data, label=f"key {key!r}")
+        target = (
+            self.pte_data
+            if external_tag is None
+            else self.external_data.setdefault(external_tag, {})
+        )
+        self._add(key, source, alignment, target, tensor_layout)
+
+    def _add(
+        self,
+        key: str,
+        source: Source,
+        alignment: int,
+        target: Dict[str, DataEntry],
+        tensor_layout: Any,
+    ) -> None:
+        existing = self._key_to_buffer.get(key)
+        if existing is not None:
+            old = self.buffers[existing]
+            if old is source:
+                return
+            if source.nbytes != old.nbytes or (
+                fingerprint(source, self._ring) != self._buffer_fingerprint(existing)
+            ):
+                raise ValueError(
+                    f"Duplicate key {key} with different data. "
+                    f"Existing data size: {old.nbytes} bytes. "
+                    f"New data size: {source.nbytes} bytes."
+                )
+            return
+        index = -1
+        ckey = candidate_key(source)
+        candidates = self._candidates.get(ckey)
+        if candidates is not None:
+            same = [c for c in candidates if self.buffers[c] is source]
+            new_fp = None if same else fingerprint(source, self._ring)
+            for candidate in same or candidates:
+                if same or new_fp == self._buffer_fingerprint(candidate):
+                    index = candidate
+                    self.dedup_saved_nbytes += source.nbytes
+                    break
+        if index == -1:
+            index = len(self.buffers)
+            self.buffers.append(source)
+            self._candidates.setdefault(ckey, []).append(index)
+            self._candidate_of[index] = ckey
+            if candidates is not None and new_fp is not None:
+                self._fingerprints[index] = new_fp
+        target[key] = DataEntry(index, alignment, tensor_layout)
+        self._key_to_buffer[key] = index
+
+    def merge_named_data_store(self, other: Any) -> None:
+        """Add every entry of ``other`` (upstream ``NamedDataStoreOutput`` or
+        :class:`NamedDataOutput`): its .pte data first, then each tag in order.
+
+        Raises:
+            ValueError: a key of ``other`` already holds different data here.
+        """
+        sources: Dict[int, Source] = {}
+
+        def source_of(index: int) -> Any:
+            data = other.buffers[index]
+            if _is_tensor(data):
+                return data
+            if index not in sources:
+                sources[index] = as_source(data, label=f"buffer {index}")
+            return sources[index]
+
+        for key, entry in other.pte_data.items():
+            self.add_named_data(
+                key,
+                source_of(entry.buffer_index),
+                entry.alignment,
+                external_tag=None,
+                tensor_layout=entry.tensor_layout,
+            )
+        for tag, entries in other.external_data.items():
+            for key, entry in entries.items():
+                self.add_named_data(
+                    key,
+                    source_of(entry.buffer_index),
+                    entry.alignment,
+                    external_tag=tag,
+                    tensor_layout=entry.tensor_layout,
+                )
+
+    def candidate_collisions(self) -> Dict[int, CandidateKey]:
+        """Buffer indices whose candidate key is shared with another buffer."""
+        return {
+            index: ckey
+            for index, ckey in self._candidate_of.items()
+            if len(self._candidates[ckey]) > 1
+        }
+
+    def get_named_data_store_output(self) -> NamedDataOutput:
+        """The buffers and entries, with empty tags removed (as upstream)."""
+        self.external_data = {k: v for k, v in self.external_data.items() if len(v) > 0}
+        return NamedDataOutput(
+            self.buffers, self.pte_data, self.external_data, dict(self._fingerprints)
+        )
+
+
+def _is_tensor(data: Any) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(data, torch.Tensor)
