@@ -52,6 +52,15 @@ def record_backend_configs() -> None:
     ExecutorchProgramManager.__init__ = wrapped
 
 
+def stop_recording_backend_configs() -> None:
+    """Undo :func:`record_backend_configs` (managers already built keep their config)."""
+    from executorch.exir.program._program import ExecutorchProgramManager
+
+    original = getattr(ExecutorchProgramManager.__init__, "_ptdstream_original", None)
+    if original is not None:
+        ExecutorchProgramManager.__init__ = original
+
+
 def _as_options(config: Any) -> PteOptions:
     if isinstance(config, PteOptions):
         return config

@@ -301,3 +301,37 @@ def save(
         plan_seconds=plan_seconds,
         options=plan.options,
     )
+
+
+def write_data_files(
+    store: StreamingNamedDataStore,
+    folder: str,
+    *,
+    segment_alignment: int = 128,
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+    window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+    progress: Optional[Callable[[int], None]] = None,
+) -> List[FileReport]:
+    """Write each external tag of ``store`` as ``folder/<tag>.ptd`` (embedding API).
+
+    For exporters that build a :class:`StreamingNamedDataStore` themselves: the
+    files equal what ``FlatTensorSerializer`` gives for the same store. All files
+    are synced before any is published; on error none is.
+
+    Raises:
+        LayoutError: a tag that would leave ``folder``.
+        IntegrityError, OSError: as :func:`save` (nothing published).
+    """
+    out = store.get_named_data_store_output()
+    files = []
+    for tag, entries in out.external_data.items():
+        name = ptd_file_name(tag)
+        plan = plan_ptd(
+            out.buffers, entries, segment_alignment=segment_alignment, name=name,
+            fingerprints=out.fingerprints,
+        )
+        files.append((os.path.join(folder, name), plan))
+    save_plan = SavePlan(tuple(files), PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
+    return write_save_plan(
+        save_plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, progress=progress
+    )

@@ -266,3 +266,29 @@ def fsync_dir(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class StreamSink:
+    """Write to an already-open binary file object (``io.BufferedIOBase``, ``BytesIO``).
+
+    For callers that own the file (upstream's ``write_to_file(open_file)``):
+    nothing is atomic or synced here; that is the caller's file.
+    """
+
+    def __init__(self, fileobj) -> None:
+        self._file = fileobj
+        self.nbytes = 0
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            n = self._file.write(view[done:])
+            done += len(view) - done if n is None else n
+        self.nbytes += len(view)
+
+    def write_zeros(self, nbytes: int) -> None:
+        while nbytes > 0:
+            n = min(nbytes, len(_ZEROS))
+            self.write(memoryview(_ZEROS)[:n])
+            nbytes -= n

@@ -237,25 +237,27 @@ class TensorSource(Source):
         return f"{self._label} {str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
     def _view(self) -> memoryview:
-        import torch
+        """A read-only view of the bytes, made from the storage's address.
+
+        ``Tensor.numpy()`` would mark the caller's storage non-resizable for good;
+        a ctypes view does not. The tensor reference held by this source keeps
+        the storage alive; its size is checked here, right before reading.
+        """
+        import ctypes
 
         t = self._tensor
         storage = t.untyped_storage()
-        needed = (
-            self.nbytes
-            if self._whole_storage
-            else t.storage_offset() * t.element_size() + self.nbytes
-        )
+        start = 0 if self._whole_storage else t.storage_offset() * t.element_size()
+        needed = start + self.nbytes
         if storage.nbytes() < needed:
             raise IntegrityError(
                 f"{self.describe()}: its storage holds {storage.nbytes()} bytes, "
                 f"{needed} needed; was it freed or resized after it was added?"
             )
-        if self._whole_storage:
-            flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        else:
-            flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-        return memoryview(flat.numpy()).cast("B")
+        if self.nbytes == 0:
+            return memoryview(b"")
+        array = (ctypes.c_ubyte * self.nbytes).from_address(storage.data_ptr() + start)
+        return memoryview(array).cast("B").toreadonly()
 
     def prefix(self, nbytes: int = 32) -> bytes:
         return bytes(self._view()[:nbytes])

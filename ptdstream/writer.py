@@ -64,7 +64,7 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
     digest = StreamingDigest()
     where = f"{extent.label()} of {plan.name} at offset {offset}"
     first = True
-    for piece in extent.source.pieces(ring):
+    for piece in _checked_pieces(extent.source.pieces(ring), where):
         if first:
             head = bytes(piece[: len(extent.prefix)])
             if head != extent.prefix[: len(head)]:
@@ -94,3 +94,20 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
             f"{result.hex} != {extent.fingerprint.hex}); nothing was published"
         )
     return result
+
+
+def _checked_pieces(pieces, where: str):
+    """Re-raise a source's failure with the key, file and offset prefixed."""
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration:
+            return
+        except IntegrityError as e:
+            raise IntegrityError(f"{where}: {e}; nothing was published") from e
+        except Exception as e:  # noqa: BLE001 - a source failing mid-stream
+            raise IntegrityError(
+                f"{where}: reading the source failed ({type(e).__name__}: {e}); "
+                "nothing was published"
+            ) from e
+        yield piece

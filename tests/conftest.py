@@ -1,0 +1,117 @@
+"""Shared fixtures: small real exports (fixed seeds) and the reference serializer's files."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Dict
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, d_in: int = 64, d_hidden: int = 32, d_out: int = 8) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(d_in, d_hidden)
+        self.l2 = torch.nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+class TiedLM(torch.nn.Module):
+    """A tiny LM whose 512x64 embedding is tied to the output projection."""
+
+    def __init__(self, vocab: int = 512, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+class WithBuffer(torch.nn.Module):
+    """A model with a mutable buffer (a running state updated in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(16, 16)
+        self.register_buffer("state", torch.arange(16, dtype=torch.float32))
+
+    def forward(self, x):
+        self.state.add_(x.sum(0))
+        return self.l(x) + self.state
+
+
+def example_inputs(model: torch.nn.Module):
+    if isinstance(model, TiedLM):
+        return (torch.randint(0, 512, (1, 8)),)
+    if isinstance(model, WithBuffer):
+        return (torch.randn(2, 16),)
+    return (torch.randn(2, 64),)
+
+
+def export(models, *, xnnpack: bool = False, config=None, inputs=None):
+    """``torch.export`` -> ``to_edge_transform_and_lower`` -> ``to_executorch``.
+
+    ``models`` is a module or ``{method: (module, inputs)}``.
+    """
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    torch.manual_seed(0)
+    if isinstance(models, torch.nn.Module):
+        programs = torch.export.export(models.eval(), inputs or example_inputs(models))
+    else:
+        programs = {
+            name: torch.export.export(m.eval(), args) for name, (m, args) in models.items()
+        }
+    partitioner = None
+    if xnnpack:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        partitioner = [XnnpackPartitioner()]
+    edge = to_edge_transform_and_lower(programs, partitioner=partitioner)
+    return edge.to_executorch(config or ExecutorchBackendConfig())
+
+
+def reference_files(manager, folder: str) -> Dict[str, bytes]:
+    """What upstream's write_to_file + write_tensor_data_to_file put in ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "model.pte"), "wb") as f:
+        manager.write_to_file(f)
+    if manager._tensor_data:
+        manager.write_tensor_data_to_file(folder)
+    return read_folder(folder)
+
+
+def read_folder(folder: str) -> Dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _seeded(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return {"mlp": Mlp, "tied": TiedLM, "buffer": WithBuffer}[name]()
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return Mlp()
+
+
+@pytest.fixture
+def tied_lm():
+    torch.manual_seed(0)
+    return TiedLM()
