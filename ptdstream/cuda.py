@@ -1,0 +1,124 @@
+"""CUDA tensor sources: device-to-host copies through a reused pinned ring.
+
+Imported lazily (by :func:`ptdstream.sources.as_source` when it meets a CUDA
+tensor): everything else imports and runs without CUDA.
+
+This is the basic path: each piece is copied on a dedicated stream into the
+next pinned buffer of a ring that is allocated once per (device, chunk size)
+and reused by every source; the copy of piece ``i + 1`` is queued before piece
+``i`` is handed to the writer, so copies overlap file writes. The fingerprint
+of a CUDA source is computed on the host as its pieces stream through.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Iterator, List, Tuple
+
+from .errors import IntegrityError, LayoutError
+from .sources import BufferRing, Source
+
+_RINGS: Dict[Tuple[int, int, int], "PinnedRing"] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+class PinnedRing:
+    """``count`` pinned host buffers of ``chunk_nbytes`` bytes and one copy stream.
+
+    Allocated once per (device, chunk size, count) and reused; never freed
+    before process exit. Host memory held: ``count * chunk_nbytes`` bytes.
+    """
+
+    def __init__(self, device, chunk_nbytes: int, count: int) -> None:
+        import torch
+
+        self.device = device
+        self.chunk_nbytes = chunk_nbytes
+        self.buffers: List = [
+            torch.empty(chunk_nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)
+        ]
+        self.events = [torch.cuda.Event() for _ in range(count)]
+        self.stream = torch.cuda.Stream(device=device)
+
+    @staticmethod
+    def get(device, chunk_nbytes: int, count: int = 4) -> "PinnedRing":
+        key = (device.index or 0, chunk_nbytes, count)
+        with _RINGS_LOCK:
+            ring = _RINGS.get(key)
+            if ring is None:
+                ring = _RINGS[key] = PinnedRing(device, chunk_nbytes, count)
+            return ring
+
+
+class CudaTensorSource(Source):
+    """A CUDA tensor's bytes (any dtype, bf16 and fp8 included), copied to the host in pieces.
+
+    The tensor must be contiguous (any storage offset). The bytes equal those of
+    the same tensor moved to the CPU.
+
+    Raises:
+        LayoutError: a non-contiguous tensor ("call .contiguous()").
+        IntegrityError: at write time, when the storage was freed or resized.
+    """
+
+    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4) -> None:
+        if not tensor.is_contiguous():
+            raise LayoutError(
+                f"{label}: CUDA tensor with shape {tuple(tensor.shape)} is not contiguous; "
+                "call .contiguous() on it before adding it"
+            )
+        self._tensor = tensor.detach()
+        self._label = label
+        self._ring_count = ring_count
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    def describe(self) -> str:
+        t = self._tensor
+        return f"{self._label} {str(t.dtype).replace('torch.', '')}{list(t.shape)} on {t.device}"
+
+    def _flat(self):
+        import torch
+
+        t = self._tensor
+        storage = t.untyped_storage()
+        needed = t.storage_offset() * t.element_size() + self.nbytes
+        if storage.nbytes() < needed:
+            raise IntegrityError(
+                f"{self.describe()}: its storage holds {storage.nbytes()} bytes, "
+                f"{needed} needed; was it freed or resized after it was added?"
+            )
+        if self.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=t.device)
+        return t.reshape(-1).view(torch.uint8)
+
+    def prefix(self, nbytes: int = 32) -> bytes:
+        flat = self._flat()
+        return bytes(flat[:nbytes].cpu().numpy().tobytes())
+
+    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+        import torch
+
+        flat = self._flat()
+        pinned = PinnedRing.get(flat.device, ring.chunk_nbytes, self._ring_count)
+        step = pinned.chunk_nbytes
+        starts = list(range(0, self.nbytes, step))
+        count = len(pinned.buffers)
+        pinned.stream.wait_stream(torch.cuda.current_stream(flat.device))
+
+        def enqueue(i: int) -> None:
+            slot = i % count
+            n = min(step, self.nbytes - starts[i])
+            with torch.cuda.stream(pinned.stream):
+                pinned.buffers[slot][:n].copy_(flat[starts[i] : starts[i] + n], non_blocking=True)
+                pinned.events[slot].record(pinned.stream)
+
+        ahead = min(count - 1, len(starts))
+        for i in range(ahead):
+            enqueue(i)
+        for i in range(len(starts)):
+            if i + ahead < len(starts):
+                enqueue(i + ahead)
+            slot = i % count
+            pinned.events[slot].synchronize()
+            n = min(step, self.nbytes - starts[i])
+            yield memoryview(pinned.buffers[slot].numpy()).cast("B")[:n]
