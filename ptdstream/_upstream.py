@@ -103,3 +103,21 @@ def cord_pieces(cord, chunk_nbytes: int):
             view = memoryview(item)
             for start in range(0, len(view), chunk_nbytes):
                 yield view[start : start + chunk_nbytes]
+
+
+class _BoundedBytes(bytes):
+    """``bytes`` whose slices must end inside it. The flatbuffers Python reader
+    slices strings and byte vectors without a bounds check, so a program cut
+    inside its last string would otherwise parse, with the string shortened."""
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and key.stop is not None and key.stop > len(self):
+            raise IndexError(f"bytes [{key.start}:{key.stop}] lie beyond the flatbuffer's {len(self)} bytes")
+        return super().__getitem__(key)
+
+
+def flatbuffer_to_program_checked(data: bytes):
+    """:func:`flatbuffer_to_program` that also rejects strings and byte vectors
+    running past the end of ``data`` (raises ``IndexError`` for them). Any
+    exception means ``data`` is not a valid program flatbuffer."""
+    return flatbuffer_to_program(_BoundedBytes(data))

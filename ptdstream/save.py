@@ -31,7 +31,7 @@ from .fingerprint import Fingerprint
 from .plan import FilePlan
 from .pte import PteOptions, plan_pte
 from .ptd import plan_ptd
-from .sink import DEFAULT_WINDOW_NBYTES, ChunkedFileSink
+from .sink import DEFAULT_WINDOW_NBYTES, ChunkedFileSink, stale_temp_files
 from .sources import DEFAULT_CHUNK_NBYTES, BufferRing, Source, as_source
 from .store import DataEntry, StreamingNamedDataStore
 from .writer import write_plan
@@ -203,6 +203,22 @@ def plan_manager(
     return SavePlan(tuple(files), options, store.dedup_saved_nbytes)
 
 
+def remove_stale_temp_files(target: str) -> List[str]:
+    """Remove temp files of ``target`` left by killed processes; returns their paths.
+
+    Only ``.<name>.ptdstream-<pid>-<hex>.tmp`` files whose pid no longer runs are
+    touched; a save in progress in another process keeps its temp file.
+    """
+    removed = []
+    for path in stale_temp_files(target):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def write_save_plan(
     plan: SavePlan,
     *,
@@ -216,6 +232,8 @@ def write_save_plan(
     On any error every temp file is removed and nothing is published.
     """
     ring = BufferRing(chunk_nbytes, count=2)
+    for target, _ in plan.files:
+        remove_stale_temp_files(target)
     make = sink_factory or (lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes))
     sinks: List[ChunkedFileSink] = []
     reports: List[FileReport] = []
