@@ -115,6 +115,22 @@ def _check_inputs(paths: Sequence[str]) -> None:
             raise IsADirectoryError(21, "is a directory", path)
 
 
+def _quiet_third_party() -> None:
+    """Keep torch/torchao/executorch import chatter (deprecation warnings, optional
+    kernels that fail to load) out of the command's output; ``PTDSTREAM_DEBUG=1``
+    shows it."""
+    import logging
+    import os
+    import warnings
+
+    if os.environ.get("PTDSTREAM_DEBUG"):
+        return
+    for category in (DeprecationWarning, FutureWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for name in ("torchao", "torch.utils._pytree", "torch._export", "executorch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the ``ptdstream`` command with ``argv`` (default ``sys.argv[1:]``).
 
@@ -133,6 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    _quiet_third_party()
     try:
         if args.command == "verify":
             _check_inputs(args.files + ([args.against] if args.against else []))
