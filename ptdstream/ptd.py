@@ -22,6 +22,28 @@ from .store import DataEntry
 FLAT_TENSOR_VERSION = 0
 
 
+_INT32_MAX = (1 << 31) - 1
+
+
+def _check_layouts(named_data: Mapping[str, DataEntry], name: str) -> None:
+    """Refuse tensor sizes the schema's ``sizes: [int32]`` cannot hold.
+
+    Upstream passes them to flatc, which fails with "constant does not fit";
+    this names the key and the dimension instead.
+    """
+    from .errors import LayoutError
+
+    for key, entry in named_data.items():
+        layout = entry.tensor_layout
+        for dim, size in enumerate(getattr(layout, "sizes", None) or ()):
+            if not -_INT32_MAX - 1 <= size <= _INT32_MAX:
+                raise LayoutError(
+                    f"{name}: key {key!r}: dimension {dim} has size {size}, which the "
+                    "FlatTensor schema's int32 sizes cannot hold; reshape the tensor so "
+                    "every dimension is below 2**31"
+                )
+
+
 def plan_ptd(
     buffers: Sequence[Source],
     named_data: Mapping[str, DataEntry],
@@ -46,6 +68,7 @@ def plan_ptd(
         NamedData,
     )
 
+    _check_layouts(named_data, name)
     segments: List[SegmentPlan] = []
     keyed = _named_segments(buffers, named_data, segments, fingerprints)
     placements, data_nbytes = place(segments, segment_alignment)

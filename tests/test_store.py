@@ -171,3 +171,17 @@ def test_write_data_files_matches_flat_tensor_serializer(tmp_path):
     )
     assert (tmp_path / "t.ptd").read_bytes() == bytes(ref)
     assert os.listdir(tmp_path) == ["t.ptd"]
+
+
+def test_dimension_beyond_int32_is_refused_with_the_key(tmp_path):
+    from executorch.exir.tensor_layout import TensorLayout
+    from executorch.exir.scalar_type import ScalarType
+
+    from ptdstream.errors import LayoutError
+
+    store = StreamingNamedDataStore()
+    layout = TensorLayout(ScalarType.BYTE, [1 << 31], [0])
+    store.add_named_data("huge", b"x", external_tag="w", tensor_layout=layout)
+    with pytest.raises(LayoutError, match=r"key 'huge': dimension 0 has size 2147483648"):
+        write_data_files(store, str(tmp_path))
+    assert os.listdir(tmp_path) == []
