@@ -1,0 +1,327 @@
+"""Measurement helpers shared by the benchmarks (Linux only).
+
+* :class:`RssMonitor`: peak resident memory added during a block, in bytes, from
+  two independent readings: the kernel's high-water mark (``VmHWM``, reset to
+  the current RSS through ``/proc/self/clear_refs`` just before the block) and a
+  thread sampling ``VmRSS`` every ~5 ms.
+* :func:`resident_nbytes`: page-cache bytes a file holds now (``mincore`` on a
+  read-only shared mapping; ``fincore --bytes`` if that fails).
+* :func:`discard_file`: drop a file's cached pages (dirty ones included) and
+  remove it, so the next run writes fresh blocks from a cold cache.
+* :func:`xxh3_file`: xxh3-128 of a file, read in 8 MiB pieces.
+* :func:`run_forked`: run a function in a forked child and return what it
+  returns (pickled through a pipe); the child inherits the parent's memory
+  copy-on-write, so objects built before the fork (an exported manager, a raw
+  buffer) are there without being rebuilt or copied.
+
+Nothing here allocates in proportion to a file's size except ``mincore``'s
+vector (one byte per 4 KiB page).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import pickle
+import subprocess
+import threading
+import time
+import traceback
+from typing import Any, Callable, Iterable, List, Optional, Tuple
+
+MiB = 1 << 20
+PIECE_NBYTES = 8 * MiB
+PAGE_NBYTES = os.sysconf("SC_PAGE_SIZE")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# mincore reports residency in bit 0 of each byte; the other bits are reserved.
+_LSB = bytes(i & 1 for i in range(256))
+
+
+# ---------------------------------------------------------------- memory
+
+
+def status_kib(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...), in KiB."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(field.encode() + b":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class RssMonitor:
+    """Peak RSS added (bytes) between :meth:`start` and :meth:`stop`.
+
+    Calls, in order: 1) ``start()`` (samples the baseline, resets ``VmHWM``, starts
+    the sampler thread) 2) the measured code 3) ``stop()``. After ``stop``:
+    ``baseline_nbytes``, ``sampled_peak_nbytes`` (5 ms sampler), ``hwm_peak_nbytes``
+    (kernel high-water mark; None where it cannot be reset) and
+    ``added_nbytes`` = the larger of the two peaks minus the baseline.
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._peak_kib = 0
+        self._hwm_ok = False
+        self.baseline_nbytes = 0
+        self.sampled_peak_nbytes = 0
+        self.hwm_peak_nbytes: Optional[int] = None
+        self.added_nbytes = 0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak_kib = max(self._peak_kib, status_kib("VmRSS"))
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> None:
+        # Start the thread first: its stack and first sample are part of the
+        # baseline, not of the measured block.
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        time.sleep(3 * self.interval_s)
+        base_kib = status_kib("VmRSS")
+        self._peak_kib = base_kib
+        self.baseline_nbytes = base_kib * 1024
+        self._hwm_ok = reset_peak_rss()
+
+    def stop(self) -> None:
+        hwm_kib = status_kib("VmHWM") if self._hwm_ok else None
+        self._peak_kib = max(self._peak_kib, status_kib("VmRSS"))
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sampled_peak_nbytes = self._peak_kib * 1024
+        self.hwm_peak_nbytes = hwm_kib * 1024 if hwm_kib is not None else None
+        peak = max(self.sampled_peak_nbytes, self.hwm_peak_nbytes or 0)
+        self.added_nbytes = max(0, peak - self.baseline_nbytes)
+
+
+# ---------------------------------------------------------------- page cache
+
+
+def _resident_mincore(path: str) -> int:
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {path}: {os.strerror(err)}")
+        try:
+            npages = (size + PAGE_NBYTES - 1) // PAGE_NBYTES
+            vec = (ctypes.c_ubyte * npages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore of {path}: {os.strerror(err)}")
+            resident_pages = bytes(vec).translate(_LSB).count(1)
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    # The last page may be partial: never report more than the file holds.
+    return min(size, resident_pages * PAGE_NBYTES)
+
+
+def _resident_fincore(path: str) -> int:
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", path],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return int(out.split()[0])
+
+
+def resident_nbytes(path: str) -> int:
+    """Bytes of ``path`` in the page cache now (mincore; fincore as a fallback)."""
+    try:
+        return _resident_mincore(path)
+    except OSError:
+        return _resident_fincore(path)
+
+
+def files_under(folder: str) -> List[str]:
+    """Every regular file under ``folder`` (temp files included), sorted."""
+    found = []
+    for root, _dirs, names in os.walk(folder):
+        found.extend(os.path.join(root, n) for n in names)
+    return sorted(p for p in found if os.path.isfile(p))
+
+
+def discard_file(path: str) -> None:
+    """Drop every cached page of ``path`` and remove it.
+
+    Truncating to 0 drops the file's pages from the page cache, dirty ones
+    included, without writing them back (``POSIX_FADV_DONTNEED`` alone would
+    start writeback of dirty pages, which would then compete with the next
+    run); the fadvise that follows is the documented drop for whatever is left.
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, 0)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    os.unlink(path)
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- machine noise
+
+
+def device_written_nbytes(path: str) -> Optional[int]:
+    """Bytes written so far to the block device holding ``path`` (``/sys/dev/block``)."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            return int(f.read().split()[6]) * 512  # field 7: sectors written
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def loadavg1() -> float:
+    """The 1-minute load average (2 cores here: > 1 means someone else is busy too)."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def _cpu_times() -> Tuple[int, int]:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def busy_cores(window_s: float = 0.25) -> float:
+    """CPUs busy (all processes) over the next ``window_s`` seconds, from ``/proc/stat``."""
+    busy0, total0 = _cpu_times()
+    time.sleep(window_s)
+    busy1, total1 = _cpu_times()
+    ncpu = os.cpu_count() or 1
+    return ncpu * (busy1 - busy0) / max(1, total1 - total0)
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.3) -> Tuple[float, float]:
+    """Wait (at most ``max_wait_s``) until other processes use < ``threshold_cores`` CPUs.
+
+    Call it while this process is idle. Returns ``(seconds waited, busy cores last seen)``.
+    """
+    start = time.perf_counter()
+    busy = busy_cores()
+    while busy >= threshold_cores and time.perf_counter() - start < max_wait_s:
+        busy = busy_cores()
+    return time.perf_counter() - start, busy
+
+
+# ---------------------------------------------------------------- hashing
+
+
+def xxh3_file(path: str, piece_nbytes: int = PIECE_NBYTES) -> str:
+    """xxh3-128 hex digest of the file at ``path`` (read in pieces; pages dropped after)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    buf = bytearray(piece_nbytes)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            n = os.readv(fd, [buf])
+            if n == 0:
+                break
+            digest.update(view[:n])
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- processes
+
+
+class ChildError(RuntimeError):
+    """The forked child raised; the message holds its traceback."""
+
+
+def run_forked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a forked child; return its (picklable) result.
+
+    The child exits with ``os._exit`` (no atexit handlers, no buffers flushed
+    twice). A child exception is raised here as :class:`ChildError`.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        code = 0
+        try:
+            try:
+                payload = pickle.dumps(("ok", fn(*args, **kwargs)))
+            except BaseException:  # noqa: BLE001 - everything goes back to the parent
+                payload = pickle.dumps(("error", traceback.format_exc()))
+                code = 1
+            with os.fdopen(write_fd, "wb") as f:
+                f.write(payload)
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise ChildError(f"child {pid} died without a result (wait status {status})")
+    kind, value = pickle.loads(data)
+    if kind != "ok":
+        raise ChildError(value)
+    return value
+
+
+def median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("median of nothing")
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def write_all(fd: int, view: memoryview) -> None:
+    """``os.write`` until every byte of ``view`` is written."""
+    done = 0
+    while done < len(view):
+        n = os.write(fd, view[done:])
+        if n <= 0:
+            raise OSError(f"write returned {n} with {len(view) - done} bytes left")
+        done += n
+
