@@ -8,7 +8,7 @@ is imported where it is used.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 CHECKED_VERSIONS = ("1.5.1",)
 

@@ -1,4 +1,5 @@
-"""The ``ptdstream`` command: ``verify``, ``inspect`` and ``demo``.
+"""The ``ptdstream`` command: ``verify``, ``inspect``, ``manifest``, ``pack``,
+``unpack``, ``extract`` and ``demo``.
 
 Exit codes: 0 ok; 1 mismatch or invalid file; 2 usage error or unreadable
 input (missing file, permission denied). Errors are one line on stderr, never a
@@ -22,6 +23,9 @@ examples:
   ptdstream verify model.pte model.ptd                        structure of a program and its data
   ptdstream verify model.pte --json                           same, as JSON
   ptdstream inspect model.pte model.ptd                       sections, keys, sizes, duplicates
+  ptdstream manifest model.pte model.ptd                      write model.manifest (piece digests)
+  ptdstream verify model.pte model.ptd --manifest model.manifest   check copies at disk speed
+  ptdstream pack model.ptd model.ptd.zst                      seekable zstd for transport
   ptdstream demo --out /tmp/ptdstream-demo                    export a small LM and save it
 
 exit codes:
@@ -45,9 +49,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``ptdstream`` command."""
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(prog="ptdstream", description="Check and inspect ExecuTorch .pte/.ptd artifacts.",
+    parser = _Parser(prog="ptdstream", description="Verify, inspect, checksum and pack ExecuTorch "
+                     ".pte/.ptd artifacts written by ptdstream or by ExecuTorch itself.",
                      epilog=_EPILOG, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", metavar="{verify,inspect,demo}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     v = sub.add_parser(
         "verify", help="compare with a reference, or check the structure of a .pte and its .ptd files",
         description="With --against: compare FILE with REF byte for byte (streamed) and name the first "
@@ -56,18 +61,39 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG, formatter_class=fmt)
     v.add_argument("files", nargs="+", metavar="FILE", help="OUT (with --against), or OUT.pte [DATA.ptd ...]")
     v.add_argument("--against", metavar="REF", help="reference file to compare the single FILE with")
+    v.add_argument("--manifest", metavar="M", help="check each FILE against manifest M (piece digests)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.set_defaults(func=_verify, inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p])
     i = sub.add_parser("inspect", help="sections, keys, sizes, alignments and duplicated content",
                        description="Show each file's section map, segments with their alignment, keys, a "
                                    "size breakdown (metadata + padding + payload = file size) and content "
                                    "stored more than once.", epilog=_EPILOG, formatter_class=fmt)
     i.add_argument("files", nargs="+", metavar="FILE")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.set_defaults(func=_inspect, inputs=lambda a: a.files)
+    m = sub.add_parser("manifest", help="write an integrity manifest (piece digests, sections, key fingerprints)",
+                       description="Describe FILEs in a manifest (ptdstream's flatbuffer schema, "
+                                   "schema/manifest.fbs): each file's size, sections, the xxh3-128 digest "
+                                   "of every piece and each key's fingerprint. Check copies later with "
+                                   "`ptdstream verify FILE --manifest M`.", epilog=_EPILOG, formatter_class=fmt)
+    m.add_argument("files", nargs="+", metavar="FILE")
+    m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
+    m.add_argument("--piece-size", type=int, default=8 << 20, metavar="BYTES", help="piece size (default 8 MiB)")
+    m.set_defaults(func=_manifest, inputs=lambda a: a.files)
+    try:
+        from .pack_cli import add_pack_commands
+    except ImportError:  # pragma: no cover - pack is part of the package
+        add_pack_commands = None
+    if add_pack_commands is not None:
+        add_pack_commands(sub)
     d = sub.add_parser("demo", help="export a small model and save it with ptdstream",
-                       description="Export a small transformer LM, save it with ptdstream and upstream, "
-                                   "and compare.", epilog=_EPILOG, formatter_class=fmt)
+                       description="Export a small transformer LM (tied embeddings, two methods, "
+                                   "XNNPACK, weights in a .ptd), stream-save it with ptdstream, verify byte "
+                                   "identity against ExecuTorch's serializer (streamed, not written), run it "
+                                   "with the ExecuTorch runtime and compare with eager PyTorch.", epilog=_EPILOG, formatter_class=fmt)
     d.add_argument("--out", default="./ptdstream-demo", metavar="DIR", help="output folder (default: %(default)s)")
     d.add_argument("--no-run", action="store_true", help="do not run the saved program")
+    d.set_defaults(func=_demo, inputs=lambda a: [])
     return parser
 
 
@@ -83,6 +109,8 @@ def _unreadable(e: OSError) -> str:
 def _verify(args) -> int:
     from .verify import check_structure, compare_files
 
+    if args.manifest is not None:
+        return _verify_manifest(args)
     if args.against is not None:
         if len(args.files) != 1:
             raise _UsageError(f"ptdstream verify: --against compares one FILE, got {len(args.files)} "
@@ -92,6 +120,35 @@ def _verify(args) -> int:
         report = check_structure(args.files[0], args.files[1:])
     print(report.to_json() if args.json else report.summary())
     return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def _verify_manifest(args) -> int:
+    import json
+
+    from .manifest import read_manifest, verify_manifest
+
+    if args.against is not None:
+        raise _UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")
+    manifest = read_manifest(args.manifest)
+    checks = [verify_manifest(path, manifest) for path in args.files]
+    if args.json:
+        print(json.dumps([c.to_json() for c in checks], indent=2))
+    else:
+        print("\n".join(("OK " if c.ok else "BAD ") + c.message for c in checks))
+    return EXIT_OK if all(c.ok for c in checks) else EXIT_INVALID
+
+
+def _manifest(args) -> int:
+    from .manifest import write_manifest
+
+    out = args.output or os.path.splitext(args.files[0])[0] + ".manifest"
+    if args.piece_size <= 0:
+        raise _UsageError("ptdstream manifest: --piece-size must be > 0")
+    manifest = write_manifest(args.files, out, args.piece_size)
+    pieces = sum(len(f.pieces) for f in manifest.files)
+    print(f"wrote {out}: {len(manifest.files)} file(s), {pieces} piece(s), "
+          f"{sum(len(f.keys) for f in manifest.files)} key(s)")
+    return EXIT_OK
 
 
 def _inspect(args) -> int:
@@ -151,13 +208,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_USAGE
     _quiet_third_party()
     try:
-        if args.command == "verify":
-            _check_inputs(args.files + ([args.against] if args.against else []))
-            return _verify(args)
-        if args.command == "inspect":
-            _check_inputs(args.files)
-            return _inspect(args)
-        return _demo(args)
+        inputs = getattr(args, "inputs", None)
+        if inputs is not None:
+            _check_inputs(inputs(args))
+        return int(args.func(args) or 0)
     except _UsageError as e:
         _err(str(e))
         return EXIT_USAGE

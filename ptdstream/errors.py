@@ -35,3 +35,10 @@ class IntegrityError(PtdstreamError):
 class StateError(PtdstreamError, RuntimeError):
     """A sink or writer method was called in the wrong state (for example
     ``write`` after ``commit``)."""
+
+
+class MissingKeyError(PtdstreamError, KeyError):
+    """A key or segment index that the packed artifact does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -20,6 +20,7 @@ appears unless all were written in full.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from .pte import PteOptions, plan_pte
 from .ptd import plan_ptd
 from .sink import DEFAULT_WINDOW_NBYTES, ChunkedFileSink, stale_temp_files
 from .sources import DEFAULT_CHUNK_NBYTES, BufferRing, Source, as_source
-from .store import DataEntry, StreamingNamedDataStore
+from .store import StreamingNamedDataStore
 from .writer import write_plan
 
 
@@ -70,6 +71,7 @@ class SaveReport:
     dedup_saved_nbytes: int
     plan_seconds: float
     options: PteOptions
+    manifest_path: Optional[str] = None
 
     def summary(self) -> str:
         lines = [f"{f.path}  {f.nbytes:,} bytes" for f in self.files]
@@ -203,6 +205,28 @@ def plan_manager(
     return SavePlan(tuple(files), options, store.dedup_saved_nbytes)
 
 
+@contextlib.contextmanager
+def _folder_locks(folders: List[str]):
+    """Hold an exclusive ``flock`` on each folder while a set of files is published.
+
+    Two ptdstream saves into one folder then publish their sets one after the
+    other, never interleaved (a .pte of one save beside a .ptd of the other). The
+    lock is on the folder itself: no lock file is left behind.
+    """
+    import fcntl
+
+    fds = []
+    try:
+        for folder in folders:
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
 def remove_stale_temp_files(target: str) -> List[str]:
     """Remove temp files of ``target`` left by killed processes; returns their paths.
 
@@ -246,8 +270,9 @@ def write_save_plan(
             reports.append(
                 FileReport(sink.target, fplan.kind, fplan.nbytes, fplan.payload_nbytes(), fps)
             )
-        for sink in sinks:
-            sink.publish()
+        with _folder_locks(sorted({os.path.dirname(s.target) for s in sinks})):
+            for sink in sinks:
+                sink.publish()
     except BaseException:
         for sink in sinks:
             sink.abort()
@@ -264,6 +289,7 @@ def save(
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
     window_nbytes: int = DEFAULT_WINDOW_NBYTES,
     progress: Any = False,
+    manifest: bool = False,
 ) -> SaveReport:
     """Save ``manager`` as ``path`` (.pte) and every ``<tag>.ptd`` beside it.
 
@@ -282,6 +308,9 @@ def save(
         window_nbytes: bytes between page-cache drops (64 MiB).
         progress: ``True`` for a tqdm bar on stderr, a callable taking the bytes
             of each piece, or ``False``.
+        manifest: also write ``<stem>.manifest`` beside the .pte
+            (:mod:`ptdstream.manifest`): piece digests, sections and key
+            fingerprints of every file written, read back from disk once.
 
     Returns:
         A :class:`SaveReport` (files, bytes, seconds, GB/s, dedup savings).
@@ -308,6 +337,12 @@ def save(
     finally:
         if bar is not None:
             bar.close()
+    manifest_path = None
+    if manifest:
+        from .manifest import write_manifest
+
+        manifest_path = os.path.splitext(os.fspath(path))[0] + ".manifest"
+        write_manifest([r.path for r in reports], manifest_path)
     seconds = time.perf_counter() - start
     nbytes = sum(r.nbytes for r in reports)
     return SaveReport(
@@ -318,6 +353,7 @@ def save(
         dedup_saved_nbytes=plan.dedup_saved_nbytes,
         plan_seconds=plan_seconds,
         options=plan.options,
+        manifest_path=manifest_path,
     )
 
 

@@ -104,8 +104,10 @@ class ChunkedFileSink:
         write_fn: ``os.write``-like function (tests inject short writes and faults).
 
     Raises:
-        OSError: the folder is not writable (nothing is created), or a write,
-            fsync or rename failed (the temp file is removed first).
+        IsADirectoryError: ``target`` is a folder (nothing is created).
+        OSError: the folder is missing or not writable (nothing is created; the
+            message names the target and its folder), or a write, fsync or
+            rename failed (the temp file is removed first).
         StateError: a method called in the wrong state.
     """
 
@@ -125,8 +127,27 @@ class ChunkedFileSink:
         self.nbytes = 0
         self._window_start = 0
         self._pending_start: Optional[int] = None
+        self._fd: Optional[int] = None
+        folder = os.path.dirname(self.target)
+        if os.path.isdir(self.target):
+            # Found now, not at the rename after every byte was written (and after
+            # the files published before this one were renamed).
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"cannot write {self.target}: it is a folder; remove it or choose "
+                "another path",
+                self.target,
+            )
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        self._fd: Optional[int] = os.open(self.temp_path, flags, 0o666)
+        try:
+            self._fd = os.open(self.temp_path, flags, 0o666)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot create a temp file for {self.target} in folder {folder} "
+                f"({os.strerror(e.errno or 0)}); the folder must exist and be writable",
+                self.temp_path,
+            ) from e
         self.state = SinkState.OPEN
 
     def _expect(self, *states: SinkState) -> None:
@@ -146,6 +167,8 @@ class ChunkedFileSink:
         while done < total:
             try:
                 n = self._write(self._fd, view[done:])
+            except InterruptedError:
+                continue  # EINTR: nothing was written; retry, as io does (PEP 475)
             except OSError as e:
                 raise OSError(
                     e.errno,
@@ -194,7 +217,11 @@ class ChunkedFileSink:
         try:
             os.fsync(self._fd)
         except OSError as e:
-            raise OSError(e.errno, f"fsync of {self.temp_path} failed: {os.strerror(e.errno or 0)}") from e
+            raise OSError(
+                e.errno,
+                f"fsync of {self.temp_path} (for {self.target}) failed: "
+                f"{os.strerror(e.errno or 0)}",
+            ) from e
         if self.drop_pages:
             _fadvise_dontneed(self._fd, 0, 0)
         os.close(self._fd)

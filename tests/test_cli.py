@@ -107,8 +107,8 @@ def test_permission_error_from_the_reader_exits_2(tmp_path, capsys, monkeypatch)
     (["verify"], "ptdstream verify: the following arguments are required: FILE (see ptdstream verify --help)"),
     (["verify", "a", "b", "--against", "c"],
      "ptdstream verify: --against compares one FILE, got 2 (see ptdstream verify --help)"),
-    (["bogus"], "ptdstream: argument {verify,inspect,demo}: invalid choice: 'bogus' (choose from 'verify', "
-                "'inspect', 'demo') (see ptdstream --help)"),
+    (["bogus"], "ptdstream: argument COMMAND: invalid choice: 'bogus' (choose from 'verify', "
+                "'inspect', 'manifest', 'pack', 'unpack', 'extract', 'demo') (see ptdstream --help)"),
     (["inspect", "--frobnicate", "x"], "ptdstream: unrecognized arguments: --frobnicate (see ptdstream --help)"),
 ])
 def test_usage_errors_exit_2(capsys, argv, message):
