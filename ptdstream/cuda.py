@@ -3,11 +3,13 @@
 Imported lazily (by :func:`ptdstream.sources.as_source` when it meets a CUDA
 tensor): everything else imports and runs without CUDA.
 
-This is the basic path: each piece is copied on a dedicated stream into the
-next pinned buffer of a ring that is allocated once per (device, chunk size)
-and reused by every source; the copy of piece ``i + 1`` is queued before piece
-``i`` is handed to the writer, so copies overlap file writes. The fingerprint
-of a CUDA source is computed on the host as its pieces stream through.
+Each piece is copied on a dedicated stream into the next pinned buffer of a
+ring allocated once per (device, chunk size) and reused by every source; the
+copies of the next ``count - 2`` pieces are queued before a piece is handed on,
+so device-to-host copies overlap hashing and the writer thread's file writes
+(:func:`ptdstream.writer.write_plan`). Dedup between CUDA sources happens on the
+device (:mod:`ptdstream.cuda_fingerprint`, then ``torch.equal``): a storage
+added again, under the same or another key, costs no host copy and no write.
 """
 
 from __future__ import annotations
@@ -61,16 +63,48 @@ class CudaTensorSource(Source):
         IntegrityError: at write time, when the storage was freed or resized.
     """
 
-    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4) -> None:
+    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4) -> None:  # noqa: D107
         if not tensor.is_contiguous():
             raise LayoutError(
                 f"{label}: CUDA tensor with shape {tuple(tensor.shape)} is not contiguous; "
                 "call .contiguous() on it before adding it"
             )
+        if ring_count < 3:
+            raise LayoutError(f"{label}: ring_count must be >= 3, got {ring_count}")
         self._tensor = tensor.detach()
         self._label = label
         self._ring_count = ring_count
         self.nbytes = tensor.numel() * tensor.element_size()
+        self._gpu_fingerprint = None
+
+    def gpu_fingerprint(self):
+        """This tensor's :func:`~ptdstream.cuda_fingerprint.gpu_fingerprint` (cached)."""
+        if self._gpu_fingerprint is None:
+            from .cuda_fingerprint import gpu_fingerprint
+
+            self._gpu_fingerprint = gpu_fingerprint(self._flat())
+        return self._gpu_fingerprint
+
+    def same_content(self, other: Source):
+        """Compare with another CUDA source on the device, without any host copy.
+
+        The same storage range is equal at once; otherwise the GPU fingerprints
+        are compared and, when they match and both tensors are on one device,
+        equality is confirmed exactly with ``torch.equal``. ``None`` (let the
+        caller digest on the host) when ``other`` is not a CUDA source.
+        """
+        import torch
+
+        if not isinstance(other, CudaTensorSource):
+            return None
+        a, b = self._flat(), other._flat()
+        if a.device == b.device and a.data_ptr() == b.data_ptr() and a.numel() == b.numel():
+            return True
+        if a.numel() != b.numel() or self.gpu_fingerprint() != other.gpu_fingerprint():
+            return False
+        if a.device == b.device:
+            return bool(torch.equal(a, b))
+        return True
 
     def describe(self) -> str:
         t = self._tensor
@@ -112,7 +146,9 @@ class CudaTensorSource(Source):
                 pinned.buffers[slot][:n].copy_(flat[starts[i] : starts[i] + n], non_blocking=True)
                 pinned.events[slot].record(pinned.stream)
 
-        ahead = min(count - 1, len(starts))
+        # Two slots stay out of the copy queue: the piece the consumer holds and
+        # the one a writer thread may still be writing (writer.write_plan).
+        ahead = min(count - 2, len(starts))
         for i in range(ahead):
             enqueue(i)
         for i in range(len(starts)):

@@ -86,6 +86,11 @@ class Source(ABC):
             IntegrityError: the source no longer holds :attr:`nbytes` bytes.
         """
 
+    def same_content(self, other: "Source") -> Optional[bool]:
+        """Decide equality with ``other`` without the host digest, when this kind of
+        source can (CUDA sources compare on the device); ``None`` if it cannot."""
+        return None
+
     def __len__(self) -> int:
         return self.nbytes
 

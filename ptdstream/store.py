@@ -75,6 +75,8 @@ class StreamingNamedDataStore:
         self._key_to_buffer: Dict[str, int] = {}
         #: Bytes not stored because an equal buffer was already there.
         self.dedup_saved_nbytes = 0
+        # Digest of the source being added, computed at most once per add.
+        self._pending: Dict[Source, Fingerprint] = {}
 
     def _buffer_fingerprint(self, index: int) -> Fingerprint:
         fp = self._fingerprints.get(index)
@@ -82,6 +84,26 @@ class StreamingNamedDataStore:
             fp = fingerprint(self.buffers[index], self._ring)
             self._fingerprints[index] = fp
         return fp
+
+    def _equal(self, index: int, source: Source) -> bool:
+        """Whether buffer ``index`` holds the same bytes as ``source``.
+
+        Identity first; then the sizes; then the sources' own comparison (CUDA
+        sources: GPU fingerprints, confirmed exactly on the device); else the
+        xxh3-128 digests, each source read at most once for it.
+        """
+        old = self.buffers[index]
+        if old is source:
+            return True
+        if old.nbytes != source.nbytes:
+            return False
+        same = source.same_content(old)
+        if same is not None:
+            return same
+        fp = self._pending.get(source)
+        if fp is None:
+            fp = self._pending[source] = fingerprint(source, self._ring)
+        return fp == self._buffer_fingerprint(index)
 
     def add_named_data(
         self,
@@ -138,11 +160,9 @@ class StreamingNamedDataStore:
         existing = self._key_to_buffer.get(key)
         if existing is not None:
             old = self.buffers[existing]
-            if old is source:
-                return
-            if source.nbytes != old.nbytes or (
-                fingerprint(source, self._ring) != self._buffer_fingerprint(existing)
-            ):
+            equal = self._equal(existing, source)
+            self._pending.clear()
+            if not equal:
                 raise ValueError(
                     f"Duplicate key {key} with different data. "
                     f"Existing data size: {old.nbytes} bytes. "
@@ -153,10 +173,8 @@ class StreamingNamedDataStore:
         ckey = candidate_key(source)
         candidates = self._candidates.get(ckey)
         if candidates is not None:
-            same = [c for c in candidates if self.buffers[c] is source]
-            new_fp = None if same else fingerprint(source, self._ring)
-            for candidate in same or candidates:
-                if same or new_fp == self._buffer_fingerprint(candidate):
+            for candidate in candidates:
+                if self._equal(candidate, source):
                     index = candidate
                     self.dedup_saved_nbytes += source.nbytes
                     break
@@ -165,8 +183,9 @@ class StreamingNamedDataStore:
             self.buffers.append(source)
             self._candidates.setdefault(ckey, []).append(index)
             self._candidate_of[index] = ckey
-            if candidates is not None and new_fp is not None:
-                self._fingerprints[index] = new_fp
+            if source in self._pending:
+                self._fingerprints[index] = self._pending.pop(source)
+        self._pending.clear()
         target[key] = DataEntry(index, alignment, tensor_layout)
         self._key_to_buffer[key] = index
 

@@ -10,6 +10,7 @@ nothing is published.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, Optional
 
 from .errors import IntegrityError
@@ -20,12 +21,85 @@ from .sources import BufferRing
 #: ``progress(nbytes)`` is called after each piece with the bytes just written.
 ProgressFn = Callable[[int], None]
 
+#: Pieces at least this large go to the writer thread; smaller writes are made
+#: inline (after the thread's pending write), where a hand-off would cost more.
+THREAD_MIN_NBYTES = 256 << 10
+
+
+class _WriterThread:
+    """One background thread writing one piece at a time into the sink.
+
+    ``write(piece)`` waits until the previous piece is written, then hands this one
+    over and returns, so reading and hashing the next piece overlap this write
+    (``os.write`` releases the GIL). At most one piece is in the thread: sources
+    that reuse buffers keep one slot for it (see ``cuda.CudaTensorSource``). An
+    error in the thread is raised by the next ``write`` or by ``close``.
+    """
+
+    def __init__(self, sink) -> None:
+        self._sink = sink
+        self._idle = threading.Semaphore(1)
+        self._ready = threading.Semaphore(0)
+        self._piece = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="ptdstream-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._ready.acquire()
+            piece = self._piece
+            if piece is None:
+                return
+            try:
+                if self._error is None:
+                    self._sink.write(piece)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._error = e
+            finally:
+                self._piece = None
+                self._idle.release()
+
+    def _wait_idle(self) -> None:
+        self._idle.acquire()
+        if self._error is not None:
+            self._idle.release()
+            raise self._error
+
+    def write(self, piece) -> None:
+        self._wait_idle()
+        if len(piece) < THREAD_MIN_NBYTES:
+            try:
+                self._sink.write(piece)
+            finally:
+                self._idle.release()
+            return
+        self._piece = piece
+        self._ready.release()
+
+    def write_zeros(self, nbytes: int) -> None:
+        self._wait_idle()
+        try:
+            self._sink.write_zeros(nbytes)
+        finally:
+            self._idle.release()
+
+    def close(self) -> None:
+        """Wait for the last piece, stop the thread, raise its error if any."""
+        self._idle.acquire()
+        self._piece = None
+        self._ready.release()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
 
 def write_plan(
     plan: FilePlan,
     sink,
     ring: BufferRing,
     progress: Optional[ProgressFn] = None,
+    threaded: bool = True,
 ) -> Dict[str, Fingerprint]:
     """Write every extent of ``plan`` to ``sink`` in order.
 
@@ -34,7 +108,9 @@ def write_plan(
         sink: an open :class:`~ptdstream.sink.ChunkedFileSink` (or any object with
             ``write(bytes_like)`` and ``write_zeros(n)``).
         ring: reused buffers for file sources.
-        progress: called with the bytes of each piece written.
+        progress: called with the bytes of each piece handed to the sink.
+        threaded: write large pieces from a background thread, overlapping
+            reading and hashing with the file writes (one piece in flight).
 
     Returns:
         ``{section label: Fingerprint}`` for every payload extent.
@@ -43,6 +119,22 @@ def write_plan(
         IntegrityError: a source's size, prefix or digest differs from the plan.
         OSError: from the sink.
     """
+    if threaded:
+        writer = _WriterThread(sink)
+        try:
+            result = _write_extents(plan, writer, ring, progress)
+        except BaseException:
+            try:
+                writer.close()
+            except BaseException:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+        writer.close()
+        return result
+    return _write_extents(plan, sink, ring, progress)
+
+
+def _write_extents(plan, sink, ring, progress) -> Dict[str, Fingerprint]:
     fingerprints: Dict[str, Fingerprint] = {}
     offset = 0
     for extent in plan.extents:

@@ -63,3 +63,55 @@ def test_ptd_from_cuda_equals_ptd_from_cpu(tmp_path):
         outs.append((folder / "aoti_cuda_blob.ptd").read_bytes())
         assert os.listdir(folder) == ["aoti_cuda_blob.ptd"]
     assert outs[0] == outs[1]
+
+
+def test_gpu_fingerprint_separates_and_matches():
+    from ptdstream.cuda_fingerprint import ROW_NBYTES, gpu_fingerprint
+
+    torch.manual_seed(0)
+    for n in (0, 1, 31, ROW_NBYTES, ROW_NBYTES * 17 + 5, (3 << 20) + 7):
+        a = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+        assert gpu_fingerprint(a) == gpu_fingerprint(a.clone())
+        if n:
+            b = a.clone()
+            b[n // 2] ^= 1
+            assert gpu_fingerprint(a) != gpu_fingerprint(b)
+            c = a.clone()
+            c[-1] ^= 0x80  # the top bit of the last byte
+            assert gpu_fingerprint(a) != gpu_fingerprint(c)
+    # Two flipped top bits that cancel in a plain sum mod 2^64 still differ.
+    x = torch.zeros(8 * 1024, dtype=torch.uint8, device="cuda")
+    y = x.clone()
+    y.view(torch.int64)[3] = -(1 << 63)
+    y.view(torch.int64)[9] = -(1 << 63)
+    assert gpu_fingerprint(x) != gpu_fingerprint(y)
+
+
+def test_collector_pattern_dedups_on_the_device_without_host_copies(tmp_path, monkeypatch):
+    from ptdstream import cuda as cuda_mod
+
+    torch.manual_seed(0)
+    weights = {f"layers.{i}.weight": torch.randn(512, 256, device="cuda").to(torch.bfloat16) for i in range(3)}
+    store = StreamingNamedDataStore()
+    copies = []
+    original = cuda_mod.CudaTensorSource.pieces
+
+    def counting(self, ring):
+        for piece in original(self, ring):
+            copies.append(len(piece))
+            yield piece
+
+    monkeypatch.setattr(cuda_mod.CudaTensorSource, "pieces", counting)
+    for method in ("forward", "prefill", "decode"):
+        for key, t in weights.items():
+            # Later methods pass other tensor objects over the same storage, and
+            # an equal copy in another storage under a new key.
+            store.add_named_data(key, t.view(t.shape), external_tag="aoti_cuda_blob")
+        store.add_named_data(f"{method}.copy", weights["layers.0.weight"].clone(), external_tag="aoti_cuda_blob")
+    assert len(store.buffers) == 3 and copies == [], "dedup happened on the device"
+    assert store.dedup_saved_nbytes == 3 * 512 * 256 * 2
+    other = torch.randn(512, 256, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^Duplicate key layers.1.weight with different data\."):
+        store.add_named_data("layers.1.weight", other, external_tag="aoti_cuda_blob")
+    write_data_files(store, str(tmp_path))
+    assert sum(copies) == 3 * 512 * 256 * 2, "each storage copied to the host once, at the write"
