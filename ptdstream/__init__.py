@@ -10,6 +10,7 @@ Three ways in:
   :func:`plan_ptd`, :class:`ChunkedFileSink` and :func:`write_plan`.
 """
 
+from . import patch
 from .errors import FormatError, IntegrityError, LayoutError, PtdstreamError, StateError
 from .fingerprint import Fingerprint
 from .plan import FilePlan

@@ -21,7 +21,7 @@ _EPILOG = """\
 examples:
   ptdstream verify out/model.pte --against ref/model.pte     byte identity with a reference
   ptdstream verify model.pte model.ptd                        structure of a program and its data
-  ptdstream verify model.pte --json                           same, as JSON
+  ptdstream verify model.pte model.ptd --json                 same, as JSON
   ptdstream inspect model.pte model.ptd                       sections, keys, sizes, duplicates
   ptdstream manifest model.pte model.ptd                      write model.manifest (piece digests)
   ptdstream verify model.pte model.ptd --manifest model.manifest   check copies at disk speed
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ptdstream", description="Verify, inspect, checksum and pack ExecuTorch "
                      ".pte/.ptd artifacts written by ptdstream or by ExecuTorch itself.",
                      epilog=_EPILOG, formatter_class=fmt)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"ptdstream {__version__} (byte identity "
+                        "checked against executorch 1.5.1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     v = sub.add_parser(
         "verify", help="compare with a reference, or check the structure of a .pte and its .ptd files",
@@ -167,9 +171,19 @@ def _demo(args) -> int:
 
 
 def _check_inputs(paths: Sequence[str]) -> None:
+    """Refuse, before opening anything, inputs that are not regular files: a
+    folder, a FIFO (opening it would block) or a device (it may never end)."""
+    import stat
+
     for path in paths:
-        if os.path.isdir(path):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            continue  # reported by the command itself, after its usage checks
+        if stat.S_ISDIR(mode):
             raise IsADirectoryError(21, "is a directory", path)
+        if not stat.S_ISREG(mode):
+            raise OSError(22, "not a regular file", path)
 
 
 def _quiet_third_party() -> None:
@@ -195,6 +209,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         The exit code: 0 ok, 1 mismatch or invalid file, 2 usage error or
         unreadable input. Never raises for user errors; ``--help`` returns 0.
     """
+    for stream in (sys.stdout, sys.stderr):
+        try:  # file names need not be UTF-8: print them escaped, never fail on them
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError):
+            pass
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

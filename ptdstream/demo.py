@@ -343,6 +343,16 @@ def main(args: argparse.Namespace, stream: Optional[TextIO] = None) -> int:
     unless ``no_run``, the runtime's outputs match eager PyTorch; 1 otherwise.
     """
     stream = stream if stream is not None else sys.stdout
+    try:  # before minutes of export, not after
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise PermissionError(13, "folder is not writable", args.out)
+    except (FileExistsError, NotADirectoryError):
+        print(f"ptdstream demo: --out {args.out} exists and is not a folder", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"ptdstream demo: cannot create the output folder {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
     result = run_demo(args.out, no_run=args.no_run)
     print(format_summary(result), file=stream)
     return result.exit_code

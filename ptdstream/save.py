@@ -98,19 +98,24 @@ class SavePlan:
 def ptd_file_name(tag: str) -> str:
     """``<tag>.ptd`` (upstream appends ``.ptd`` unless the tag ends with it).
 
+    Any tag upstream writes inside the output folder is accepted (``""`` gives
+    ``.ptd``, ``".."`` gives ``...ptd``).
+
     Raises:
-        LayoutError: a tag that is empty, holds a path separator or NUL, or is
-            ``.``/``..``: it could name a file outside the output folder.
+        LayoutError: a tag whose file name would hold a path separator or NUL,
+            or be absolute: it would name a file outside the output folder (or
+            none at all).
     """
-    if not isinstance(tag, str) or not tag or tag in (".", ".."):
-        raise LayoutError(f"external tag {tag!r} cannot name a data file")
-    bad = [c for c in ("/", "\\", "\0") if c in tag]
-    if bad or os.path.isabs(tag):
+    if not isinstance(tag, str):
+        raise LayoutError(f"external tag {tag!r} is not a str")
+    name = tag if tag.endswith(".ptd") else tag + ".ptd"
+    bad = [c for c in ("/", os.sep, os.altsep, "\0") if c and c in name]
+    if bad or os.path.isabs(name) or name in (".", ".."):
         raise LayoutError(
             f"external tag {tag!r} holds {bad[0] if bad else 'an absolute path'!r}: "
             "a tag names a file in the output folder and may not leave it"
         )
-    return tag if tag.endswith(".ptd") else tag + ".ptd"
+    return name
 
 
 def plan_manager_pte(parts: dict, options: PteOptions, name: str) -> FilePlan:
@@ -227,6 +232,52 @@ def _folder_locks(folders: List[str]):
             os.close(fd)
 
 
+def _publish_set(sinks: List[ChunkedFileSink]) -> None:
+    """Rename every synced temp file over its target, all or none.
+
+    Each existing target is first hard-linked to a backup name; if a rename
+    fails, the files already renamed are put back (or removed, where there was
+    none) before the error is raised, so the previous set stays whole. The
+    backups are removed once every file is published. A process killed between
+    two renames can still leave a mixed set (see README, Known limits); its
+    backups are recognisable and removed by the next save.
+    """
+    from .sink import temp_name_for
+
+    backups: List[Tuple[str, Optional[str]]] = []
+    done: List[Tuple[str, Optional[str]]] = []
+    try:
+        for sink in sinks:
+            backup = None
+            if os.path.isfile(sink.target) and not os.path.islink(sink.target):
+                backup = temp_name_for(sink.target, "bak")
+                try:
+                    os.link(sink.target, backup, follow_symlinks=False)
+                except OSError:
+                    backup = None  # no hard links here: publish without a way back
+            backups.append((sink.target, backup))
+        for sink, entry in zip(sinks, backups):
+            sink.publish()
+            done.append(entry)
+    except BaseException:
+        for target, backup in reversed(done):
+            try:
+                if backup is not None:
+                    os.replace(backup, target)
+                else:
+                    os.unlink(target)
+            except OSError:
+                pass
+        raise
+    finally:
+        for _, backup in backups:
+            if backup is not None:
+                try:
+                    os.unlink(backup)
+                except FileNotFoundError:
+                    pass
+
+
 def remove_stale_temp_files(target: str) -> List[str]:
     """Remove temp files of ``target`` left by killed processes; returns their paths.
 
@@ -271,8 +322,7 @@ def write_save_plan(
                 FileReport(sink.target, fplan.kind, fplan.nbytes, fplan.payload_nbytes(), fps)
             )
         with _folder_locks(sorted({os.path.dirname(s.target) for s in sinks})):
-            for sink in sinks:
-                sink.publish()
+            _publish_set(sinks)
     except BaseException:
         for sink in sinks:
             sink.abort()
@@ -328,7 +378,7 @@ def save(
     if progress is True:
         from tqdm import tqdm
 
-        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=f"saving {os.path.basename(path)}")
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc=f"saving {len(plan.files)} file(s) of {os.path.basename(path)}")
         callback = bar.update
     try:
         reports = write_save_plan(

@@ -66,17 +66,42 @@ class SinkState(enum.Enum):
     ABORTED = "aborted"
 
 
-def temp_name_for(target: str) -> str:
-    """A fresh temp path beside ``target`` (same folder, so rename is atomic)."""
+#: Longest file-name stem kept in temp names; longer names are cut and hashed so
+#: that ``.<stem>.ptdstream-<pid>-<hex>.tmp`` stays under NAME_MAX (255 bytes).
+_STEM_MAX = 160
+
+
+def _stem(name: str) -> str:
+    if len(os.fsencode(name)) <= _STEM_MAX:
+        return name
+    import hashlib
+
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    cut = os.fsdecode(os.fsencode(name)[: _STEM_MAX - 17])
+    return f"{cut}~{digest}"
+
+
+def temp_name_for(target: str, suffix: str = "tmp") -> str:
+    """A fresh temp path beside ``target`` (same folder, so rename is atomic).
+
+    ``.<name>.ptdstream-<pid>-<8 hex>.<suffix>``, the name cut and hashed when
+    long; ``suffix`` is ``tmp`` for data being written, ``bak`` for the previous
+    file kept while a set is published.
+    """
     folder, name = os.path.split(os.path.abspath(target))
-    return os.path.join(folder, f".{name}.ptdstream-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    return os.path.join(
+        folder, f".{_stem(name)}.ptdstream-{os.getpid()}-{secrets.token_hex(4)}.{suffix}"
+    )
 
 
 def stale_temp_files(target: str) -> List[str]:
-    """Temp files of ``target`` left by processes that no longer run."""
+    """Temp and backup files of ``target`` left by processes that no longer run."""
     folder, name = os.path.split(os.path.abspath(target))
     stale = []
-    for path in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}.ptdstream-*.tmp")):
+    pattern = os.path.join(glob.escape(folder), f".{glob.escape(_stem(name))}.ptdstream-*")
+    for path in sorted(glob.glob(pattern)):
+        if not path.endswith((".tmp", ".bak")):
+            continue
         try:
             pid = int(os.path.basename(path).rsplit(".ptdstream-", 1)[1].split("-")[0])
         except (IndexError, ValueError):

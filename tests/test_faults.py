@@ -531,12 +531,6 @@ class FailingPublish(ChunkedFileSink):
         super().publish()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="write_save_plan publishes the .ptd files before the .pte; when the .pte's "
-    "rename then fails, the new .ptd stays published beside the old .pte (reported "
-    "to the lead: publish needs a rollback of the files already renamed)",
-)
 def test_failed_publish_of_the_pte_leaves_the_previous_set(previous, manager):
     folder, before = previous
     FailingPublish.failed = 0

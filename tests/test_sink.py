@@ -122,3 +122,12 @@ def test_pages_are_dropped_after_sync(tmp_path):
             sink.write(b"\x01" * (4 << 20))
     assert resident_nbytes(str(plain)) > 32 << 20, "a plain write stays cached"
     assert resident_nbytes(str(target)) <= 8 << 20, "ptdstream's output does not"
+
+
+def test_temp_names_of_long_targets_stay_under_name_max(tmp_path):
+    target = tmp_path / ("p" * 250 + ".pte")
+    with ChunkedFileSink(str(target)) as sink:
+        assert len(os.path.basename(sink.temp_path)) < 255
+        sink.write(b"data")
+    assert target.read_bytes() == b"data"
+    assert os.listdir(tmp_path) == [target.name]
