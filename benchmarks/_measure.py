@@ -20,9 +20,6 @@ vector (one byte per 4 KiB page).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
 import os
 import pickle
 import subprocess
@@ -35,18 +32,6 @@ MiB = 1 << 20
 PIECE_NBYTES = 8 * MiB
 PAGE_NBYTES = os.sysconf("SC_PAGE_SIZE")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.restype = ctypes.c_int
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-# mincore reports residency in bit 0 of each byte; the other bits are reserved.
-_LSB = bytes(i & 1 for i in range(256))
 
 
 # ---------------------------------------------------------------- memory
@@ -124,28 +109,9 @@ class RssMonitor:
 
 
 def _resident_mincore(path: str) -> int:
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap of {path}: {os.strerror(err)}")
-        try:
-            npages = (size + PAGE_NBYTES - 1) // PAGE_NBYTES
-            vec = (ctypes.c_ubyte * npages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"mincore of {path}: {os.strerror(err)}")
-            resident_pages = bytes(vec).translate(_LSB).count(1)
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    # The last page may be partial: never report more than the file holds.
-    return min(size, resident_pages * PAGE_NBYTES)
+    from ptdstream.pagecache import resident_nbytes as _mincore
+
+    return _mincore(path)
 
 
 def _resident_fincore(path: str) -> int:

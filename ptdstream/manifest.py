@@ -21,6 +21,7 @@ import flatbuffers
 import xxhash
 
 from .errors import FormatError
+from .pagecache import drop_pages
 from .sink import ChunkedFileSink
 
 ALGORITHM = "xxh3-128"
@@ -95,20 +96,13 @@ def describe_file(path: str, piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> FileMa
                 if lo < hi:
                     h.update(piece[lo - offset : hi - offset])
             offset += n
-            _drop(f.fileno(), offset - n, n)
+            drop_pages(f.fileno(), offset - n, n)
     if offset != size:
         raise OSError(f"{path}: read {offset} bytes, expected {size}")
     keys = tuple(
         (key, end - start, h.digest()) for h, (key, start, end) in zip(key_hashes, key_ranges)
     )
     return FileManifest(os.path.basename(path), kind, size, piece_nbytes, tuple(pieces), sections, keys)
-
-
-def _drop(fd: int, offset: int, nbytes: int) -> None:
-    try:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):
-        pass
 
 
 def to_bytes(manifest: Manifest) -> bytes:

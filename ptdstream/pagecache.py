@@ -1,4 +1,4 @@
-"""How much of a file sits in the page cache (``mincore``), for tests and benchmarks."""
+"""The page cache: dropping a file's pages, and measuring how much of it is resident."""
 
 from __future__ import annotations
 
@@ -41,3 +41,14 @@ def resident_nbytes(path: str) -> int:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
+
+
+def drop_pages(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to drop ``[offset, offset + nbytes)`` of ``fd`` from the page
+    cache (``POSIX_FADV_DONTNEED``; ``nbytes == 0`` means to the end). Clean pages
+    go at once; dirty ones only after writeback. Errors are ignored: it is advice."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass

@@ -32,6 +32,7 @@ import secrets
 from typing import Callable, List, Optional
 
 from .errors import StateError
+from .pagecache import drop_pages
 
 #: Default page-drop window: 64 MiB.
 DEFAULT_WINDOW_NBYTES = 64 << 20
@@ -244,7 +245,7 @@ class ChunkedFileSink:
                     | _SYNC_FILE_RANGE_WRITE
                     | _SYNC_FILE_RANGE_WAIT_AFTER,
                 )
-                _fadvise_dontneed(self._fd, old_start, old_end - old_start)
+                drop_pages(self._fd, old_start, old_end - old_start)
         self._window_start = end
 
     def sync(self) -> None:
@@ -259,7 +260,7 @@ class ChunkedFileSink:
                 f"{os.strerror(e.errno or 0)}",
             ) from e
         if self.drop_pages:
-            _fadvise_dontneed(self._fd, 0, 0)
+            drop_pages(self._fd, 0, 0)
         os.close(self._fd)
         self._fd = None
         self.state = SinkState.SYNCED
@@ -307,14 +308,6 @@ class ChunkedFileSink:
         except BaseException:
             self.abort()
             raise
-
-
-def _fadvise_dontneed(fd: int, offset: int, nbytes: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
 
 
 def fsync_dir(folder: str) -> None:

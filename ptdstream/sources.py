@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from typing import Iterator, List, Optional
 
 from .errors import IntegrityError, LayoutError
+from .pagecache import drop_pages
 
 #: Default piece size: 8 MiB.
 DEFAULT_CHUNK_NBYTES = 8 << 20
@@ -180,18 +181,10 @@ class FileRangeSource(Source):
                         )
                     got += n
                 yield buf[:want]
-                _drop_file_pages(fd, self.offset + done, want)
+                drop_pages(fd, self.offset + done, want)
                 done += want
         finally:
             os.close(fd)
-
-
-def _drop_file_pages(fd: int, offset: int, nbytes: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
 
 
 class TensorSource(Source):

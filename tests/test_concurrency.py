@@ -19,9 +19,7 @@ import os
 import pickle
 import random
 import select
-import signal
 import time
-import traceback
 
 import pytest
 import torch
@@ -31,6 +29,7 @@ import ptdstream
 from ptdstream import ChunkedFileSink
 from ptdstream.save import plan_manager, write_save_plan
 
+from _procs import fork, wait_status
 from conftest import Mlp, export, reference_files
 
 PTD = "_default_external_constant.ptd"
@@ -103,64 +102,9 @@ def jittered_save(manager, path: str, barrier_dir: str) -> None:
     write_save_plan(plan_manager(manager, path), sink_factory=JitteredPublish)
 
 
-def fork(fn) -> int:
-    """Run ``fn()`` in a forked child; it exits 0 when ``fn`` returns, 1 when it raises."""
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        code = 1
-        try:
-            fn()
-            code = 0
-        except BaseException:  # noqa: BLE001 - the parent checks the exit code
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
 def wait(pid: int, timeout_s: float = 60.0) -> int:
     """The child's exit code; kills it and fails after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.002)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"child {pid} still running after {timeout_s} s")
-
-
-@pytest.fixture(scope="module")
-def race_rounds(managers, versions, tmp_path_factory):
-    """Run the rounds once; each round's ``(how, exit codes, {file: version}, leftovers)``."""
-    folder = tmp_path_factory.mktemp("race")
-    path = str(folder / PTE)
-    rounds = []
-    for i in range(ROUNDS):
-        how = "save" if i % 2 == 0 else "jittered publish"
-        barrier_dir = tmp_path_factory.mktemp(f"barrier{i}")
-        r, w = os.pipe()
-
-        def racer(name):
-            def run():
-                os.close(w)
-                os.read(r, 1)  # both start when the parent writes
-                if how == "save":
-                    ptdstream.save(managers[name], path)
-                else:
-                    jittered_save(managers[name], path, str(barrier_dir))
-            return run
-
-        pids = [fork(racer(name)) for name in ("A", "B")]
-        os.close(r)
-        os.write(w, b"go")
-        os.close(w)
-        codes = [wait(pid) for pid in pids]
-        files = {t: version_of(str(folder / t), versions) for t in TARGETS}
-        leftovers = sorted(set(os.listdir(folder)) - set(TARGETS))
-        rounds.append((how, codes, files, leftovers))
-    return rounds
+    return os.waitstatus_to_exitcode(wait_status(pid, timeout_s))
 
 
 def test_concurrent_saves_each_file_is_one_saves_complete_file(race_rounds, capsys):

@@ -18,7 +18,6 @@ import random
 import re
 import signal
 import time
-import traceback
 
 import pytest
 import torch
@@ -27,6 +26,8 @@ from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
 from ptdstream.sink import stale_temp_files
+
+from _procs import fork, wait_status
 
 from conftest import export
 
@@ -89,30 +90,12 @@ def observe(folder: str):
 
 
 def start_save(manager, path: str) -> int:
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        code = 1
-        try:
-            ptdstream.save(manager, path)
-            code = 0
-        except BaseException:  # noqa: BLE001 - the parent checks the exit code
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
+    return fork(lambda: ptdstream.save(manager, path))
 
 
 def wait(pid: int, timeout_s: float = 60.0) -> int:
     """The child's wait status (it is reaped, so its pid counts as dead)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        time.sleep(0.005)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"save in child {pid} still running after {timeout_s} s")
+    return wait_status(pid, timeout_s)
 
 
 def full_save(manager, path: str) -> float:

@@ -115,3 +115,15 @@ def test_collector_pattern_dedups_on_the_device_without_host_copies(tmp_path, mo
         store.add_named_data("layers.1.weight", other, external_tag="aoti_cuda_blob")
     write_data_files(store, str(tmp_path))
     assert sum(copies) == 3 * 512 * 256 * 2, "each storage copied to the host once, at the write"
+
+
+def test_freed_cuda_storage_is_an_error_naming_the_key(tmp_path):
+    from ptdstream.errors import IntegrityError
+
+    t = torch.randn(256, 256, device="cuda")
+    store = StreamingNamedDataStore()
+    store.add_named_data("decoder.weight", t, external_tag="aoti_cuda_blob")
+    t.untyped_storage().resize_(0)
+    with pytest.raises(IntegrityError, match=r"key 'decoder.weight'.*freed or resized"):
+        write_data_files(store, str(tmp_path))
+    assert os.listdir(tmp_path) == []
