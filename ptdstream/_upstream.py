@@ -116,8 +116,98 @@ class _BoundedBytes(bytes):
         return super().__getitem__(key)
 
 
+class _ObjectBudget:
+    """Counts the tables executorch's generated object API unpacks, and raises
+    once a program flatbuffer of ``nbytes`` bytes would need more of them than it
+    can hold without shared offsets (each table takes at least 4 bytes)."""
+
+    active = None  # the budget of the parse in progress (parses are not concurrent)
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes // 4 + 1024
+        self.nbytes = nbytes
+
+    def spend(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ValueError(
+                f"the program flatbuffer ({self.nbytes} bytes) unpacks into more objects "
+                "than it could hold: shared offsets (a crafted file?)"
+            )
+
+
+_BUDGET_INSTALLED = False
+
+
+def _install_object_budget() -> None:
+    """Wrap every generated ``*T.InitFromBuf``/``InitFromObj`` with a budget check."""
+    global _BUDGET_INSTALLED
+    if _BUDGET_INSTALLED:
+        return
+    import importlib
+    import pkgutil
+
+    from executorch.exir._serialize.generated import executorch_flatbuffer as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        cls = getattr(module, f"{info.name}T", None)
+        if cls is None:
+            continue
+        for name in ("InitFromBuf", "InitFromObj"):
+            original = getattr(cls, name, None)
+            if original is None:
+                continue
+
+            def counted(*args, _original=original):
+                if _ObjectBudget.active is not None:
+                    _ObjectBudget.active.spend()
+                return _original(*args)
+
+            setattr(cls, name, classmethod(lambda c, *a, _f=counted: _f(*a)))
+    _BUDGET_INSTALLED = True
+
+
+def _vector_elements(obj, budget: _ObjectBudget, depth: int = 0) -> None:
+    """Spend one unit per element of every list/array in an unpacked tree, so a
+    scalar vector shared by many tables cannot expand without bound either."""
+    if depth > 64:
+        raise ValueError("the program flatbuffer nests deeper than 64 levels")
+    for value in vars(obj).values():
+        if isinstance(value, (bytes, bytearray, str)) or value is None:
+            continue
+        if hasattr(value, "__len__") and not hasattr(value, "__dict__"):
+            budget.spend(len(value))
+            for item in value if isinstance(value, list) else ():
+                if hasattr(item, "__dict__"):
+                    _vector_elements(item, budget, depth + 1)
+        elif hasattr(value, "__dict__"):
+            _vector_elements(value, budget, depth + 1)
+
+
 def flatbuffer_to_program_checked(data: bytes):
-    """:func:`flatbuffer_to_program` that also rejects strings and byte vectors
-    running past the end of ``data`` (raises ``IndexError`` for them). Any
-    exception means ``data`` is not a valid program flatbuffer."""
-    return flatbuffer_to_program(_BoundedBytes(data))
+    """:func:`flatbuffer_to_program` for untrusted input, in bounded work and memory.
+
+    Rejects strings and byte vectors running past the end of ``data`` (raises
+    ``IndexError``) and programs that unpack into more tables and vector
+    elements than ``len(data) / 4 + 1024`` (raises ``ValueError``): offsets shared
+    across a crafted file would otherwise expand without bound. Any exception
+    means ``data`` is not a valid program flatbuffer.
+    """
+    from executorch.exir._serialize._flatbuffer_program import (
+        _convert_from_flatbuffer_dataclass,
+        _patch_generated_flatbuffer_aliases,
+    )
+    from executorch.exir._serialize.generated.executorch_flatbuffer.Program import ProgramT
+    from executorch.exir.schema import Program
+
+    _install_object_budget()
+    _patch_generated_flatbuffer_aliases()
+    budget = _ObjectBudget(len(data))
+    _ObjectBudget.active = budget
+    try:
+        program_t = ProgramT.InitFromPackedBuf(_BoundedBytes(data))
+    finally:
+        _ObjectBudget.active = None
+    _vector_elements(program_t, _ObjectBudget(len(data) * 2))
+    return _convert_from_flatbuffer_dataclass(program_t, Program)

@@ -200,6 +200,24 @@ def _quiet_third_party() -> None:
         warnings.filterwarnings("ignore", category=category)
     for name in ("torchao", "torch.utils._pytree", "torch._export", "executorch"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # Some of it is printed straight to stderr while torch, torchao and executorch
+    # import: import them now with file descriptor 2 pointed at /dev/null.
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        try:
+            import executorch.exir._serialize._flatbuffer_program  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError:
+            pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -225,7 +243,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    _quiet_third_party()
+    if args.command in ("verify", "inspect", "demo", "manifest", "extract"):
+        _quiet_third_party()
     try:
         inputs = getattr(args, "inputs", None)
         if inputs is not None:

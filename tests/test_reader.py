@@ -323,3 +323,54 @@ def test_overlapping_segments_are_rejected(tmp_path):
     patched(path, at, struct.pack("<Q", 1 << 62))
     with pytest.raises(FormatError, match=r"segment 3 \[\d+, \d+\) \(12 bytes\) ends beyond the end of the segment data \(908\)"):
         read_artifact(path)
+
+
+def _shared_offsets_pte(fanout: int) -> bytes:
+    """A small program whose plans and values all point at one shared table: a
+    naive unpacker builds fanout**2 objects from a file of ~8 * fanout bytes."""
+    import flatbuffers
+    from executorch.exir._serialize.generated.executorch_flatbuffer import (
+        EValue as EV,
+        ExecutionPlan as EP,
+        Int,
+        KernelTypes,
+        Program as P,
+    )
+
+    b = flatbuffers.Builder(0)
+    Int.IntStart(b)
+    Int.IntAddIntVal(b, 7)
+    iv = Int.IntEnd(b)
+    EV.EValueStart(b)
+    EV.EValueAddValType(b, KernelTypes.KernelTypes.Int)
+    EV.EValueAddVal(b, iv)
+    ev = EV.EValueEnd(b)
+    EP.ExecutionPlanStartValuesVector(b, fanout)
+    for _ in range(fanout):
+        b.PrependUOffsetTRelative(ev)
+    values = b.EndVector()
+    name = b.CreateString("forward")
+    EP.ExecutionPlanStart(b)
+    EP.ExecutionPlanAddName(b, name)
+    EP.ExecutionPlanAddValues(b, values)
+    plan = EP.ExecutionPlanEnd(b)
+    P.ProgramStartExecutionPlanVector(b, fanout)
+    for _ in range(fanout):
+        b.PrependUOffsetTRelative(plan)
+    plans = b.EndVector()
+    P.ProgramStart(b)
+    P.ProgramAddExecutionPlan(b, plans)
+    b.Finish(P.ProgramEnd(b), file_identifier=b"ET12")
+    return bytes(b.Output())
+
+
+def test_shared_offsets_are_refused_in_bounded_time(tmp_path):
+    """Regression: a 240 KB crafted .pte used to unpack into ~9e8 objects."""
+    import time
+
+    path = tmp_path / "shared.pte"
+    path.write_bytes(_shared_offsets_pte(30000))
+    start = time.perf_counter()
+    with pytest.raises(FormatError, match="shared offsets"):
+        read_artifact(str(path))
+    assert time.perf_counter() - start < 10
