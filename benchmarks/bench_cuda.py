@@ -6,7 +6,7 @@ Run on a GPU machine (one table, side by side, one run):
 
 Per size: bf16 weights on the GPU as 1 GiB storages (``layers.i.weight``).
 Rows: ptdstream (CudaTensorSource through the pinned ring + writer thread, fsync,
-atomic rename); pinned device-to-host copy alone (8 MiB pieces, no file); raw
+atomic rename), buffered and with O_DIRECT; pinned device-to-host copy alone (8 MiB pieces, no file); raw
 write + fsync of the same byte count from a reused host buffer; upstream-style
 (8 MiB pageable ``.cpu()`` chunks + SHA-256 + write + fsync). Then: the GPU
 fingerprint's speed, a second method re-adding every storage (same storages,
@@ -115,6 +115,13 @@ def run(size_gib: int, out: str, piece: int) -> dict:
     res["ptd_bytes"] = os.path.getsize(ptd)
     os.remove(ptd)
 
+    # ptdstream with O_DIRECT writes (same store, fresh file).
+    t = time.perf_counter()
+    reports = write_data_files(store, out, chunk_nbytes=piece, direct=True)
+    res["ptdstream_direct_s"] = time.perf_counter() - t
+    res["ptd_direct_identical_size"] = reports[0].nbytes == res["ptd_bytes"]
+    os.remove(ptd)
+
     # Raw write + fsync of the same byte count.
     buf = memoryview(bytearray(64 << 20))
     path = os.path.join(out, "raw.bin")
@@ -153,7 +160,9 @@ def table(results) -> str:
     for r in results:
         n = r["bytes"]
         floor = max(r["raw_s"], r["pinned_copy_s"])
-        for name, key in (("ptdstream CUDA -> .ptd", "ptdstream_s"), ("pinned D2H copy alone", "pinned_copy_s"),
+        for name, key in (("ptdstream CUDA -> .ptd", "ptdstream_s"),
+                          ("ptdstream CUDA -> .ptd, O_DIRECT", "ptdstream_direct_s"),
+                          ("pinned D2H copy alone", "pinned_copy_s"),
                           ("raw write + fsync", "raw_s"), ("upstream-style (.cpu+sha256+write)", "upstream_style_s")):
             s = r[key]
             lines.append(f"{r['gib']:>4} {name:<34} {s:>8.2f} {n / s / 1e9:>7.2f} {floor / s:>22.3f} {r['upstream_style_s'] / s:>17.2f}")

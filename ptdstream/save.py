@@ -301,6 +301,7 @@ def write_save_plan(
     window_nbytes: int = DEFAULT_WINDOW_NBYTES,
     progress: Optional[Callable[[int], None]] = None,
     sink_factory: Callable[[str], ChunkedFileSink] = None,
+    direct: bool = False,
 ) -> List[FileReport]:
     """Write every file of ``plan`` to temp files, sync them all, then publish.
 
@@ -309,7 +310,9 @@ def write_save_plan(
     ring = BufferRing(chunk_nbytes, count=2)
     for target, _ in plan.files:
         remove_stale_temp_files(target)
-    make = sink_factory or (lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes))
+    make = sink_factory or (
+        lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct)
+    )
     sinks: List[ChunkedFileSink] = []
     reports: List[FileReport] = []
     try:
@@ -340,6 +343,7 @@ def save(
     window_nbytes: int = DEFAULT_WINDOW_NBYTES,
     progress: Any = False,
     manifest: bool = False,
+    direct: bool = False,
 ) -> SaveReport:
     """Save ``manager`` as ``path`` (.pte) and every ``<tag>.ptd`` beside it.
 
@@ -358,6 +362,9 @@ def save(
         window_nbytes: bytes between page-cache drops (64 MiB).
         progress: ``True`` for a tqdm bar on stderr, a callable taking the bytes
             of each piece, or ``False``.
+        direct: write with O_DIRECT (no page cache; falls back to buffered
+            writes where the file system refuses it). See ``benchmarks/`` for
+            when it is faster.
         manifest: also write ``<stem>.manifest`` beside the .pte
             (:mod:`ptdstream.manifest`): piece digests, sections and key
             fingerprints of every file written, read back from disk once.
@@ -382,7 +389,8 @@ def save(
         callback = bar.update
     try:
         reports = write_save_plan(
-            plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, progress=callback
+            plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, progress=callback,
+            direct=direct,
         )
     finally:
         if bar is not None:
@@ -415,6 +423,7 @@ def write_data_files(
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
     window_nbytes: int = DEFAULT_WINDOW_NBYTES,
     progress: Optional[Callable[[int], None]] = None,
+    direct: bool = False,
 ) -> List[FileReport]:
     """Write each external tag of ``store`` as ``folder/<tag>.ptd`` (embedding API).
 
@@ -437,5 +446,6 @@ def write_data_files(
         files.append((os.path.join(folder, name), plan))
     save_plan = SavePlan(tuple(files), PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
     return write_save_plan(
-        save_plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, progress=progress
+        save_plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, progress=progress,
+        direct=direct,
     )

@@ -131,3 +131,37 @@ def test_temp_names_of_long_targets_stay_under_name_max(tmp_path):
         sink.write(b"data")
     assert target.read_bytes() == b"data"
     assert os.listdir(tmp_path) == [target.name]
+
+
+@pytest.mark.parametrize("sizes", [[1], [4096], [8 << 20], [777_777] * 30 + [5], [0, 3, (8 << 20) + 1]])
+def test_direct_writes_give_the_same_bytes(tmp_path, sizes):
+    import random
+
+    rng = random.Random(len(sizes))
+    chunks = [bytes(rng.getrandbits(8) for _ in range(min(n, 64))) * (n // 64 + 1) for n in sizes]
+    chunks = [c[:n] for c, n in zip(chunks, sizes)]
+    target = tmp_path / "d.bin"
+    with ChunkedFileSink(str(target), direct=True) as sink:
+        for c in chunks:
+            sink.write(c)
+        sink.write_zeros(10)
+    assert target.read_bytes() == b"".join(chunks) + bytes(10)
+    assert os.listdir(tmp_path) == ["d.bin"]
+
+
+def test_direct_falls_back_where_refused(tmp_path, monkeypatch):
+    import fcntl
+
+    real = fcntl.fcntl
+
+    def refuse(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    target = tmp_path / "b.bin"
+    with ChunkedFileSink(str(target), direct=True) as sink:
+        assert sink.direct is False
+        sink.write(b"buffered")
+    assert target.read_bytes() == b"buffered"
