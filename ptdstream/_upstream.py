@@ -57,6 +57,15 @@ def flatbuffer_to_program(data: bytes):
     return _flatbuffer_to_program(data)
 
 
+def external_tensor_layouts(program) -> Dict[str, Any]:
+    """``{fqn: TensorLayout}`` of the program's external tensors, as upstream
+    computes them for the emitter's constants
+    (``exir/_serialize/_serialize.py::_extract_external_tensor_layouts``)."""
+    from executorch.exir._serialize._serialize import _extract_external_tensor_layouts
+
+    return _extract_external_tensor_layouts(program)
+
+
 def manager_parts(manager) -> Dict[str, Any]:
     """What ``save()`` needs from an ``ExecutorchProgramManager`` (private fields).
 

@@ -36,7 +36,7 @@ def record_backend_configs() -> None:
     Wraps ``ExecutorchProgramManager.__init__`` (idempotent). The config is stored
     on the manager; nothing else changes.
     """
-    from executorch.exir.program._program import ExecutorchProgramManager
+    from executorch.exir import ExecutorchProgramManager
 
     init = ExecutorchProgramManager.__init__
     if getattr(init, "_ptdstream_wrapped", False):
@@ -54,7 +54,7 @@ def record_backend_configs() -> None:
 
 def stop_recording_backend_configs() -> None:
     """Undo :func:`record_backend_configs` (managers already built keep their config)."""
-    from executorch.exir.program._program import ExecutorchProgramManager
+    from executorch.exir import ExecutorchProgramManager
 
     original = getattr(ExecutorchProgramManager.__init__, "_ptdstream_original", None)
     if original is not None:
@@ -79,7 +79,7 @@ def resolve_options(manager, config: Any = None, parts: Optional[dict] = None) -
     if hasattr(manager, _RECORD_ATTR):
         recorded = getattr(manager, _RECORD_ATTR)
         if recorded is None:
-            from executorch.exir.capture._config import ExecutorchBackendConfig
+            from executorch.exir import ExecutorchBackendConfig
 
             recorded = ExecutorchBackendConfig()
         return _as_options(recorded)

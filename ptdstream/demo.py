@@ -175,23 +175,26 @@ class TiedEmbedding:
 def find_tied_embedding(ptd_path: str, weight) -> TiedEmbedding:
     """Locate ``weight`` (a contiguous CPU tensor) in ``ptd_path``.
 
-    Reads the whole .ptd into memory with executorch's ``FlatTensorSerializer``
-    (fine for the demo's half-megabyte file). XNNPACK names the tensor by the
+    Reads the file's section map with :func:`ptdstream.reader.read_artifact` and
+    only the segments of the tensor's size. XNNPACK names the tensor by the
     SHA-256 hex of its bytes; the emitter names it by FQN.
 
     Raises:
         KeyError: the SHA-256 key is not in the file.
     """
-    from executorch.exir._serialize._cord import Cord
-    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+    from .reader import read_artifact
 
     data = weight.detach().contiguous().numpy().tobytes()
-    with open(ptd_path, "rb") as f:
-        payload = FlatTensorSerializer().deserialize(Cord(f.read()))
+    art = read_artifact(ptd_path)
     key = hashlib.sha256(data).hexdigest()
-    index = payload.named_data[key].buffer_index
-    keys = tuple(k for k, entry in payload.named_data.items() if entry.buffer_index == index)
-    copies = sum(1 for buf in payload.buffers if bytes(buf) == data)
+    index = art.keys[key]
+    keys = tuple(k for k, i in art.keys.items() if i == index)
+    copies = 0
+    with open(ptd_path, "rb") as f:
+        for seg in art.segments:
+            if seg.nbytes == len(data):
+                f.seek(seg.start)
+                copies += f.read(seg.nbytes) == data
     return TiedEmbedding(keys, index, len(data), copies)
 
 

@@ -50,7 +50,7 @@ def _write_tensor_data_to_file(self, outdir) -> None:
 
 def install() -> None:
     """Patch ``ExecutorchProgramManager`` (idempotent); see the module docstring."""
-    from executorch.exir.program._program import ExecutorchProgramManager
+    from executorch.exir import ExecutorchProgramManager
 
     record_backend_configs()
     for name, fn in (
@@ -66,7 +66,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Restore executorch's own methods."""
-    from executorch.exir.program._program import ExecutorchProgramManager
+    from executorch.exir import ExecutorchProgramManager
 
     for name, fn in _ORIGINALS.items():
         setattr(ExecutorchProgramManager, name, fn)

@@ -149,9 +149,7 @@ def _ptd_payloads(parts: dict, store: StreamingNamedDataStore):
             return []
         buffers = _buffer_sources(named.buffers)
         return [(tag, buffers, entries, {}) for tag, entries in named.external_data.items()]
-    from executorch.exir._serialize._serialize import _extract_external_tensor_layouts
-
-    layouts = _extract_external_tensor_layouts(parts["program"])
+    layouts = _upstream.external_tensor_layouts(parts["program"])
     constants = parts["external_constant_buffer"]
     sources: Dict[int, Source] = {}
     for tag, fqn_to_index in constant_map.items():

@@ -1,0 +1,62 @@
+"""Every upstream private name ptdstream relies on still exists, with the shape used.
+
+When an executorch release renames or reshapes one, this fails loudly, naming it,
+before any byte-identity test can fail in a confusing way. The list mirrors
+ptdstream/_upstream.py (checked against executorch 1.5.1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from ptdstream import _upstream
+
+from conftest import Mlp, export
+
+PRIVATE = [
+    ("executorch.exir._serialize._cord", "FileBackedData"),
+    ("executorch.exir._serialize._cord", "Cord"),
+    ("executorch.exir._serialize._flatbuffer_program", "_program_to_flatbuffer"),
+    ("executorch.exir._serialize._flatbuffer_program", "_flatbuffer_to_program"),
+    ("executorch.exir._serialize._flatbuffer_program", "_convert_from_flatbuffer_dataclass"),
+    ("executorch.exir._serialize._flatbuffer_program", "_patch_generated_flatbuffer_aliases"),
+    ("executorch.exir._serialize._serialize", "_extract_external_tensor_layouts"),
+    ("executorch.extension.flat_tensor.serialize.serialize", "_serialize_to_flatbuffer"),
+    ("executorch.exir._serialize.generated.executorch_flatbuffer.Program", "ProgramT"),
+]
+
+
+@pytest.mark.parametrize("module,name", PRIVATE, ids=[n for _, n in PRIVATE])
+def test_private_name_exists(module, name):
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone"
+
+
+def test_checked_version_is_installed():
+    import executorch.version
+
+    assert executorch.version.__version__.split("+")[0] in _upstream.CHECKED_VERSIONS
+
+
+def test_manager_fields_and_init_signature():
+    from executorch.exir import ExecutorchProgramManager
+
+    params = list(inspect.signature(ExecutorchProgramManager.__init__).parameters)
+    assert params[:5] == ["self", "execution_programs", "config_methods", "backend_config", "named_data"]
+    manager = export(Mlp())
+    parts = _upstream.manager_parts(manager)
+    assert parts["ptd_segment_alignment"] == 128
+    assert parts["pte_head"][4:8] == b"ET12"
+    pte, data = _upstream.reference_cords(manager)
+    assert len(pte) > 0 and data == {}
+    assert isinstance(manager._pte_data._buffers[0], bytes)
+
+
+def test_file_backed_data_keeps_its_path(tmp_path):
+    from executorch.exir._serialize._cord import FileBackedData
+
+    path = tmp_path / "blob"
+    path.write_bytes(b"abc")
+    assert _upstream.file_backed_path(FileBackedData(str(path))) == str(path)
