@@ -297,6 +297,9 @@ def as_source(data, label: str = "data") -> Source:
         return data
     if isinstance(data, (bytes, bytearray, memoryview)):
         return MemorySource(data, label)
+    inner = getattr(data, "source", None)
+    if isinstance(inner, Source) and type(data).__name__ == "SourceBackedData":
+        return inner  # ptdstream.interop.SourceBackedData: the fast path
     from . import _upstream
 
     path = _upstream.file_backed_path(data)

@@ -1,0 +1,68 @@
+"""Hand ptdstream sources to upstream ExecuTorch where it accepts ``FileBackedData``.
+
+:class:`SourceBackedData` is a ``FileBackedData`` (executorch 1.5.1,
+``exir/_serialize/_cord.py``) whose bytes come from any ptdstream
+:class:`~ptdstream.sources.Source`: a CUDA storage, a CPU tensor, an engine file
+range. A backend can put it into upstream's ``NamedDataStore`` (or a ``Cord``);
+upstream's own serializer then still writes the right bytes (the slow path:
+SHA-256 and pieces through Python), while :func:`ptdstream.save` unwraps it and
+streams the source directly (the fast path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from executorch.exir._serialize._cord import FileBackedData
+
+from .sources import BufferRing, Source, as_source
+
+
+class SourceBackedData(FileBackedData):
+    """A ``FileBackedData`` over a ptdstream source (no file, no copy held).
+
+    Args:
+        data: a :class:`~ptdstream.sources.Source` or anything
+            :func:`~ptdstream.sources.as_source` takes (tensor, bytes, ...).
+        chunk_nbytes: piece size for upstream's slow path (8 MiB).
+
+    Memory: upstream's ``to_bytes()`` joins the whole payload (as it does for
+    any ``FileBackedData``); ``write_to_file``, ``sha256`` and ``prefix`` stream.
+    """
+
+    def __init__(self, data: Any, chunk_nbytes: int = 8 << 20) -> None:  # noqa: D107
+        # No call to FileBackedData.__init__: there is no file to stat.
+        self.source: Source = as_source(data, label="SourceBackedData")
+        self._path = None
+        self._size = self.source.nbytes
+        self._sha256 = None
+        self._finalizer = None
+        self._chunk_nbytes = chunk_nbytes
+
+    def _pieces(self):
+        return self.source.pieces(BufferRing(self._chunk_nbytes, count=3))
+
+    def __len__(self) -> int:
+        return self.source.nbytes
+
+    def prefix(self, size: int) -> bytes:
+        return self.source.prefix(size)
+
+    def sha256(self) -> bytes:
+        if self._sha256 is None:
+            digest = hashlib.sha256()
+            for piece in self._pieces():
+                digest.update(piece)
+            self._sha256 = digest.digest()
+        return self._sha256
+
+    def to_bytes(self) -> bytes:
+        return b"".join(bytes(p) for p in self._pieces())
+
+    def write_to_file(self, outfile) -> None:
+        for piece in self._pieces():
+            outfile.write(piece)
+
+    def close(self) -> None:
+        """Nothing to remove: the source is not a temp file."""
