@@ -107,6 +107,38 @@ def wait(pid: int, timeout_s: float = 60.0) -> int:
     return os.waitstatus_to_exitcode(wait_status(pid, timeout_s))
 
 
+@pytest.fixture(scope="module")
+def race_rounds(managers, versions, tmp_path_factory):
+    """Run the rounds once; each round's ``(how, exit codes, {file: version}, leftovers)``."""
+    folder = tmp_path_factory.mktemp("race")
+    path = str(folder / PTE)
+    rounds = []
+    for i in range(ROUNDS):
+        how = "save" if i % 2 == 0 else "jittered publish"
+        barrier_dir = tmp_path_factory.mktemp(f"barrier{i}")
+        r, w = os.pipe()
+
+        def racer(name):
+            def run():
+                os.close(w)
+                os.read(r, 1)  # both start when the parent writes
+                if how == "save":
+                    ptdstream.save(managers[name], path)
+                else:
+                    jittered_save(managers[name], path, str(barrier_dir))
+            return run
+
+        pids = [fork(racer(name)) for name in ("A", "B")]
+        os.close(r)
+        os.write(w, b"go")
+        os.close(w)
+        codes = [wait(pid) for pid in pids]
+        files = {t: version_of(str(folder / t), versions) for t in TARGETS}
+        leftovers = sorted(set(os.listdir(folder)) - set(TARGETS))
+        rounds.append((how, codes, files, leftovers))
+    return rounds
+
+
 def test_concurrent_saves_each_file_is_one_saves_complete_file(race_rounds, capsys):
     for i, (how, codes, files, leftovers) in enumerate(race_rounds):
         assert codes == [0, 0], f"round {i} ({how}): a save failed"
