@@ -127,3 +127,28 @@ def test_freed_cuda_storage_is_an_error_naming_the_key(tmp_path):
     with pytest.raises(IntegrityError, match=r"key 'decoder.weight'.*freed or resized"):
         write_data_files(store, str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_gibibytes_from_cuda_equal_the_same_data_from_the_cpu(tmp_path):
+    """2 GiB + 3 bytes of random bf16/uint8 data: the CUDA path's .ptd equals the CPU path's."""
+    import xxhash
+
+    torch.manual_seed(0)
+    big = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    odd = torch.randint(0, 256, (3,), dtype=torch.uint8, device="cuda")
+    digests = []
+    for device in ("cuda", "cpu"):
+        store = StreamingNamedDataStore()
+        store.add_named_data("big", big.to(device), alignment=64, external_tag="w")
+        store.add_named_data("odd", odd.to(device), external_tag="w")
+        folder = tmp_path / device
+        folder.mkdir()
+        write_data_files(store, str(folder))
+        h = xxhash.xxh3_128()
+        with open(folder / "w.ptd", "rb") as f:
+            while chunk := f.read(64 << 20):
+                h.update(chunk)
+        digests.append(h.hexdigest())
+        os.remove(folder / "w.ptd")
+    assert digests[0] == digests[1]
