@@ -206,15 +206,8 @@ class StreamingNamedDataStore:
                 sources[index] = as_source(data, label=f"buffer {index}")
             return sources[index]
 
-        for key, entry in other.pte_data.items():
-            self.add_named_data(
-                key,
-                source_of(entry.buffer_index),
-                entry.alignment,
-                external_tag=None,
-                tensor_layout=entry.tensor_layout,
-            )
-        for tag, entries in other.external_data.items():
+        groups = [(None, other.pte_data)] + list(other.external_data.items())
+        for tag, entries in groups:
             for key, entry in entries.items():
                 self.add_named_data(
                     key,
