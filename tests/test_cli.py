@@ -183,3 +183,23 @@ def test_python_dash_m_entry_point(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == f"ptdstream: cannot read {missing}: No such file or directory\n"
     assert_only(tmp_path, [])
+
+
+def test_fifo_and_devices_exit_2_without_blocking(tmp_path, capsys):
+    """Regression: opening a FIFO blocked forever; /dev/zero was read forever."""
+    fifo = tmp_path / "pipe.pte"
+    os.mkfifo(fifo)
+    for argv in (["verify", str(fifo)], ["inspect", str(fifo)], ["verify", "/dev/zero", "--against", "/dev/zero"]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2 and "not a regular file" in err
+
+
+def test_non_utf8_file_names_are_printed_escaped(tmp_path, capsys):
+    """Regression: a file name that is not UTF-8 crashed the report."""
+    paths = write_reference("plain", tmp_path / "ref")
+    odd = os.path.join(os.fsencode(str(tmp_path)), b"s\xff.pte")
+    shutil.copy(paths["model.pte"], odd)
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "ptdstream", "verify", odd], capture_output=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert b"s\\udcff.pte" in proc.stdout or b"s\\xff.pte" in proc.stdout
