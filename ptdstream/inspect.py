@@ -167,7 +167,7 @@ def _file_text(f: FileInspection) -> List[str]:
     if f.keys:
         lines.append(f"  keys ({len(f.keys)}):")
     for k in f.keys:
-        layout = f"  scalar_type {k.layout.scalar_type} sizes {list(k.layout.sizes)}" if k.layout else ""
+        layout = f"  {_dtype_name(k.layout.scalar_type)} sizes {list(k.layout.sizes)}" if k.layout else ""
         lines.append(f"    {k.key!r} -> segment {k.segment_index} ({k.nbytes:,} bytes){layout}")
     parts = [f"{c} {f.total(c):,}" for c in ("metadata", "padding", "payload", "trailing") if f.total(c)]
     lines.append("  bytes: " + " + ".join(parts) + f" = {f.file_nbytes:,}")
@@ -248,3 +248,13 @@ def inspect_files(paths: Sequence[str], chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
         if len(members) > 1
     )
     return InspectReport(tuple(_inspect_one(a) for a in arts), dups)
+
+
+def _dtype_name(scalar_type: int) -> str:
+    """ExecuTorch ``ScalarType`` number -> its name ("FLOAT", "BFLOAT16"), or the number."""
+    try:
+        from executorch.exir.scalar_type import ScalarType
+
+        return ScalarType(scalar_type).name
+    except (ImportError, ValueError):
+        return f"scalar_type {scalar_type}"

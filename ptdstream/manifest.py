@@ -285,7 +285,8 @@ def verify_manifest(path: str, manifest: Manifest) -> ManifestCheck:
     got_keys = {k: (n, d) for k, n, d in actual.keys}
     bad_keys = tuple(k for k in want_keys if got_keys.get(k) != want_keys[k])
     if bad is None and actual.nbytes == entry.nbytes and not bad_keys:
-        return ManifestCheck(path, True, f"{path}: matches the manifest ({entry.nbytes:,} bytes, {len(entry.pieces)} pieces)")
+        return ManifestCheck(path, True, f"{path}: matches the manifest ({entry.nbytes:,} bytes, {len(entry.pieces)} "
+            f"piece{'s' if len(entry.pieces) != 1 else ''})")
     offset = (bad if bad is not None else 0) * entry.piece_nbytes
     section = _first_bad_section(entry, offset, bad_keys)
     where = f"piece {bad} at offset {offset}" if bad is not None else "keys"

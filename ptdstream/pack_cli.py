@@ -34,7 +34,12 @@ def _run(name: str, args, body) -> int:
     """``body()``'s exit code; 1 for corrupt input, 2 for usage errors and unreadable files."""
     try:
         return body()
-    except (FormatError, IntegrityError, LayoutError, MissingKeyError, OSError) as e:
+    except OSError as e:
+        what = e.strerror or str(e)
+        where = f"cannot read {e.filename}: " if e.filename else ""
+        print(f"ptdstream {name}: {where}{what}", file=sys.stderr)
+        return 2
+    except (FormatError, IntegrityError, LayoutError, MissingKeyError) as e:
         print(f"ptdstream {name}: error: {e}", file=sys.stderr)
         return 1 if isinstance(e, (FormatError, IntegrityError)) else 2
 
