@@ -21,7 +21,7 @@ import flatbuffers
 import xxhash
 
 from .errors import FormatError
-from .pagecache import drop_pages
+from .sources import BufferRing, FileRangeSource
 from .sink import ChunkedFileSink
 
 ALGORITHM = "xxh3-128"
@@ -63,6 +63,7 @@ def describe_file(path: str, piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> FileMa
 
     Raises:
         OSError: the file cannot be read.
+        IntegrityError: the file shrank while it was read.
     """
     from .reader import read_artifact
 
@@ -78,31 +79,22 @@ def describe_file(path: str, piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> FileMa
         ]
     except FormatError:
         kind, sections, key_ranges = "file", (), []
-    size = os.path.getsize(path)
+    source = FileRangeSource(path)  # reads in pieces, drops the pages behind it
     pieces: List[bytes] = []
     key_hashes = [xxhash.xxh3_128() for _ in key_ranges]
-    buf = bytearray(piece_nbytes)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        offset = 0
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            piece = view[:n]
-            pieces.append(xxhash.xxh3_128(piece).digest())
-            for h, (_, start, end) in zip(key_hashes, key_ranges):
-                lo, hi = max(start, offset), min(end, offset + n)
-                if lo < hi:
-                    h.update(piece[lo - offset : hi - offset])
-            offset += n
-            drop_pages(f.fileno(), offset - n, n)
-    if offset != size:
-        raise OSError(f"{path}: read {offset} bytes, expected {size}")
+    offset = 0
+    for piece in source.pieces(BufferRing(piece_nbytes, count=1)):
+        n = len(piece)
+        pieces.append(xxhash.xxh3_128(piece).digest())
+        for h, (_, start, end) in zip(key_hashes, key_ranges):
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                h.update(piece[lo - offset : hi - offset])
+        offset += n
     keys = tuple(
         (key, end - start, h.digest()) for h, (key, start, end) in zip(key_hashes, key_ranges)
     )
-    return FileManifest(os.path.basename(path), kind, size, piece_nbytes, tuple(pieces), sections, keys)
+    return FileManifest(os.path.basename(path), kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys)
 
 
 def to_bytes(manifest: Manifest) -> bytes:

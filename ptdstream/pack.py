@@ -39,6 +39,7 @@ from .reader import HEAD_NBYTES, Artifact, Segment, parse_artifact
 from .seekable import (EMPTY_CHECKSUM, MAX_FRAME_NBYTES, MAX_FRAMES, Manifest, SeekableReader,
                        encode_seek_table, frame_checksum)
 from .sink import DEFAULT_WINDOW_NBYTES, ChunkedFileSink
+from .sources import pread_exact
 
 #: Default frame size: 8 MiB, ptdstream's piece size.
 DEFAULT_FRAME_NBYTES = 8 << 20
@@ -157,13 +158,10 @@ def _compress(view: memoryview, level: int, verify: bool) -> Tuple[bytes, int]:
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise IntegrityError(f"{path}: ended at offset {offset + done} while packing (file shrank?); "
-                                 "nothing was published")
-        done += n
+    done = pread_exact(fd, view, offset)
+    if done < len(view):
+        raise IntegrityError(f"{path}: ended at offset {offset + done} while packing (file shrank?); "
+                             "nothing was published")
 
 
 def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: int = DEFAULT_FRAME_NBYTES,

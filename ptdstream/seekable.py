@@ -32,6 +32,8 @@ import xxhash
 import zstandard
 
 from .errors import FormatError, IntegrityError, StateError
+from .pagecache import drop_pages
+from .sources import pread_exact
 
 SEEK_TABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
@@ -343,14 +345,11 @@ class SeekableReader:
         if len(self._buffer) < entry.compressed_nbytes:
             self._buffer = bytearray(entry.compressed_nbytes)
         view = memoryview(self._buffer)[: entry.compressed_nbytes]
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], entry.compressed_offset + done)
-            if n <= 0:
-                raise FormatError(f"{entry.where(self.path)}: file ends at offset {entry.compressed_offset + done}")
-            done += n
-        if self.drop_pages and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, entry.compressed_offset, entry.compressed_nbytes, os.POSIX_FADV_DONTNEED)
+        done = pread_exact(fd, view, entry.compressed_offset)
+        if done < len(view):
+            raise FormatError(f"{entry.where(self.path)}: file ends at offset {entry.compressed_offset + done}")
+        if self.drop_pages:
+            drop_pages(fd, entry.compressed_offset, entry.compressed_nbytes)
         return view
 
     def decode(self, entry: FrameEntry, cache: bool = True) -> bytes:

@@ -171,20 +171,32 @@ class FileRangeSource(Source):
             while done < self.nbytes:
                 buf = ring.next()
                 want = min(len(buf), self.nbytes - done)
-                got = 0
-                while got < want:
-                    n = os.preadv(fd, [buf[got:want]], self.offset + done + got)
-                    if n == 0:
-                        raise IntegrityError(
-                            f"file {self.path}: ended at offset {self.offset + done + got}, "
-                            f"expected {self.nbytes} bytes from offset {self.offset}"
-                        )
-                    got += n
+                got = pread_exact(fd, buf[:want], self.offset + done)
+                if got < want:
+                    raise IntegrityError(
+                        f"file {self.path}: ended at offset {self.offset + done + got}, "
+                        f"expected {self.nbytes} bytes from offset {self.offset}"
+                    )
                 yield buf[:want]
                 drop_pages(fd, self.offset + done, want)
                 done += want
         finally:
             os.close(fd)
+
+
+def pread_exact(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at file ``offset`` (bytes), looping on short reads.
+
+    Returns the bytes read: ``len(view)``, or fewer when the file ends first
+    (callers turn that into their own error, naming file and offset).
+    """
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
 
 
 class TensorSource(Source):
