@@ -245,13 +245,16 @@ def test_unwritable_folder_fails_before_writing(unwritable_folder, old_manager, 
     os.chmod(folder, 0o555)
 
     def save_without_rights():
+        # Plan first (it reads executorch's schema files, which ``nobody`` may not
+        # reach where the venv lies in a private folder), then write without rights.
+        plan = plan_manager(manager, os.path.join(folder, "model.pte"))
         if as_root:
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
         if os.access(folder, os.W_OK):
             return "writable"
-        ptdstream.save(manager, os.path.join(folder, "model.pte"))
+        write_save_plan(plan)
         return "saved"
 
     result = run_in_child(save_without_rights) if as_root else _call(save_without_rights)
