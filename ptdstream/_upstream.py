@@ -220,3 +220,23 @@ def flatbuffer_to_program_checked(data: bytes):
         _ObjectBudget.active = None
     _vector_elements(program_t, _ObjectBudget(len(data) * 2))
     return _convert_from_flatbuffer_dataclass(program_t, Program)
+
+
+#: Names of ``executorch.backends.cuda.cuda_weight_collector`` that
+#: :func:`ptdstream.cuda_backend.stream_cuda_weights` replaces while active:
+#: ``_write_tensor_storage(tensor, path) -> bytes`` (copies one AOTI storage to
+#: ``path`` and returns its SHA-256), ``FileBackedData`` (``move_from(path,
+#: sha256=None)`` turns that file into named data) and ``trim_host_memory()``
+#: (``gc.collect`` + ``malloc_trim``, before and after each method's weights).
+CUDA_COLLECTOR_PATCHED = ("_write_tensor_storage", "FileBackedData", "trim_host_memory")
+
+
+def cuda_weight_collector():
+    """executorch's CUDA backend weight collector module (``backends/cuda/cuda_weight_collector.py``).
+
+    Raises:
+        ImportError: executorch's CUDA backend is not importable.
+    """
+    from executorch.backends.cuda import cuda_weight_collector as collector
+
+    return collector

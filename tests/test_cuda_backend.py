@@ -62,6 +62,8 @@ def test_routed_weights_give_upstream_bytes(tmp_path):
     upstream = reference_files(upstream_manager, str(tmp_path / "upstream"))
     manager, stats = _lower(model, routed=True)
     assert stats.routed >= 2 and stats.routed_nbytes >= 2 * 256 * 256 * 2
+    # Both methods share every storage: the second reuses the first's device copy.
+    assert stats.copied_nbytes * 2 == stats.routed_nbytes
     out = tmp_path / "out"
     out.mkdir()
     ptdstream.save(manager, str(out / "model.pte"))
@@ -73,3 +75,29 @@ def test_routed_weights_give_upstream_bytes(tmp_path):
     for name in weights:
         assert ours[name] == upstream[name], f"{name} differs from the unrouted export"
     assert os.listdir(out) == sorted(ours)
+
+
+def test_equal_storages_share_one_copy_and_probe_twins_stay_apart(tmp_path):
+    """The collector's per-storage hook: equal content -> one device copy and one
+    digest; same size and same sampled bytes but one other byte -> two copies, two digests."""
+    from ptdstream._upstream import cuda_weight_collector
+    from ptdstream.cuda_backend import PROBE_NBYTES, stream_cuda_weights
+
+    collector = cuda_weight_collector()
+    n = 1 << 20
+    base = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    twin = base.clone()
+    twin[12345] = 7  # between two sampled positions: the probes are equal
+    assert 12345 % ((n - 1) // (PROBE_NBYTES - 1)) != 0
+    digests = []
+    with stream_cuda_weights() as stats:
+        for i, t in enumerate((base, base.clone(), twin, twin.clone())):
+            path = str(tmp_path / f"s{i}")
+            open(path, "wb").close()
+            digests.append(collector._write_tensor_storage(t, path))
+            data = collector.FileBackedData.move_from(path, sha256=digests[-1])
+            assert len(data) == n and not os.path.exists(path)
+            assert data.source._flat().data_ptr() not in (base.data_ptr(), twin.data_ptr())
+    assert digests[0] == digests[1] != digests[2] == digests[3]
+    assert (stats.routed, stats.routed_nbytes, stats.copied_nbytes) == (4, 4 * n, 2 * n)
+    assert collector._write_tensor_storage.__name__ == "_write_tensor_storage"

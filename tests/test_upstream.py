@@ -34,6 +34,18 @@ def test_private_name_exists(module, name):
     assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone"
 
 
+def test_cuda_weight_collector_names_and_signatures():
+    collector = _upstream.cuda_weight_collector()
+    for name in _upstream.CUDA_COLLECTOR_PATCHED:
+        assert hasattr(collector, name), f"cuda_weight_collector.{name} is gone"
+    assert list(inspect.signature(collector._write_tensor_storage).parameters) == ["tensor", "path"]
+    assert list(inspect.signature(collector.FileBackedData.move_from).parameters) == ["path", "sha256"]
+    assert list(inspect.signature(collector.trim_host_memory).parameters) == []
+    # materialize looks the three up as module globals, so replacing them reaches it.
+    names = collector.CudaWeightCollector.materialize.__code__.co_names
+    assert {"_write_tensor_storage", "FileBackedData", "trim_host_memory"} <= set(names)
+
+
 def test_checked_version_is_installed():
     import executorch.version
 
