@@ -43,6 +43,7 @@ __all__ = [
     "StreamingNamedDataStore",
     "TensorSource",
     "as_source",
+    "constants_by_reference",
     "install",
     "plan_manager",
     "plan_pte",
@@ -60,3 +61,14 @@ def install() -> None:
     from .patch import install as _install
 
     _install()
+
+
+def constants_by_reference():
+    """Context manager: executorch's emitter keeps constants as references to their
+    tensors, not ``bytes`` copies (wrap ``to_executorch()``).
+
+    See :func:`ptdstream.constants.constants_by_reference`.
+    """
+    from .constants import constants_by_reference as _constants_by_reference
+
+    return _constants_by_reference()

@@ -101,7 +101,12 @@ def cord_pieces(cord, chunk_nbytes: int):
     from executorch.exir._serialize._cord import FileBackedData
 
     for item in cord._buffers:
-        if isinstance(item, FileBackedData):
+        if isinstance(item, FileBackedData) and item._path is None:
+            # ptdstream.interop.SourceBackedData (no file): read its source.
+            from .sources import BufferRing, as_source
+
+            yield from as_source(item).pieces(BufferRing(chunk_nbytes, count=2))
+        elif isinstance(item, FileBackedData):
             with open(item._path, "rb") as f:
                 while True:
                     piece = f.read(chunk_nbytes)
@@ -240,3 +245,17 @@ def cuda_weight_collector():
     from executorch.backends.cuda import cuda_weight_collector as collector
 
     return collector
+
+
+#: What :func:`ptdstream.constants.constants_by_reference` relies on in
+#: ``executorch.exir.emit._emitter``: ``_Emitter._tensor_spec_to_evalue(self,
+#: spec, constant_tag=None)`` copies a constant with the module's only call of
+#: ``bytes(...)``, on ``ctypes.cast(spec.storage.data_ptr(), ...).contents``.
+EMITTER_PATCHED = ("_Emitter._tensor_spec_to_evalue", "bytes")
+
+
+def emitter_module():
+    """executorch's emitter module (``exir/emit/_emitter.py``)."""
+    from executorch.exir.emit import _emitter
+
+    return _emitter

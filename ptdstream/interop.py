@@ -31,6 +31,8 @@ class SourceBackedData(FileBackedData):
     any ``FileBackedData``); ``write_to_file``, ``sha256`` and ``prefix`` stream.
     """
 
+    _ptdstream_source_backed = True  # as_source() unwraps it (sources.py cannot import this module)
+
     def __init__(self, data: Any, chunk_nbytes: int = 8 << 20) -> None:  # noqa: D107
         # No call to FileBackedData.__init__: there is no file to stat.
         self.source: Source = as_source(data, label="SourceBackedData")

@@ -1,16 +1,22 @@
-"""The page cache: dropping a file's pages, and measuring how much of it is resident."""
+"""The page cache: dropping a file's pages, paging out file-mapped memory, and
+measuring how much of a file is resident."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
+from typing import Optional, Tuple
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_PAGE_NBYTES = mmap.PAGESIZE
+_FOLIO_NBYTES = 2 << 20  # the largest page-cache folio mapped by one PMD on x86-64/arm64 (4 KiB pages)
+_MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4
 
 
 def resident_nbytes(path: str) -> int:
@@ -52,3 +58,43 @@ def drop_pages(fd: int, offset: int, nbytes: int) -> None:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError:
             pass
+
+
+def file_mapping(address: int, nbytes: int) -> Optional[Tuple[int, int]]:
+    """``(start, stop)`` of the file-backed mapping of this process that holds
+    ``[address, address + nbytes)`` whole (``/proc/self/maps``: a mapping with an
+    inode), such as the storages of ``torch.load(mmap=True)`` or safetensors;
+    None when there is none or ``/proc`` cannot be read."""
+    end = address + nbytes
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                start_s, _, stop_s = fields[0].partition(b"-")
+                start, stop = int(start_s, 16), int(stop_s, 16)
+                if start <= address < stop:
+                    if end <= stop and len(fields) >= 5 and fields[4] != b"0":
+                        return start, stop
+                    return None
+    except OSError:
+        pass
+    return None
+
+
+def page_out(address: int, nbytes: int, bounds: Tuple[int, int]) -> None:
+    """Ask the kernel to reclaim the pages of ``[address, address + nbytes)`` from
+    this process now (``MADV_PAGEOUT``).
+
+    Meant for file-backed memory: clean pages are dropped and read back from the
+    file on the next access, so the contents never change. The range is widened
+    to whole 2 MiB blocks, clipped to ``bounds`` (the mapping, from
+    :func:`file_mapping`), because the kernel keeps a large folio that the range
+    covers only in part. Errors are ignored (it is advice; kernels before 5.4
+    refuse it)."""
+    if nbytes <= 0:
+        return
+    start = max(bounds[0], address - address % _FOLIO_NBYTES)
+    end = address + nbytes
+    end = min(bounds[1], end + (-end) % _FOLIO_NBYTES)
+    start -= start % _PAGE_NBYTES
+    _libc.madvise(start, end - start, _MADV_PAGEOUT)

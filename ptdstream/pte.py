@@ -23,7 +23,7 @@ from . import _upstream
 from .fingerprint import candidate_key
 from .layout import pack_subsegments, padding_required, pte_head
 from .plan import Extent, FilePlan, SegmentPlan, assemble, place
-from .sources import MemorySource, Source, as_source
+from .sources import Source, as_source
 from .store import DataEntry
 
 #: ``exir/tensor.py::ALIGNMENT``: the default constant tensor alignment.
@@ -67,7 +67,7 @@ def _packed_segment(
     for i, buf in enumerate(buffers):
         if sizes[i]:
             parts.append(
-                Extent.payload(MemorySource(buf.storage, f"{label} {i}"), label, (f"{label} {i}",))
+                Extent.payload(as_source(buf.storage, f"{label} {i}"), label, (f"{label} {i}",))
             )
         if i < len(buffers) - 1 and alignment is not None:
             pad = padding_required(sizes[i], alignment)

@@ -310,7 +310,7 @@ def as_source(data, label: str = "data") -> Source:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return MemorySource(data, label)
     inner = getattr(data, "source", None)
-    if isinstance(inner, Source) and type(data).__name__ == "SourceBackedData":
+    if isinstance(inner, Source) and getattr(type(data), "_ptdstream_source_backed", False):
         return inner  # ptdstream.interop.SourceBackedData: the fast path
     from . import _upstream
 
