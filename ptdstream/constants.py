@@ -42,7 +42,7 @@ import threading
 from typing import Iterator, Tuple
 
 from .interop import SourceBackedData
-from .pagecache import file_mapping, page_out
+from .pagecache import file_mapping, page_out, will_need
 from .sources import BufferRing, TensorSource
 
 _state = threading.local()
@@ -94,8 +94,11 @@ class MappedTensorSource(TensorSource):
     def pieces(self, ring: BufferRing):
         view = self._view()
         address = self._address()
-        for start in range(0, self.nbytes, ring.chunk_nbytes):
-            piece = view[start : start + ring.chunk_nbytes]
+        step = ring.chunk_nbytes
+        will_need(address, 2 * step, self.mapping)
+        for start in range(0, self.nbytes, step):
+            will_need(address + start + 2 * step, step, self.mapping)  # keep two pieces ahead
+            piece = view[start : start + step]
             buf = ring.next()[: len(piece)]
             buf[:] = piece
             page_out(address + start, len(piece), self.mapping)

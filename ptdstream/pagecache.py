@@ -81,6 +81,16 @@ def file_mapping(address: int, nbytes: int) -> Optional[Tuple[int, int]]:
     return None
 
 
+def will_need(address: int, nbytes: int, bounds: Tuple[int, int]) -> None:
+    """Start reading ``[address, address + nbytes)`` of a file mapping ahead of
+    use (``MADV_WILLNEED``: asynchronous read-ahead into the page cache; nothing
+    is mapped in). Clipped to ``bounds``; errors are ignored."""
+    start = max(bounds[0], address - address % _PAGE_NBYTES)
+    end = min(bounds[1], address + nbytes)
+    if end > start:
+        _libc.madvise(start, end - start, mmap.MADV_WILLNEED)
+
+
 def page_out(address: int, nbytes: int, bounds: Tuple[int, int]) -> None:
     """Ask the kernel to reclaim the pages of ``[address, address + nbytes)`` from
     this process now (``MADV_PAGEOUT``).

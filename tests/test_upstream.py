@@ -46,6 +46,38 @@ def test_cuda_weight_collector_names_and_signatures():
     assert {"_write_tensor_storage", "FileBackedData", "trim_host_memory"} <= set(names)
 
 
+def _global_users(module, name):
+    """Names of the module's functions (methods included) whose code loads the global ``name``."""
+    import dis
+
+    def codes(code):
+        yield code
+        for const in code.co_consts:
+            if inspect.iscode(const):
+                yield from codes(const)
+
+    functions = [v for v in vars(module).values() if inspect.isfunction(v) and v.__module__ == module.__name__]
+    for cls in (v for v in vars(module).values() if inspect.isclass(v) and v.__module__ == module.__name__):
+        functions += [f for f in vars(cls).values() if inspect.isfunction(f)]
+    for function in functions:
+        for code in codes(function.__code__):
+            if any(i.opname == "LOAD_GLOBAL" and i.argval == name for i in dis.get_instructions(code)):
+                yield function.__name__
+                break
+
+
+def test_emitter_copies_constants_with_one_bytes_call():
+    """constants_by_reference shadows ``bytes`` in the emitter module: that must stay
+    the one call that copies a constant, inside ``_tensor_spec_to_evalue(self, spec, ...)``."""
+    emitter = _upstream.emitter_module()
+    method = emitter._Emitter._tensor_spec_to_evalue
+    assert list(inspect.signature(method).parameters)[:2] == ["self", "spec"]
+    assert {"bytes", "ctypes", "hashlib"} <= set(method.__code__.co_names)
+    users = sorted(_global_users(emitter, "bytes"))
+    assert users == ["_tensor_spec_to_evalue"], f"other emitter code reads the global 'bytes': {users}"
+    assert "bytes" not in vars(emitter), "the emitter defines its own name 'bytes'"
+
+
 def test_checked_version_is_installed():
     import executorch.version
 
