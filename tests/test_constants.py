@@ -154,3 +154,16 @@ def test_memory_mapped_checkpoint_is_paged_out_and_saved_identically(tmp_path):
     # Each piece is copied into the ring, then its pages are paged out.
     assert _mapped_rss(checkpoint) <= 4 << 20
     assert read_folder(str(tmp_path / "ours")) == upstream
+
+
+def test_xnnpack_export_unchanged(tmp_path):
+    """XNNPACK packs its weights itself; whatever constants the emitter still sees are by reference."""
+    torch.manual_seed(0)
+    model = TiedLM().eval()
+    upstream = reference_files(export(model, xnnpack=True), str(tmp_path / "up"))
+    with ptdstream.constants_by_reference():
+        manager = export(model, xnnpack=True)
+    assert all(isinstance(c, StorageReference) for c in _constants(manager) if len(c))
+    (tmp_path / "ours").mkdir()
+    ptdstream.save(manager, str(tmp_path / "ours" / "model.pte"))
+    assert read_folder(str(tmp_path / "ours")) == upstream
