@@ -87,6 +87,22 @@ class EngineBackend(BackendDetails):
         )
 
 
+@final
+class BlobEngineBackend(BackendDetails):
+    """Builds one engine file per partition and hands the engine itself over as
+    the delegate blob (``PreprocessResult.processed_bytes``), still in its file:
+    :func:`ptdstream.blobs.file_blob`. Lower and emit inside
+    :func:`ptdstream.blobs.delegate_blobs_from_files`."""
+
+    @staticmethod
+    def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
+        from ptdstream.blobs import file_blob
+
+        specs = {s.key: s.value for s in compile_specs}
+        path, sha = _build_engine(edge_program, specs["engine_dir"].decode())
+        return PreprocessResult(processed_bytes=file_blob(path, sha256=sha), debug_handle_map={})
+
+
 class _AllCallFunctions(OperatorSupportBase):
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         return node.op == "call_function"
@@ -94,12 +110,14 @@ class _AllCallFunctions(OperatorSupportBase):
 
 @final
 class EnginePartitioner(Partitioner):
-    """Hands every operator (and the constants they use) to :class:`EngineBackend`."""
+    """Hands every operator (and the constants they use) to :class:`EngineBackend`
+    (``engine_as_blob=True``: to :class:`BlobEngineBackend`)."""
 
-    def __init__(self, engine_dir: str) -> None:
+    def __init__(self, engine_dir: str, engine_as_blob: bool = False) -> None:
         self.engine_dir = engine_dir
+        backend = BlobEngineBackend if engine_as_blob else EngineBackend
         self.delegation_spec = DelegationSpec(
-            EngineBackend.__name__, [CompileSpec("engine_dir", engine_dir.encode())]
+            backend.__name__, [CompileSpec("engine_dir", engine_dir.encode())]
         )
 
     def partition(self, edge_program: ExportedProgram) -> PartitionResult:

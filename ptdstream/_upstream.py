@@ -259,3 +259,18 @@ def emitter_module():
     from executorch.exir.emit import _emitter
 
     return _emitter
+
+
+#: What :func:`ptdstream.blobs.delegate_blobs_from_files` relies on: torch's
+#: ``torch/_export/verifier.py`` reads its global ``bytes`` only in
+#: ``Verifier._check_graph_module`` (``isinstance(processed_bytes, bytes)`` for a
+#: ``LoweredBackendModule``), and executorch's ``_Emitter._emit_delegate(self,
+#: lowered_module, args, kwargs)`` hashes and keeps ``lowered_module.processed_bytes``.
+VERIFIER_PATCHED = ("bytes",)
+
+
+def export_verifier_module():
+    """torch's export verifier module (``torch/_export/verifier.py``)."""
+    from torch._export import verifier
+
+    return verifier

@@ -78,6 +78,17 @@ def test_emitter_copies_constants_with_one_bytes_call():
     assert "bytes" not in vars(emitter), "the emitter defines its own name 'bytes'"
 
 
+def test_export_verifier_reads_bytes_once_for_delegate_blobs():
+    """delegate_blobs_from_files shadows ``bytes`` in torch's export verifier: it must stay
+    the processed_bytes check only; and the emitter's _emit_delegate must keep its shape."""
+    verifier = _upstream.export_verifier_module()
+    assert sorted(_global_users(verifier, "bytes")) == ["_check_graph_module"]
+    assert "bytes" not in vars(verifier)
+    emit = _upstream.emitter_module()._Emitter._emit_delegate
+    assert list(inspect.signature(emit).parameters)[:2] == ["self", "lowered_module"]
+    assert "processed_bytes" in emit.__code__.co_names
+
+
 def test_checked_version_is_installed():
     import executorch.version
 
