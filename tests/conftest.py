@@ -91,6 +91,18 @@ def reference_files(manager, folder: str) -> Dict[str, bytes]:
     return read_folder(folder)
 
 
+def mapped_rss(path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def read_folder(folder: str) -> Dict[str, bytes]:
     out = {}
     for name in sorted(os.listdir(folder)):

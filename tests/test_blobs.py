@@ -15,7 +15,7 @@ import ptdstream
 from ptdstream import blobs
 from ptdstream.blobs import FileBlob, delegate_blobs_from_files, file_blob
 
-from conftest import Mlp, read_folder, reference_files
+from conftest import Mlp, mapped_rss, read_folder, reference_files
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from engine_backend import EnginePartitioner  # noqa: E402
@@ -46,6 +46,7 @@ def test_file_blob_export_equals_bytes_blob_export(tmp_path, monkeypatch):
     data = [d.data for d in manager._emitter_output.program.backend_delegate_data]
     assert data and all(isinstance(b, FileBlob) for b in data)
     assert len({b._path for b in data}) == 1, "both methods built the same engine"
+    assert mapped_rss(data[0]._path) == 0, "the emitter used the blob's digest, not its mapping"
 
     def no_bytes_copy(self):
         raise AssertionError("a delegate blob was loaded into Python bytes")

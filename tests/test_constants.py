@@ -17,7 +17,7 @@ from ptdstream import _upstream
 from ptdstream.constants import StorageReference, reference
 from ptdstream.verify import verify_against_manager
 
-from conftest import Mlp, TiedLM, WithBuffer, example_inputs, export, read_folder, reference_files
+from conftest import Mlp, TiedLM, WithBuffer, example_inputs, export, mapped_rss, read_folder, reference_files
 
 
 def _constants(manager):
@@ -114,18 +114,6 @@ def test_reference_refuses_non_cpu_storage():
         reference(torch.empty(4, device="meta").untyped_storage())
 
 
-def _mapped_rss(path) -> int:
-    """Bytes of ``path``'s mappings resident in this process (``/proc/self/smaps``)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
-                inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 def test_memory_mapped_checkpoint_is_paged_out_and_saved_identically(tmp_path):
     from ptdstream.constants import MappedTensorSource
 
@@ -140,7 +128,7 @@ def test_memory_mapped_checkpoint_is_paged_out_and_saved_identically(tmp_path):
     with torch.device("meta"):
         mapped = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)]).eval()
     mapped.load_state_dict(torch.load(checkpoint, mmap=True, weights_only=True), assign=True)
-    assert _mapped_rss(checkpoint) < 1 << 20  # nothing read yet
+    assert mapped_rss(checkpoint) < 1 << 20  # nothing read yet
     with ptdstream.constants_by_reference():
         manager = export(mapped, config=config, inputs=(torch.randn(1, 1024),))
     constants = [c for c in _constants(manager) if len(c)]
@@ -148,11 +136,11 @@ def test_memory_mapped_checkpoint_is_paged_out_and_saved_identically(tmp_path):
     assert all(isinstance(c.source, MappedTensorSource) for c in constants)
     # Paged out after the emitter's SHA-256: at most a few MiB of the 64 MiB it read stay mapped in
     # (paging out is advice: a page under read-ahead or in a large folio may stay).
-    assert _mapped_rss(checkpoint) <= 4 << 20
+    assert mapped_rss(checkpoint) <= 4 << 20
     (tmp_path / "ours").mkdir()
     ptdstream.save(manager, str(tmp_path / "ours" / "model.pte"), chunk_nbytes=1 << 20)
     # Each piece is copied into the ring, then its pages are paged out.
-    assert _mapped_rss(checkpoint) <= 4 << 20
+    assert mapped_rss(checkpoint) <= 4 << 20
     assert read_folder(str(tmp_path / "ours")) == upstream
 
 
