@@ -42,19 +42,20 @@ from typing import Iterator, Optional, Union
 
 from executorch.exir._serialize._cord import FileBackedData
 
+from .interop import BytesLike, bytes_like_type
 from .pagecache import page_out
 
 _lock = threading.Lock()
 _active = 0
 
 
-class FileBlob(FileBackedData):
+class FileBlob(BytesLike, FileBackedData):
     """A delegate blob read from a file, usable where executorch expects ``bytes``.
 
     Made by :func:`file_blob`. ``len()`` is the file size in bytes; equality and
     ``hash()`` follow the content (SHA-256, read from the file once), as for
-    ``bytes``; ``memoryview``/``hashlib`` read the mapping in place. Copying
-    returns the same object; pickling gives plain ``bytes`` (a full read).
+    ``bytes``; ``memoryview``/``hashlib`` read the mapping in place; copying and
+    pickling as for :class:`~ptdstream.interop.BytesLike`.
     The file must not change until the program is saved.
     """
 
@@ -75,15 +76,6 @@ class FileBlob(FileBackedData):
     def __bool__(self) -> bool:
         return len(self) > 0
 
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return (bytes, (bytes(memoryview(self)),))
-
     def __repr__(self) -> str:
         return f"<FileBlob {self._path!r} ({len(self)} bytes)>"
 
@@ -91,11 +83,6 @@ class FileBlob(FileBackedData):
         """Reclaim the mapping's pages from this process (advice; the file is unchanged)."""
         start = ctypes.addressof(self)
         page_out(start, len(self), (start, start + len(self) + (-len(self)) % mmap.PAGESIZE))
-
-
-@functools.lru_cache(maxsize=None)
-def _blob_type(nbytes: int) -> type:
-    return type("FileBlob", (FileBlob, ctypes.c_char * nbytes), {})
 
 
 def file_blob(path: Union[str, os.PathLike], sha256: Optional[bytes] = None) -> Union[FileBlob, bytes]:
@@ -121,7 +108,7 @@ def file_blob(path: Union[str, os.PathLike], sha256: Optional[bytes] = None) -> 
         # ACCESS_COPY: a private mapping (ctypes needs a writable buffer); nothing
         # ever writes to it, so every page stays the file's.
         mapping = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)
-    blob = _blob_type(nbytes).from_buffer(mapping)  # keeps the mapping alive
+    blob = bytes_like_type(FileBlob, nbytes).from_buffer(mapping)  # keeps the mapping alive
     blob._path, blob._size, blob._sha256, blob._finalizer = path, nbytes, sha256, None
     return blob
 

@@ -41,7 +41,7 @@ import hashlib
 import threading
 from typing import Iterator, Tuple
 
-from .interop import SourceBackedData
+from .interop import BytesLike, SourceBackedData, bytes_like_type
 from .pagecache import file_mapping, page_out, will_need
 from .sources import BufferRing, TensorSource
 
@@ -50,15 +50,15 @@ _lock = threading.Lock()
 _active = 0
 
 
-class StorageReference(SourceBackedData):
+class StorageReference(BytesLike, SourceBackedData):
     """A constant's bytes as a reference to its CPU storage (no copy).
 
     Instances come from :func:`reference`; each is also a ``c_char`` array over
     the storage's memory (the buffer protocol: ``hashlib``, ``memoryview`` and
-    ``file.write`` read it in place) and a ``FileBackedData``. ``len()`` is the
+    ``file.write`` read it in place) and a ``FileBackedData``; copying and
+    pickling as for :class:`~ptdstream.interop.BytesLike`. ``len()`` is the
     storage size in bytes; ``file_mapped`` says whether the storage lies in a
-    file-backed mapping (then its source is a :class:`MappedTensorSource`). Copying returns the same object (``copy.deepcopy`` of
-    a program shares it, as it shares ``bytes``); pickling gives plain ``bytes``.
+    file-backed mapping (then its source is a :class:`MappedTensorSource`).
     """
 
     def sha256(self) -> bytes:
@@ -66,15 +66,6 @@ class StorageReference(SourceBackedData):
         if self._sha256 is None:
             self._sha256 = hashlib.sha256(self).digest()
         return self._sha256
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return (bytes, (bytes(memoryview(self)),))
 
     def __repr__(self) -> str:
         return f"<StorageReference {len(self)} bytes at 0x{ctypes.addressof(self):x}>"
@@ -119,11 +110,6 @@ class MappedTensorSource(TensorSource):
         return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
-@functools.lru_cache(maxsize=None)
-def _reference_type(nbytes: int) -> type:
-    return type("StorageReference", (StorageReference, ctypes.c_char * nbytes), {})
-
-
 def reference(storage) -> StorageReference:
     """A :class:`StorageReference` over a CPU ``torch.UntypedStorage`` (all its bytes).
 
@@ -136,7 +122,7 @@ def reference(storage) -> StorageReference:
         raise ValueError(f"a storage reference needs a CPU storage, got one on {storage.device}")
     nbytes = storage.nbytes()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-    ref = _reference_type(nbytes).from_address(storage.data_ptr())
+    ref = bytes_like_type(StorageReference, nbytes).from_address(storage.data_ptr())
     mapping = file_mapping(storage.data_ptr(), nbytes) if nbytes else None
     label = f"constant storage ({nbytes} bytes)"
     source = MappedTensorSource(flat, mapping, label) if mapping else TensorSource(flat, label)

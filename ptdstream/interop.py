@@ -11,6 +11,8 @@ streams the source directly (the fast path).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 from typing import Any
 
@@ -68,3 +70,28 @@ class SourceBackedData(FileBackedData):
 
     def close(self) -> None:
         """Nothing to remove: the source is not a temp file."""
+
+
+class BytesLike:
+    """Mixin for a ``FileBackedData`` that is also a ``c_char`` array over memory
+    it does not own (see :func:`bytes_like_type`): it reads in place through the
+    buffer protocol (``hashlib``, ``memoryview``, ``file.write``). Copying
+    returns the same object, as for ``bytes`` (``copy.deepcopy`` of an
+    executorch program shares it); pickling gives plain ``bytes`` (a full read).
+    """
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (bytes, (bytes(memoryview(self)),))
+
+
+@functools.lru_cache(maxsize=None)
+def bytes_like_type(mixin: type, nbytes: int) -> type:
+    """``mixin`` (a :class:`BytesLike` ``FileBackedData`` class) combined with
+    ``ctypes.c_char * nbytes``; make instances with ``.from_address``/``.from_buffer``."""
+    return type(mixin.__name__, (mixin, ctypes.c_char * nbytes), {})

@@ -310,12 +310,12 @@ def _file_checks(path: str, art: Artifact, expected_kind: str) -> List[Check]:
     checks.append(Check(path, "flatbuffer", True, f"parses ({art.flatbuffer_end:,} bytes with header)"))
     end = art.segment_base_offset + art.segment_data_nbytes
     checks.append(Check(path, "segments in bounds", True,
-                        f"{len(art.segments)} segments; base {art.segment_base_offset:,} + data "
+                        f"{len(art.segments)} segment{'' if len(art.segments) == 1 else 's'}; base {art.segment_base_offset:,} + data "
                         f"{art.segment_data_nbytes:,} = {end:,} <= file size {art.file_nbytes:,}"))
     if art.constant_segment_index is not None:
         seg = art.segments[art.constant_segment_index]
         checks.append(Check(path, "constant offsets", True,
-                            f"{len(art.constant_offsets)} offsets within segment {seg.index} ({seg.nbytes:,} bytes)"))
+                            f"{len(art.constant_offsets)} offset{'' if len(art.constant_offsets) == 1 else 's'} within segment {seg.index} ({seg.nbytes:,} bytes)"))
     checks.append(Check(path, "named keys", True, f"{len(art.named)} keys resolve to segments"))
     counts: Dict[str, int] = {}
     for e in art.named:
