@@ -8,7 +8,9 @@ is imported where it is used.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import contextlib
+import threading
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 CHECKED_VERSIONS = ("1.5.1",)
 
@@ -274,3 +276,35 @@ def export_verifier_module():
     from torch._export import verifier
 
     return verifier
+
+
+_shadow_lock = threading.Lock()
+_shadows: Dict[Tuple[int, str], list] = {}  # (id(owner), name) -> [count, had_own, original]
+
+
+@contextlib.contextmanager
+def shadowed(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``owner.name = value`` (a module global or a class attribute) while any
+    context for it is active; the first entry sets it, the last exit restores the
+    original (or removes the name when ``owner`` did not define it itself).
+    Entering again while active keeps the first value. Exits may happen in any
+    thread and in any order."""
+    key = (id(owner), name)
+    with _shadow_lock:
+        entry = _shadows.get(key)
+        if entry is None:
+            had_own = name in vars(owner)
+            entry = _shadows[key] = [0, had_own, vars(owner).get(name)]
+            setattr(owner, name, value)
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _shadow_lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _shadows[key]
+                if entry[1]:
+                    setattr(owner, name, entry[2])
+                else:
+                    delattr(owner, name)

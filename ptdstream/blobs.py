@@ -22,8 +22,7 @@ is shadowed by a type whose ``isinstance`` also accepts a :class:`FileBlob`
 (the only use of ``bytes`` there, pinned by ``tests/test_upstream.py``). The
 emitter's ``hashlib.sha256(processed_bytes)`` is answered from the blob's
 SHA-256 (given to :func:`file_blob`, or read from the file once), so the
-mapping is not read at all on the way to the save; in case something reads it,
-its pages are paged out of the process after emission. The smallest upstream
+mapping is not read at all on the way to the save. The smallest upstream
 change that would make this context unnecessary: let that verifier check
 accept ``FileBackedData``.
 """
@@ -32,30 +31,22 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
-import functools
-import hashlib
 import mmap
 import os
-import threading
 from typing import Iterator, Optional, Union
 
 from executorch.exir._serialize._cord import FileBackedData
 
-from .interop import BytesLike, bytes_like_type
-from .pagecache import page_out
-
-_lock = threading.Lock()
-_active = 0
+from .interop import EMITTER_HASHLIB, ByReference, bytes_like_type
 
 
-class FileBlob(BytesLike, FileBackedData):
+class FileBlob(ByReference, FileBackedData):
     """A delegate blob read from a file, usable where executorch expects ``bytes``.
 
     Made by :func:`file_blob`. ``len()`` is the file size in bytes; equality and
     ``hash()`` follow the content (SHA-256, read from the file once), as for
     ``bytes``; ``memoryview``/``hashlib`` read the mapping in place; copying and
-    pickling as for :class:`~ptdstream.interop.BytesLike`.
+    pickling as for :class:`~ptdstream.interop.ByReference`.
     The file must not change until the program is saved.
     """
 
@@ -78,11 +69,6 @@ class FileBlob(BytesLike, FileBackedData):
 
     def __repr__(self) -> str:
         return f"<FileBlob {self._path!r} ({len(self)} bytes)>"
-
-    def page_out(self) -> None:
-        """Reclaim the mapping's pages from this process (advice; the file is unchanged)."""
-        start = ctypes.addressof(self)
-        page_out(start, len(self), (start, start + len(self) + (-len(self)) % mmap.PAGESIZE))
 
 
 def file_blob(path: Union[str, os.PathLike], sha256: Optional[bytes] = None) -> Union[FileBlob, bytes]:
@@ -122,37 +108,6 @@ class _BytesOrFileBlob(metaclass=_BytesOrFileBlobMeta):
     """What ``bytes`` means to torch's export verifier inside :func:`delegate_blobs_from_files`."""
 
 
-class _Digest:
-    """A finished SHA-256 (the ``digest``/``hexdigest`` part of hashlib's interface)."""
-
-    name = "sha256"
-    digest_size = 32
-
-    def __init__(self, digest: bytes) -> None:
-        self._digest = digest
-
-    def digest(self) -> bytes:
-        return self._digest
-
-    def hexdigest(self) -> str:
-        return self._digest.hex()
-
-
-class _EmitterHashlib:
-    """``hashlib`` as the emitter module sees it inside :func:`delegate_blobs_from_files`:
-    ``sha256(blob)`` of a :class:`FileBlob` uses its digest (no read of the mapping);
-    everything else is hashlib's."""
-
-    def __getattr__(self, name):
-        return getattr(hashlib, name)
-
-    @staticmethod
-    def sha256(data=b"", **kwargs):
-        if isinstance(data, FileBlob) and not kwargs:
-            return _Digest(data.sha256())
-        return hashlib.sha256(data, **kwargs)
-
-
 @contextlib.contextmanager
 def delegate_blobs_from_files() -> Iterator[None]:
     """While active, delegate blobs made by :func:`file_blob` pass lowering and emission.
@@ -163,39 +118,14 @@ def delegate_blobs_from_files() -> Iterator[None]:
     ``SpecViolationError`` ("processed_bytes(bytes) : <class '...FileBlob'>").
     Nests; the patches are removed when the last context exits. They are
     process-wide while active (the verifier check only widens to accept a
-    ``FileBlob``; other blobs are checked as before).
+    ``FileBlob``, and only a ``FileBlob`` or a constant reference is hashed
+    differently: by its own ``sha256()``).
 
     Raises:
         ImportError: torch's export verifier or executorch's emitter is not importable.
     """
-    from ._upstream import emitter_module, export_verifier_module
+    from ._upstream import emitter_module, export_verifier_module, shadowed
 
-    global _active
-    verifier = export_verifier_module()
-    emitter = emitter_module()
-    with _lock:
-        if _active == 0:
-            real = emitter._Emitter._emit_delegate
-
-            @functools.wraps(real)
-            def emit_delegate(self, lowered_module, *args, **kwargs):
-                value = real(self, lowered_module, *args, **kwargs)
-                blob = lowered_module.processed_bytes
-                if isinstance(blob, FileBlob):
-                    blob.page_out()  # the emitter has hashed it
-                return value
-
-            emit_delegate.__wrapped_by_ptdstream__ = real
-            emitter._Emitter._emit_delegate = emit_delegate
-            emitter.hashlib = _EmitterHashlib()
-            verifier.bytes = _BytesOrFileBlob
-        _active += 1
-    try:
+    with shadowed(export_verifier_module(), "bytes", _BytesOrFileBlob), \
+            shadowed(emitter_module(), "hashlib", EMITTER_HASHLIB):
         yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                emitter._Emitter._emit_delegate = emitter._Emitter._emit_delegate.__wrapped_by_ptdstream__
-                emitter.hashlib = hashlib
-                del verifier.bytes

@@ -8,101 +8,138 @@ the copy and keeps it in ``constant_buffer`` (``.pte``), ``mutable_buffer`` or
 copy of every weight, on top of the model's own.
 
 Inside :func:`constants_by_reference`, that one ``bytes(...)`` call returns a
-:class:`StorageReference` instead: a zero-copy view of the same storage that
-keeps the storage alive, exposes the buffer protocol (so the emitter's SHA-256
-reads the weights in place and its dedup classes are unchanged) and is a
-``FileBackedData`` (executorch's ``Cord`` and ``NamedDataStore`` take it as they
-take a file). ``ptdstream.save`` streams it from the tensor; upstream's
+:class:`StorageReference` instead: a ``FileBackedData`` (executorch's ``Cord``
+and ``NamedDataStore`` take it as they take a file) that reads the storage
+through a :class:`~ptdstream.sources.TensorSource`, which re-checks the
+storage's address and size at every read. The emitter's
+``hashlib.sha256(...)`` of it is computed by streaming those pieces (so its
+dedup classes are upstream's), and an xxh3-128 fingerprint is taken in the same
+pass: the save refuses, naming the key, a constant whose bytes changed after
+emission. ``ptdstream.save`` streams it from the tensor; upstream's
 ``write_to_file`` still writes the same bytes.
 
-How: the emitter module's global name ``bytes`` is shadowed while the context
-is active (builtins are looked up in module globals first), and
-``_Emitter._tensor_spec_to_evalue`` is wrapped to know which spec it is
-emitting; only a call whose argument is exactly that spec's CPU storage is
-answered with a reference. No upstream code is copied. The names are listed in
-:mod:`ptdstream._upstream` and checked by ``tests/test_upstream.py``.
+How: the emitter module's global names ``bytes`` and ``hashlib`` are shadowed
+while a context is active (builtins and imports are looked up in module
+globals), and ``_Emitter._tensor_spec_to_evalue`` is wrapped to know which spec
+it is emitting; only a call whose argument is exactly that spec's CPU storage
+is answered with a reference, and only in a context (thread or asyncio task)
+that entered :func:`constants_by_reference`. No upstream code is copied. The
+names are listed in :mod:`ptdstream._upstream` and checked by
+``tests/test_upstream.py``.
 
-A storage mapped from a file (``torch.load(mmap=True)``, safetensors) is paged
-out of the process (``MADV_PAGEOUT``) once the emitter has hashed it and again
-after each piece of the save is copied out, so a memory-mapped checkpoint is never resident
-as a whole; its bytes are read from the mapping, so in-place changes are kept.
-
-Caveat: the output holds the tensors' contents at save time, not at
-``to_executorch`` time; do not modify the weights in place in between.
+A storage mapped from a file (``torch.load(mmap=True)``, safetensors) is read
+piece by piece into a ring and each piece's pages are paged out of the process
+(``MADV_PAGEOUT``) at once, both for the emitter's hash and for the save, so a
+memory-mapped checkpoint is never resident as a whole.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
+import itertools
+import os
 import threading
-from typing import Iterator, Tuple
+from typing import Iterator
 
-from .interop import BytesLike, SourceBackedData, bytes_like_type
-from .pagecache import file_mapping, page_out, will_need
+from .errors import IntegrityError
+from .fingerprint import StreamingDigest
+from .interop import EMITTER_HASHLIB, ByReference, SourceBackedData
+from .pagecache import FileMapping, file_mapping, page_out, will_need
 from .sources import BufferRing, TensorSource
 
-_state = threading.local()
-_lock = threading.Lock()
-_active = 0
+# Contexts entered by the current thread or task (ids), and those still open anywhere:
+# a context exited from another thread is closed for the one that entered it too.
+_entered: contextvars.ContextVar = contextvars.ContextVar("ptdstream_constants_by_reference", default=())
+_open: set = set()
+_ids = itertools.count()
+_emitting = threading.local()  # the spec being emitted (set and cleared within one call)
 
 
-class StorageReference(BytesLike, SourceBackedData):
+class StorageReference(ByReference, SourceBackedData):
     """A constant's bytes as a reference to its CPU storage (no copy).
 
-    Instances come from :func:`reference`; each is also a ``c_char`` array over
-    the storage's memory (the buffer protocol: ``hashlib``, ``memoryview`` and
-    ``file.write`` read it in place) and a ``FileBackedData``; copying and
-    pickling as for :class:`~ptdstream.interop.BytesLike`. ``len()`` is the
-    storage size in bytes; ``file_mapped`` says whether the storage lies in a
-    file-backed mapping (then its source is a :class:`MappedTensorSource`).
+    Made by :func:`reference`. ``len()`` is the storage size in bytes;
+    ``source`` reads it (a :class:`MappedTensorSource` when ``file_mapped``).
+    :meth:`sha256` streams it once and records ``source.expected_fingerprint``
+    (xxh3-128) in the same pass. Copying returns the same object; pickling
+    gives plain ``bytes`` (see :class:`~ptdstream.interop.ByReference`).
     """
 
+    file_mapped = False
+
     def sha256(self) -> bytes:
-        """SHA-256 of the bytes, read in place (cached)."""
+        """SHA-256 of the bytes, streamed from the storage (cached)."""
         if self._sha256 is None:
-            self._sha256 = hashlib.sha256(self).digest()
+            sha, xxh = hashlib.sha256(), StreamingDigest()
+            for piece in self._pieces():
+                sha.update(piece)
+                xxh.update(piece)
+            self._sha256 = sha.digest()
+            self.source.expected_fingerprint = xxh.finish()
         return self._sha256
 
     def __repr__(self) -> str:
-        return f"<StorageReference {len(self)} bytes at 0x{ctypes.addressof(self):x}>"
+        return f"<StorageReference {self.source.describe()} ({len(self)} bytes)>"
 
 
 class MappedTensorSource(TensorSource):
     """A :class:`~ptdstream.sources.TensorSource` over file-mapped memory (a
-    checkpoint loaded with ``mmap``): each piece is copied into the ring and its
-    pages are paged out of this process at once, so reading a whole checkpoint
-    leaves about one piece resident (the sink may hold ring pieces, never
-    views of the mapping)."""
+    checkpoint loaded with ``mmap``).
 
-    def __init__(self, tensor, mapping: Tuple[int, int], label: str = "tensor") -> None:  # noqa: D107
+    Each piece is copied into the ring and its pages are paged out of this
+    process at once (read-ahead keeps two pieces ahead), so reading a whole
+    checkpoint leaves about one piece resident. Before reading, the file is
+    checked to be the one mapped and still long enough: a checkpoint shrunk
+    under a mapping would otherwise kill the process with SIGBUS.
+
+    Raises:
+        IntegrityError: the checkpoint file was replaced or truncated.
+    """
+
+    def __init__(self, tensor, mapping: FileMapping, label: str = "tensor") -> None:  # noqa: D107
         super().__init__(tensor, label)
         self.mapping = mapping
 
+    def _check_file(self) -> None:
+        m = self.mapping
+        if m.path.endswith(" (deleted)"):
+            return  # unlinked: nobody can reach it by name to change it
+        try:
+            st = os.stat(m.path)
+        except FileNotFoundError:
+            return  # unlinked since it was mapped: the mapping keeps the inode
+        needed = m.offset + (self._address() - m.start) + self.nbytes
+        if st.st_ino != m.inode or st.st_size < needed:
+            raise IntegrityError(
+                f"{self.describe()}: its checkpoint file {m.path} was replaced or "
+                f"truncated after it was mapped (needs {needed:,} bytes, has {st.st_size:,})"
+            )
+
     def pieces(self, ring: BufferRing):
+        self._check_file()
         view = self._view()
         address = self._address()
         step = ring.chunk_nbytes
-        will_need(address, 2 * step, self.mapping)
+        bounds = (self.mapping.start, self.mapping.stop)
+        will_need(address, 2 * step, bounds)
         for start in range(0, self.nbytes, step):
-            will_need(address + start + 2 * step, step, self.mapping)  # keep two pieces ahead
+            will_need(address + start + 2 * step, step, bounds)  # keep two pieces ahead
             piece = view[start : start + step]
             buf = ring.next()[: len(piece)]
             buf[:] = piece
-            page_out(address + start, len(piece), self.mapping)
+            page_out(address + start, len(piece), bounds)
             yield buf
 
-    def page_out(self) -> None:
-        """Reclaim all of this tensor's pages from the process (advice)."""
-        page_out(self._address(), self.nbytes, self.mapping)
-
     def prefix(self, nbytes: int = 32) -> bytes:
+        self._check_file()
         head = super().prefix(nbytes)
         # The fault maps (and reads ahead) more than the page it needs.
-        page_out(self._address(), min(self.nbytes, 1 << 20), self.mapping)
+        page_out(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
         return head
 
     def _address(self) -> int:
@@ -122,18 +159,16 @@ def reference(storage) -> StorageReference:
         raise ValueError(f"a storage reference needs a CPU storage, got one on {storage.device}")
     nbytes = storage.nbytes()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-    ref = bytes_like_type(StorageReference, nbytes).from_address(storage.data_ptr())
     mapping = file_mapping(storage.data_ptr(), nbytes) if nbytes else None
     label = f"constant storage ({nbytes} bytes)"
-    source = MappedTensorSource(flat, mapping, label) if mapping else TensorSource(flat, label)
-    SourceBackedData.__init__(ref, source)
+    ref = StorageReference(MappedTensorSource(flat, mapping, label) if mapping else TensorSource(flat, label))
     ref.file_mapped = mapping is not None
     return ref
 
 
 def _emitter_bytes(*args, **kwargs):
     """``bytes`` as the emitter module sees it while :func:`constants_by_reference` is active."""
-    spec = getattr(_state, "spec", None)
+    spec = getattr(_emitting, "spec", None)
     if spec is not None and len(args) == 1 and not kwargs and isinstance(args[0], ctypes.Array):
         storage = spec.storage
         view = args[0]
@@ -143,10 +178,26 @@ def _emitter_bytes(*args, **kwargs):
             and ctypes.addressof(view) == storage.data_ptr()
             and ctypes.sizeof(view) == storage.nbytes()
         ):
-            _state.spec = None
-            _state.made = reference(storage)
-            return _state.made
+            _emitting.spec = None
+            return reference(storage)
     return builtins.bytes(*args, **kwargs)
+
+
+def _spec_tracking(real):
+    """Wrap ``_Emitter._tensor_spec_to_evalue`` so that :func:`_emitter_bytes` knows the spec."""
+
+    @functools.wraps(real)
+    def tensor_spec_to_evalue(self, spec, *args, **kwargs):
+        if not any(i in _open for i in _entered.get()):  # a thread or task outside any context
+            return real(self, spec, *args, **kwargs)
+        outer = getattr(_emitting, "spec", None)
+        _emitting.spec = spec
+        try:
+            return real(self, spec, *args, **kwargs)
+        finally:
+            _emitting.spec = outer
+
+    return tensor_spec_to_evalue
 
 
 @contextlib.contextmanager
@@ -156,49 +207,32 @@ def constants_by_reference() -> Iterator[None]:
     Wrap ``to_executorch()`` (where the emitter runs); save the manager with
     ``ptdstream.save`` (streams each constant from its tensor) or upstream's
     writers (the same bytes). Host memory saved: one copy of every constant
-    (weights, mutable buffers' initial state, external constants). Nests; it
-    applies to the calling thread only (other threads emit as upstream does);
-    the patch is removed when the last context exits.
+    (weights, mutable buffers' initial state, external constants). Do not
+    change the weights in place between ``to_executorch()`` and the save:
+    ``ptdstream.save`` then raises ``IntegrityError`` naming the key (upstream's
+    writers would write the new bytes).
+
+    It applies to the calling thread or asyncio task (``contextvars``); other
+    threads emit as upstream does. Nests; it may be exited from another thread;
+    the patches are removed when the last context exits.
 
     Raises:
         ImportError: executorch's emitter is not importable.
     """
-    from ._upstream import emitter_module
+    from ._upstream import emitter_module, shadowed
 
-    global _active
     module = emitter_module()
-    with _lock:
-        if _active == 0:
-            real = module._Emitter._tensor_spec_to_evalue
-
-            @functools.wraps(real)
-            def tensor_spec_to_evalue(self, spec, *args, **kwargs):
-                if not getattr(_state, "depth", 0):  # another thread, outside any context
-                    return real(self, spec, *args, **kwargs)
-                outer = getattr(_state, "spec", None)
-                _state.spec, _state.made = spec, None
-                try:
-                    value = real(self, spec, *args, **kwargs)
-                    made = _state.made
-                    if made is not None and made.file_mapped:
-                        made.source.page_out()  # the emitter has read it (SHA-256)
-                    return value
-                finally:
-                    _state.spec, _state.made = outer, None
-
-            tensor_spec_to_evalue.__wrapped_by_ptdstream__ = real
-            module._Emitter._tensor_spec_to_evalue = tensor_spec_to_evalue
-            module.bytes = _emitter_bytes
-        _active += 1
-    _state.depth = getattr(_state, "depth", 0) + 1
+    context_id = next(_ids)
+    _open.add(context_id)
+    token = _entered.set(_entered.get() + (context_id,))
     try:
-        yield
+        with shadowed(module, "bytes", _emitter_bytes), shadowed(module, "hashlib", EMITTER_HASHLIB), \
+                shadowed(module._Emitter, "_tensor_spec_to_evalue",
+                         _spec_tracking(module._Emitter._tensor_spec_to_evalue)):
+            yield
     finally:
-        _state.depth -= 1
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                module._Emitter._tensor_spec_to_evalue = (
-                    module._Emitter._tensor_spec_to_evalue.__wrapped_by_ptdstream__
-                )
-                del module.bytes
+        _open.discard(context_id)
+        try:
+            _entered.reset(token)
+        except ValueError:
+            pass  # exited in another thread: the id is closed, which is what counts

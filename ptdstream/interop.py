@@ -72,13 +72,13 @@ class SourceBackedData(FileBackedData):
         """Nothing to remove: the source is not a temp file."""
 
 
-class BytesLike:
-    """Mixin for a ``FileBackedData`` that is also a ``c_char`` array over memory
-    it does not own (see :func:`bytes_like_type`): it reads in place through the
-    buffer protocol (``hashlib``, ``memoryview``, ``file.write``). Copying
-    returns the same object, as for ``bytes`` (``copy.deepcopy`` of an
-    executorch program shares it); pickling gives plain ``bytes`` (a full read).
-    """
+class ByReference:
+    """Mixin for a ``FileBackedData`` that stands for data it does not copy (a
+    tensor storage, a file): copying returns the same object, as for ``bytes``
+    (``copy.deepcopy`` of an executorch program shares it); pickling gives plain
+    ``bytes`` (a full read through :meth:`to_bytes`). Inside ptdstream's
+    emitter patches, ``hashlib.sha256(obj)`` is answered by ``obj.sha256()``
+    (:class:`EmitterHashlib`)."""
 
     def __copy__(self):
         return self
@@ -87,11 +87,46 @@ class BytesLike:
         return self
 
     def __reduce__(self):
-        return (bytes, (bytes(memoryview(self)),))
+        return (bytes, (self.to_bytes(),))
 
 
 @functools.lru_cache(maxsize=None)
 def bytes_like_type(mixin: type, nbytes: int) -> type:
-    """``mixin`` (a :class:`BytesLike` ``FileBackedData`` class) combined with
-    ``ctypes.c_char * nbytes``; make instances with ``.from_address``/``.from_buffer``."""
+    """``mixin`` combined with ``ctypes.c_char * nbytes`` (the buffer protocol over
+    memory the instance does not own); make instances with ``.from_buffer``."""
     return type(mixin.__name__, (mixin, ctypes.c_char * nbytes), {})
+
+
+class _Digest:
+    """A finished SHA-256 (the ``digest``/``hexdigest`` part of hashlib's interface)."""
+
+    name = "sha256"
+    digest_size = 32
+
+    def __init__(self, digest: bytes) -> None:
+        self._digest = digest
+
+    def digest(self) -> bytes:
+        return self._digest
+
+    def hexdigest(self) -> str:
+        return self._digest.hex()
+
+
+class EmitterHashlib:
+    """``hashlib`` as executorch's emitter module sees it while ptdstream's
+    patches are active: ``sha256(data)`` of a :class:`ByReference` object is
+    ``data.sha256()`` (streamed from its source, never a mapping or a copy);
+    everything else is hashlib's."""
+
+    def __getattr__(self, name):
+        return getattr(hashlib, name)
+
+    @staticmethod
+    def sha256(data=b"", **kwargs):
+        if isinstance(data, ByReference) and not kwargs:
+            return _Digest(data.sha256())
+        return hashlib.sha256(data, **kwargs)
+
+
+EMITTER_HASHLIB = EmitterHashlib()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -60,11 +60,23 @@ def drop_pages(fd: int, offset: int, nbytes: int) -> None:
             pass
 
 
-def file_mapping(address: int, nbytes: int) -> Optional[Tuple[int, int]]:
-    """``(start, stop)`` of the file-backed mapping of this process that holds
-    ``[address, address + nbytes)`` whole (``/proc/self/maps``: a mapping with an
-    inode), such as the storages of ``torch.load(mmap=True)`` or safetensors;
-    None when there is none or ``/proc`` cannot be read."""
+class FileMapping(NamedTuple):
+    """One file-backed mapping of this process (a line of ``/proc/self/maps``):
+    its address range, the file's path, the file offset at ``start`` and the
+    file's inode."""
+
+    start: int
+    stop: int
+    path: str
+    offset: int
+    inode: int
+
+
+def file_mapping(address: int, nbytes: int) -> Optional[FileMapping]:
+    """The file-backed mapping of this process that holds ``[address, address +
+    nbytes)`` whole (a mapping with an inode), such as the storages of
+    ``torch.load(mmap=True)`` or safetensors; None when there is none or
+    ``/proc`` cannot be read."""
     end = address + nbytes
     try:
         with open("/proc/self/maps", "rb") as f:
@@ -73,9 +85,10 @@ def file_mapping(address: int, nbytes: int) -> Optional[Tuple[int, int]]:
                 start_s, _, stop_s = fields[0].partition(b"-")
                 start, stop = int(start_s, 16), int(stop_s, 16)
                 if start <= address < stop:
-                    if end <= stop and len(fields) >= 5 and fields[4] != b"0":
-                        return start, stop
-                    return None
+                    if end > stop or len(fields) < 6 or fields[4] == b"0":
+                        return None
+                    path = os.fsdecode(fields[5].rstrip(b"\n"))
+                    return FileMapping(start, stop, path, int(fields[2], 16), int(fields[4]))
     except OSError:
         pass
     return None

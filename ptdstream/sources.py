@@ -68,6 +68,12 @@ class Source(ABC):
     #: Size in bytes, fixed when the source is created.
     nbytes: int
 
+    #: A :class:`~ptdstream.fingerprint.Fingerprint` the bytes must still have
+    #: when they are written (set where the data was digested before, e.g. when
+    #: executorch's emitter hashed a constant); the writer raises
+    #: ``IntegrityError`` and publishes nothing when they differ.
+    expected_fingerprint = None
+
     @abstractmethod
     def describe(self) -> str:
         """Where the bytes come from, for error messages ("file /a/b offset 0")."""

@@ -180,6 +180,12 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
             f"{extent.nbytes} planned; nothing was published"
         )
     result = digest.finish()
+    expected = extent.source.expected_fingerprint
+    if expected is not None and result != expected:
+        raise IntegrityError(
+            f"{where}: {extent.source.describe()} changed after it was handed over "
+            f"(digest {result.hex} != {expected.hex} when emitted); nothing was published"
+        )
     if extent.fingerprint is not None and result != extent.fingerprint:
         raise IntegrityError(
             f"{where}: {extent.source.describe()} changed since the plan (digest "

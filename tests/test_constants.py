@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import ctypes
+import os
 import hashlib
 import pickle
 import threading
@@ -48,7 +48,7 @@ def test_by_reference_files_equal_upstream_copies(case, tmp_path):
     constants = [c for c in _constants(manager) if len(c)]
     assert constants and all(isinstance(c, StorageReference) for c in constants)
     addresses = {p.data_ptr() for p in model.state_dict().values()}
-    assert any(ctypes.addressof(c) in addresses for c in constants), "no reference points into the model"
+    assert any(c.source._tensor.data_ptr() in addresses for c in constants), "no reference points into the model"
 
     (tmp_path / "ours").mkdir()
     ptdstream.save(manager, str(tmp_path / "ours" / "model.pte"))
@@ -97,11 +97,16 @@ def test_other_threads_emit_bytes():
 
 
 def test_reference_reads_in_place_and_copies_as_itself():
+    from ptdstream.interop import EMITTER_HASHLIB
+
     t = torch.arange(1000, dtype=torch.float32)
     ref = reference(t.untyped_storage())
     data = t.numpy().tobytes()
-    assert len(ref) == 4000 and ctypes.addressof(ref) == t.data_ptr()
-    assert hashlib.sha256(ref).digest() == ref.sha256() == hashlib.sha256(data).digest()
+    assert len(ref) == 4000 and ref.source._tensor.data_ptr() == t.data_ptr()
+    assert EMITTER_HASHLIB.sha256(ref).digest() == ref.sha256() == hashlib.sha256(data).digest()
+    assert ref.source.expected_fingerprint.nbytes == 4000
+    with pytest.raises(TypeError):
+        memoryview(ref)  # no raw view of memory it does not own
     assert ref.prefix(8) == data[:8] and ref.to_bytes() == data
     assert copy.deepcopy(ref) is ref and copy.copy(ref) is ref
     assert pickle.loads(pickle.dumps(ref)) == data
@@ -155,3 +160,86 @@ def test_xnnpack_export_unchanged(tmp_path):
     (tmp_path / "ours").mkdir()
     ptdstream.save(manager, str(tmp_path / "ours" / "model.pte"))
     assert read_folder(str(tmp_path / "ours")) == upstream
+
+
+def _by_reference(model, config=None, inputs=None):
+    with ptdstream.constants_by_reference():
+        return export(model, config=config or ExecutorchBackendConfig(external_constants=True),
+                      inputs=inputs or (torch.randn(1, 1024),))
+
+
+def test_weights_changed_after_emission_are_refused_naming_the_key(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 16), torch.nn.Linear(16, 16)).eval()
+    manager = _by_reference(model)
+    with torch.no_grad():
+        model[1].weight.zero_()
+    with pytest.raises(ptdstream.IntegrityError, match=r"'1\.weight'.*changed after it was handed over"):
+        ptdstream.save(manager, str(tmp_path / "model.pte"))
+    assert os.listdir(tmp_path) == [], "nothing published, no temp file left"
+
+
+def test_moved_or_freed_storage_is_read_where_it_is_now_or_refused(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False)).eval()
+    manager = _by_reference(model)
+    expected = reference_files(manager, str(tmp_path / "before"))
+    model[0].weight.untyped_storage().resize_(8 << 20)  # grown: reallocated, the first 4 MiB kept
+    junk = [torch.full((1 << 20,), 7.0) for _ in range(8)]  # reuse the freed block
+    (tmp_path / "moved").mkdir()
+    ptdstream.save(manager, str(tmp_path / "moved" / "model.pte"))
+    assert read_folder(str(tmp_path / "moved")) == expected
+    model[0].weight.untyped_storage().resize_(0)  # freed (FSDP-style)
+    with pytest.raises(ptdstream.IntegrityError, match=r"storage holds 0 bytes, 4194304 needed"):
+        ptdstream.save(manager, str(tmp_path / "moved" / "model.pte"))
+    with pytest.raises(ptdstream.IntegrityError):
+        pickle.dumps(_constants(manager))  # an error, never a read of freed memory
+    assert read_folder(str(tmp_path / "moved")) == expected, "the previous files are untouched"
+    del junk
+
+
+def test_exit_from_another_thread_removes_the_patch():
+    module = _upstream.emitter_module()
+    context = ptdstream.constants_by_reference()
+    context.__enter__()
+    worker = threading.Thread(target=context.__exit__, args=(None, None, None))
+    worker.start()
+    worker.join()
+    assert "bytes" not in vars(module) and module.hashlib is hashlib
+    assert type(export(Mlp())._emitter_output.program.constant_buffer[1].storage) is bytes
+
+
+def test_asyncio_tasks_outside_the_context_emit_bytes():
+    import asyncio
+
+    async def inside(started):
+        with ptdstream.constants_by_reference():
+            started.set()
+            await asyncio.sleep(0.05)
+
+    async def main():
+        started = asyncio.Event()
+        task = asyncio.create_task(inside(started))
+        await started.wait()
+        manager = export(Mlp())  # another task, while the first is inside
+        await task
+        return manager
+
+    constants = [c for c in _constants(asyncio.run(main())) if len(c)]
+    assert constants and all(type(c) is bytes for c in constants)
+
+
+def test_checkpoint_truncated_under_the_mapping_is_refused_not_sigbus(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(2)]).eval()
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save(model.state_dict(), checkpoint)
+    with torch.device("meta"):
+        mapped = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(2)]).eval()
+    mapped.load_state_dict(torch.load(checkpoint, mmap=True, weights_only=True), assign=True)
+    manager = _by_reference(mapped)
+    os.truncate(checkpoint, 4096)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ptdstream.IntegrityError, match=r"checkpoint file .*checkpoint\.pt was replaced or truncated"):
+        ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
+    assert os.listdir(tmp_path / "out") == []
