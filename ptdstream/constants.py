@@ -44,7 +44,7 @@ import hashlib
 import itertools
 import os
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 from .errors import IntegrityError
 from .fingerprint import StreamingDigest
@@ -147,8 +147,11 @@ class MappedTensorSource(TensorSource):
         return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
-def reference(storage) -> StorageReference:
+def reference(storage, name: Optional[str] = None) -> StorageReference:
     """A :class:`StorageReference` over a CPU ``torch.UntypedStorage`` (all its bytes).
+
+    ``name`` (the tensor's fully qualified name, when the emitter knows it) goes
+    into error messages.
 
     Raises:
         ValueError: the storage is not on the CPU.
@@ -160,7 +163,7 @@ def reference(storage) -> StorageReference:
     nbytes = storage.nbytes()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
     mapping = file_mapping(storage.data_ptr(), nbytes) if nbytes else None
-    label = f"constant storage ({nbytes} bytes)"
+    label = f"constant {name!r} ({nbytes} bytes)" if name else f"constant storage ({nbytes} bytes)"
     ref = StorageReference(MappedTensorSource(flat, mapping, label) if mapping else TensorSource(flat, label))
     ref.file_mapped = mapping is not None
     return ref
@@ -179,7 +182,7 @@ def _emitter_bytes(*args, **kwargs):
             and ctypes.sizeof(view) == storage.nbytes()
         ):
             _emitting.spec = None
-            return reference(storage)
+            return reference(storage, getattr(spec.extra_tensor_info, "fully_qualified_name", None))
     return builtins.bytes(*args, **kwargs)
 
 
