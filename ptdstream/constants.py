@@ -95,10 +95,11 @@ class MappedTensorSource(TensorSource):
     process at once (read-ahead keeps two pieces ahead), so reading a whole
     checkpoint leaves about one piece resident. Before reading, the file is
     checked to be the one mapped and still long enough: a checkpoint shrunk
-    under a mapping would otherwise kill the process with SIGBUS.
+    under a mapping would otherwise kill the process with SIGBUS (a file
+    replaced by rename is fine: the mapping keeps the old one).
 
     Raises:
-        IntegrityError: the checkpoint file was replaced or truncated.
+        IntegrityError: the checkpoint file was truncated.
     """
 
     def __init__(self, tensor, mapping: FileMapping, label: str = "tensor") -> None:  # noqa: D107
@@ -113,11 +114,13 @@ class MappedTensorSource(TensorSource):
             st = os.stat(m.path)
         except FileNotFoundError:
             return  # unlinked since it was mapped: the mapping keeps the inode
+        if st.st_ino != m.inode:
+            return  # replaced (os.replace): the mapping keeps the old inode, unchanged
         needed = m.offset + (self._address() - m.start) + self.nbytes
-        if st.st_ino != m.inode or st.st_size < needed:
+        if st.st_size < needed:
             raise IntegrityError(
-                f"{self.describe()}: its checkpoint file {m.path} was replaced or "
-                f"truncated after it was mapped (needs {needed:,} bytes, has {st.st_size:,})"
+                f"{self.describe()}: its checkpoint file {m.path} was truncated after "
+                f"it was mapped (needs {needed:,} bytes, has {st.st_size:,})"
             )
 
     def pieces(self, ring: BufferRing):

@@ -240,6 +240,34 @@ def test_checkpoint_truncated_under_the_mapping_is_refused_not_sigbus(tmp_path):
     manager = _by_reference(mapped)
     os.truncate(checkpoint, 4096)
     (tmp_path / "out").mkdir()
-    with pytest.raises(ptdstream.IntegrityError, match=r"checkpoint file .*checkpoint\.pt was replaced or truncated"):
+    with pytest.raises(ptdstream.IntegrityError, match=r"checkpoint file .*checkpoint\.pt was truncated"):
         ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_weight_changed_to_equal_another_is_refused_not_merged(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)).eval()
+    manager = _by_reference(model, inputs=(torch.randn(1, 16),))
+    with torch.no_grad():
+        model[1].weight.copy_(model[0].weight)  # now equal: the save would merge it away
+    with pytest.raises(ptdstream.IntegrityError, match=r"constant '1\.weight' .*changed after it was handed over"):
+        ptdstream.save(manager, str(tmp_path / "model.pte"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_checkpoint_replaced_by_rename_still_saves_the_mapped_weights(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256)).eval()
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save(model.state_dict(), checkpoint)
+    expected = reference_files(export(model, inputs=(torch.randn(1, 256),)), str(tmp_path / "up"))
+    with torch.device("meta"):
+        mapped = torch.nn.Sequential(torch.nn.Linear(256, 256)).eval()
+    mapped.load_state_dict(torch.load(checkpoint, mmap=True, weights_only=True), assign=True)
+    manager = _by_reference(mapped, config=ExecutorchBackendConfig(), inputs=(torch.randn(1, 256),))
+    torch.save({"other": torch.zeros(3)}, tmp_path / "new.pt")
+    os.replace(tmp_path / "new.pt", checkpoint)  # what checkpoint writers do
+    (tmp_path / "out").mkdir()
+    ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
+    assert read_folder(str(tmp_path / "out")) == expected
