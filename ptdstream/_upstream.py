@@ -99,22 +99,20 @@ def reference_cords(manager) -> Tuple[Any, Dict[str, Any]]:
 
 
 def cord_pieces(cord, chunk_nbytes: int):
-    """Yield a ``Cord``'s bytes in pieces without joining them (bounded memory)."""
+    """Yield a ``Cord``'s bytes in pieces without joining them (bounded memory).
+
+    ``FileBackedData`` items (a file, or ptdstream's ``SourceBackedData``) are read
+    through :func:`~ptdstream.sources.as_source`; each piece is valid until the
+    next one is requested.
+    """
     from executorch.exir._serialize._cord import FileBackedData
 
-    for item in cord._buffers:
-        if isinstance(item, FileBackedData) and item._path is None:
-            # ptdstream.interop.SourceBackedData (no file): read its source.
-            from .sources import BufferRing, as_source
+    from .sources import BufferRing, as_source
 
-            yield from as_source(item).pieces(BufferRing(chunk_nbytes, count=2))
-        elif isinstance(item, FileBackedData):
-            with open(item._path, "rb") as f:
-                while True:
-                    piece = f.read(chunk_nbytes)
-                    if not piece:
-                        break
-                    yield piece
+    ring = BufferRing(chunk_nbytes, count=2)
+    for item in cord._buffers:
+        if isinstance(item, FileBackedData):
+            yield from as_source(item).pieces(ring)
         else:
             view = memoryview(item)
             for start in range(0, len(view), chunk_nbytes):

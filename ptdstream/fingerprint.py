@@ -16,6 +16,7 @@ from typing import Tuple
 
 import xxhash
 
+from .errors import IntegrityError
 from .sources import BufferRing, Source
 
 #: Bytes of the prefix in the candidate key (upstream uses 32).
@@ -67,3 +68,21 @@ def fingerprint(source: Source, ring: BufferRing) -> Fingerprint:
     for piece in source.pieces(ring):
         digest.update(piece)
     return digest.finish()
+
+
+def check_expected(source: Source, fp: Fingerprint, where: str = "") -> None:
+    """Refuse a source whose bytes changed since they were first digested.
+
+    ``source.expected_fingerprint`` is set where the data was digested before it
+    was handed over (executorch's emitter hashing a constant); ``fp`` is the
+    digest taken now. ``where`` prefixes the message (file, key, offset).
+
+    Raises:
+        IntegrityError: the two differ.
+    """
+    expected = source.expected_fingerprint
+    if expected is not None and fp != expected:
+        raise IntegrityError(
+            f"{where}{source.describe()} changed after it was handed over "
+            f"(digest {fp.hex} != {expected.hex} when emitted); nothing was published"
+        )

@@ -22,8 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .errors import IntegrityError
-from .fingerprint import CandidateKey, Fingerprint, candidate_key, fingerprint
+from .fingerprint import CandidateKey, Fingerprint, candidate_key, check_expected, fingerprint
 from .layout import check_alignment
 from .sources import BufferRing, Source, as_source
 
@@ -83,7 +82,7 @@ class StreamingNamedDataStore:
         fp = self._fingerprints.get(index)
         if fp is None:
             fp = fingerprint(self.buffers[index], self._ring)
-            _check_expected(self.buffers[index], fp)
+            check_expected(self.buffers[index], fp)
             self._fingerprints[index] = fp
         return fp
 
@@ -105,7 +104,7 @@ class StreamingNamedDataStore:
         fp = self._pending.get(source)
         if fp is None:
             fp = self._pending[source] = fingerprint(source, self._ring)
-            _check_expected(source, fp)
+            check_expected(source, fp)
         return fp == self._buffer_fingerprint(index)
 
     def add_named_data(
@@ -242,15 +241,3 @@ def _is_tensor(data: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(data, torch.Tensor)
-
-
-def _check_expected(source: Source, fp: Fingerprint) -> None:
-    """Refuse a source whose bytes changed since they were first digested
-    (``expected_fingerprint``): a changed constant must not be merged away
-    unnoticed onto an equal buffer (the writer checks the ones it writes)."""
-    expected = source.expected_fingerprint
-    if expected is not None and fp != expected:
-        raise IntegrityError(
-            f"{source.describe()} changed after it was handed over "
-            f"(digest {fp.hex} != {expected.hex} when emitted)"
-        )

@@ -23,6 +23,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _upstream
 from .errors import FormatError
+from .pagecache import drop_pages
 from .reader import Artifact, parse_artifact, read_artifact
 
 DEFAULT_CHUNK_NBYTES = 8 << 20
@@ -96,7 +97,8 @@ class _FileFiller:
             if not n:
                 break
             got += n
-        _drop_pages(self.f.fileno(), self.pos, got)
+        if got:
+            drop_pages(self.f.fileno(), self.pos, got)
         self.pos += got
         return got
 
@@ -120,14 +122,6 @@ class _PieceFiller:
             buf[got : got + n] = self.rest[:n]
             self.rest, got = self.rest[n:], got + n
         return got
-
-
-def _drop_pages(fd: int, offset: int, nbytes: int) -> None:
-    if nbytes and hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
 
 
 def _first_difference(a, b, chunk_nbytes: int) -> Tuple[Optional[int], Optional[int], Optional[int]]:

@@ -14,7 +14,7 @@ import threading
 from typing import Callable, Dict, Optional
 
 from .errors import IntegrityError
-from .fingerprint import Fingerprint, StreamingDigest
+from .fingerprint import Fingerprint, StreamingDigest, check_expected
 from .plan import ExtentKind, FilePlan
 from .sources import BufferRing
 
@@ -180,12 +180,7 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
             f"{extent.nbytes} planned; nothing was published"
         )
     result = digest.finish()
-    expected = extent.source.expected_fingerprint
-    if expected is not None and result != expected:
-        raise IntegrityError(
-            f"{where}: {extent.source.describe()} changed after it was handed over "
-            f"(digest {result.hex} != {expected.hex} when emitted); nothing was published"
-        )
+    check_expected(extent.source, result, where=f"{where}: ")
     if extent.fingerprint is not None and result != extent.fingerprint:
         raise IntegrityError(
             f"{where}: {extent.source.describe()} changed since the plan (digest "
