@@ -73,8 +73,9 @@ def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightSt
 
     Patches names of ``executorch.backends.cuda.cuda_weight_collector``
     (``_write_tensor_storage``, the ``FileBackedData`` it uses and, unless
-    ``trim_host_memory``, ``trim_host_memory``) and restores them on exit. Not
-    thread-safe: lower one model at a time inside it.
+    ``trim_host_memory``, ``trim_host_memory``) and restores them when the last
+    context exits (:func:`ptdstream._upstream.shadowed`). Lower one model at a
+    time: a context entered while another is active keeps the first one's hooks.
 
     Args:
         trim_host_memory: keep upstream's ``gc.collect()`` + ``malloc_trim(0)``
@@ -89,7 +90,7 @@ def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightSt
     """
     import torch
 
-    from ._upstream import cuda_weight_collector
+    from ._upstream import cuda_weight_collector, shadowed
     from .cuda import CudaTensorSource
     from .cuda_fingerprint import gpu_fingerprint
     from .interop import SourceBackedData
@@ -97,7 +98,6 @@ def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightSt
     collector = cuda_weight_collector()
     real_write = collector._write_tensor_storage
     real_file_backed = collector.FileBackedData
-    real_trim = collector.trim_host_memory
     pending: Dict[str, CudaTensorSource] = {}
     kept: Dict[Tuple[int, bytes], List[CudaTensorSource]] = {}
     positions: Dict[Tuple[object, int], object] = {}
@@ -147,15 +147,13 @@ def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightSt
             data._sha256 = sha256
             return data
 
-    collector._write_tensor_storage = write_storage
-    collector.FileBackedData = _FileBackedData
-    if not trim_host_memory:
-        collector.trim_host_memory = lambda: None
-    try:
-        yield stats
-    finally:
-        collector._write_tensor_storage = real_write
-        collector.FileBackedData = real_file_backed
-        collector.trim_host_memory = real_trim
-        kept.clear()
-        positions.clear()
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(shadowed(collector, "_write_tensor_storage", write_storage))
+        patches.enter_context(shadowed(collector, "FileBackedData", _FileBackedData))
+        if not trim_host_memory:
+            patches.enter_context(shadowed(collector, "trim_host_memory", lambda: None))
+        try:
+            yield stats
+        finally:
+            kept.clear()
+            positions.clear()

@@ -115,3 +115,25 @@ def test_file_backed_data_keeps_its_path(tmp_path):
     path = tmp_path / "blob"
     path.write_bytes(b"abc")
     assert _upstream.file_backed_path(FileBackedData(str(path))) == str(path)
+
+
+def test_stream_cuda_weights_patches_and_restores_the_collector(tmp_path):
+    """Runs without a GPU: a CPU storage goes to upstream's own writer, and every
+    replaced name is back when the context exits."""
+    import torch
+
+    from ptdstream.cuda_backend import stream_cuda_weights
+
+    collector = _upstream.cuda_weight_collector()
+    before = {name: vars(collector)[name] for name in _upstream.CUDA_COLLECTOR_PATCHED}
+    weight = torch.arange(64, dtype=torch.float32)
+    path = str(tmp_path / "w.storage")
+    with stream_cuda_weights() as stats:
+        assert all(vars(collector)[n] is not before[n] for n in _upstream.CUDA_COLLECTOR_PATCHED)
+        digest = collector._write_tensor_storage(weight, path)
+        data = collector.FileBackedData.move_from(path, sha256=digest)
+    assert (stats.upstream, stats.routed) == (1, 0)
+    assert data.to_bytes() == weight.numpy().tobytes() and data.sha256() == digest
+    assert {name: vars(collector)[name] for name in _upstream.CUDA_COLLECTOR_PATCHED} == before
+    with stream_cuda_weights(trim_host_memory=True):
+        assert vars(collector)["trim_host_memory"] is before["trim_host_memory"]
