@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
+import functools
 import mmap
 import os
 from typing import Iterator, Optional, Union
 
 from executorch.exir._serialize._cord import FileBackedData
 
-from .interop import EMITTER_HASHLIB, ByReference, bytes_like_type
+from .interop import EMITTER_HASHLIB, ByReference
 
 
 class FileBlob(ByReference, FileBackedData):
@@ -71,6 +73,12 @@ class FileBlob(ByReference, FileBackedData):
         return f"<FileBlob {self._path!r} ({len(self)} bytes)>"
 
 
+@functools.lru_cache(maxsize=None)
+def _blob_type(nbytes: int) -> type:
+    """:class:`FileBlob` with ``ctypes.c_char * nbytes`` (the buffer protocol over the mapping)."""
+    return type("FileBlob", (FileBlob, ctypes.c_char * nbytes), {})
+
+
 def file_blob(path: Union[str, os.PathLike], sha256: Optional[bytes] = None) -> Union[FileBlob, bytes]:
     """A delegate blob that stays in ``path``: return it as ``PreprocessResult.processed_bytes``.
 
@@ -94,7 +102,7 @@ def file_blob(path: Union[str, os.PathLike], sha256: Optional[bytes] = None) -> 
         # ACCESS_COPY: a private mapping (ctypes needs a writable buffer); nothing
         # ever writes to it, so every page stays the file's.
         mapping = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)
-    blob = bytes_like_type(FileBlob, nbytes).from_buffer(mapping)  # keeps the mapping alive
+    blob = _blob_type(nbytes).from_buffer(mapping)  # keeps the mapping alive
     blob._path, blob._size, blob._sha256, blob._finalizer = path, nbytes, sha256, None
     return blob
 

@@ -11,8 +11,6 @@ streams the source directly (the fast path).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 from typing import Any
 
@@ -88,13 +86,6 @@ class ByReference:
 
     def __reduce__(self):
         return (bytes, (self.to_bytes(),))
-
-
-@functools.lru_cache(maxsize=None)
-def bytes_like_type(mixin: type, nbytes: int) -> type:
-    """``mixin`` combined with ``ctypes.c_char * nbytes`` (the buffer protocol over
-    memory the instance does not own); make instances with ``.from_buffer``."""
-    return type(mixin.__name__, (mixin, ctypes.c_char * nbytes), {})
 
 
 class _Digest:
