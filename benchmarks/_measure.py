@@ -1,5 +1,7 @@
 """Measurement helpers shared by the benchmarks (Linux only).
 
+* :class:`RssSampler`: peaks of several memory fields over a run, and the
+  ``VmRSS`` rise during chosen blocks (``window``).
 * :class:`RssMonitor`: peak resident memory added during a block, in bytes, from
   two independent readings: the kernel's high-water mark (``VmHWM``, reset to
   the current RSS through ``/proc/self/clear_refs`` just before the block) and a
@@ -26,6 +28,7 @@ import subprocess
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 MiB = 1 << 20
@@ -59,8 +62,8 @@ def reset_peak_rss() -> bool:
 class RssMonitor:
     """Peak RSS added (bytes) between :meth:`start` and :meth:`stop`.
 
-    Calls, in order: 1) ``start()`` (samples the baseline, resets ``VmHWM``, starts
-    the sampler thread) 2) the measured code 3) ``stop()``. After ``stop``:
+    Calls, in order: 1) ``start()`` (starts an :class:`RssSampler`, reads the
+    baseline, resets ``VmHWM``) 2) the measured code 3) ``stop()``. After ``stop``:
     ``baseline_nbytes``, ``sampled_peak_nbytes`` (5 ms sampler), ``hwm_peak_nbytes``
     (kernel high-water mark; None where it cannot be reset) and
     ``added_nbytes`` = the larger of the two peaks minus the baseline.
@@ -68,41 +71,76 @@ class RssMonitor:
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._peak_kib = 0
+        self._sampler: Optional["RssSampler"] = None
         self._hwm_ok = False
         self.baseline_nbytes = 0
         self.sampled_peak_nbytes = 0
         self.hwm_peak_nbytes: Optional[int] = None
         self.added_nbytes = 0
 
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._peak_kib = max(self._peak_kib, status_kib("VmRSS"))
-            self._stop.wait(self.interval_s)
-
     def start(self) -> None:
         # Start the thread first: its stack and first sample are part of the
         # baseline, not of the measured block.
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        self._sampler = RssSampler(interval_s=self.interval_s)
         time.sleep(3 * self.interval_s)
-        base_kib = status_kib("VmRSS")
-        self._peak_kib = base_kib
-        self.baseline_nbytes = base_kib * 1024
+        self.baseline_nbytes = status_kib("VmRSS") * 1024
+        self._sampler.peak["VmRSS"] = self.baseline_nbytes
         self._hwm_ok = reset_peak_rss()
 
     def stop(self) -> None:
         hwm_kib = status_kib("VmHWM") if self._hwm_ok else None
-        self._peak_kib = max(self._peak_kib, status_kib("VmRSS"))
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.sampled_peak_nbytes = self._peak_kib * 1024
+        self.sampled_peak_nbytes = self._sampler.stop()["VmRSS"]
         self.hwm_peak_nbytes = hwm_kib * 1024 if hwm_kib is not None else None
         peak = max(self.sampled_peak_nbytes, self.hwm_peak_nbytes or 0)
         self.added_nbytes = max(0, peak - self.baseline_nbytes)
+
+
+class RssSampler:
+    """Peaks of ``/proc/self/status`` memory fields (bytes), sampled every ~5 ms
+    from construction until :meth:`stop`, plus per-block rises (:meth:`window`).
+
+    ``peak``: ``{field: largest value seen}`` for ``fields`` (``VmRSS`` first);
+    ``window(record)`` sets ``record["seconds"]`` and ``record["rss_added"]``
+    (largest ``VmRSS`` during the block minus ``VmRSS`` at its start).
+    """
+
+    def __init__(self, fields: Iterable[str] = ("VmRSS",), interval_s: float = 0.005) -> None:
+        self.fields = tuple(fields)
+        self.interval_s = interval_s
+        self.peak = {f: 0 for f in self.fields}
+        self._window_peak = 0
+        self._stop = threading.Event()
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        for field in self.fields:
+            self.peak[field] = max(self.peak[field], status_kib(field) * 1024)
+        self._window_peak = max(self._window_peak, status_kib("VmRSS") * 1024)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval_s)
+
+    @contextmanager
+    def window(self, record: dict):
+        start = status_kib("VmRSS") * 1024
+        self._window_peak = start
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            record["seconds"] = time.perf_counter() - t
+            record["rss_added"] = max(self._window_peak, status_kib("VmRSS") * 1024) - start
+
+    def stop(self) -> dict:
+        """Stop sampling; the peaks, one last sample included."""
+        self._sample()
+        self._stop.set()
+        self._thread.join()
+        return dict(self.peak)
 
 
 # ---------------------------------------------------------------- page cache

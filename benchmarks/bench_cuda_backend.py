@@ -40,51 +40,17 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import discard_file, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
+from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
 
 
 # ---------------------------------------------------------------- child side
-
-
-class RssWindows:
-    """Samples ``VmRSS`` every 5 ms; :meth:`window` yields the rise during a block."""
-
-    def __init__(self) -> None:
-        self.peak = self.window_peak = status_kib("VmRSS") * 1024
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            now = status_kib("VmRSS") * 1024
-            self.peak = max(self.peak, now)
-            self.window_peak = max(self.window_peak, now)
-            self._stop.wait(0.005)
-
-    @contextmanager
-    def window(self, record: dict):
-        start = status_kib("VmRSS") * 1024
-        self.window_peak = start
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            record["seconds"] = time.perf_counter() - t
-            record["rss_added"] = max(self.window_peak, status_kib("VmRSS") * 1024) - start
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def child_raw(args) -> dict:
@@ -134,7 +100,7 @@ def child_export(args) -> dict:
     res = {"weights_nbytes": weights_nbytes, "export_s": export_s, "materialize": [],
            "written_while_lowering": 0, "gpu": torch.cuda.get_device_name()}
 
-    rss = RssWindows()
+    rss = RssSampler()
     real_materialize = collector_module.CudaWeightCollector.materialize
 
     current = {}
@@ -202,9 +168,9 @@ def child_export(args) -> dict:
                 os.fsync(fd)
                 os.close(fd)
     res["save"] = save
-    res["peak_rss"] = max(rss.peak, status_kib("VmHWM") * 1024)
+    res["peak_rss"] = max(rss.peak["VmRSS"], status_kib("VmHWM") * 1024)
     res["gpu_peak_nbytes"] = torch.cuda.max_memory_allocated()
-    rss.close()
+    rss.stop()
     res["files"] = {os.path.basename(p): (os.path.getsize(p), xxh3_file(p)) for p in files_under(out)}
     if args.variant == "ptdstream":
         # The .pte holds each process's own AOTI .so, so it is compared with

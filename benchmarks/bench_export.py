@@ -34,42 +34,15 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import discard_file, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
+from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
 WIDTH = 4096
 CASES = ("fp32-ptd", "fp32-pte", "bf16-ptd", "mmap-ptd")
-
-
-class Sampler:
-    """Peak ``VmRSS``/``RssAnon``/``RssFile`` (bytes), sampled every 5 ms."""
-
-    def __init__(self) -> None:
-        self.peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
-        self._stop = threading.Event()
-        self._sample()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        for field in self.peak:
-            self.peak[field] = max(self.peak[field], status_kib(field) * 1024)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(0.005)
-
-    def stop(self) -> dict:
-        self._sample()
-        self._stop.set()
-        self._thread.join()
-        return dict(self.peak)
 
 
 def build(case: str, layers: int, checkpoint: str):
@@ -99,7 +72,7 @@ def child(args) -> dict:
         return {}
     res = {"rss_after_imports": status_kib("VmRSS") * 1024, "anon_after_imports": status_kib("RssAnon") * 1024}
     reset_peak_rss()
-    sampler = Sampler()
+    sampler = RssSampler(("VmRSS", "RssAnon", "RssFile"))
     t = time.perf_counter()
     model = build(args.case, args.layers, args.checkpoint)
     res["weights_nbytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
