@@ -145,10 +145,6 @@ class MappedTensorSource(TensorSource):
         page_out(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
         return head
 
-    def _address(self) -> int:
-        t = self._tensor
-        return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-
 
 def reference(storage, name: Optional[str] = None) -> StorageReference:
     """A :class:`StorageReference` over a CPU ``torch.UntypedStorage`` (all its bytes).

@@ -263,7 +263,7 @@ class TensorSource(Source):
 
         t = self._tensor
         storage = t.untyped_storage()
-        start = 0 if self._whole_storage else t.storage_offset() * t.element_size()
+        start = self._start()
         needed = start + self.nbytes
         if storage.nbytes() < needed:
             raise IntegrityError(
@@ -272,8 +272,17 @@ class TensorSource(Source):
             )
         if self.nbytes == 0:
             return memoryview(b"")
-        array = (ctypes.c_ubyte * self.nbytes).from_address(storage.data_ptr() + start)
+        array = (ctypes.c_ubyte * self.nbytes).from_address(self._address())
         return memoryview(array).cast("B").toreadonly()
+
+    def _start(self) -> int:
+        """Offset (bytes) of the first byte in the storage."""
+        t = self._tensor
+        return 0 if self._whole_storage else t.storage_offset() * t.element_size()
+
+    def _address(self) -> int:
+        """Address of the first byte, where the storage is now."""
+        return self._tensor.untyped_storage().data_ptr() + self._start()
 
     def prefix(self, nbytes: int = 32) -> bytes:
         return bytes(self._view()[:nbytes])
