@@ -147,7 +147,7 @@ class RssSampler:
 
 
 def _resident_mincore(path: str) -> int:
-    from ptdstream.pagecache import resident_nbytes as _mincore
+    from ptdstream.system.pagecache import resident_nbytes as _mincore
 
     return _mincore(path)
 

@@ -54,7 +54,7 @@ def run(size_gib: int, out: str, piece: int) -> dict:
     import torch
 
     from ptdstream import StreamingNamedDataStore
-    from ptdstream.cuda_fingerprint import gpu_fingerprint
+    from ptdstream.sources.cuda_fingerprint import gpu_fingerprint
     from ptdstream.save import write_data_files
 
     nbytes = size_gib << 30

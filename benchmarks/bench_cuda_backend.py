@@ -76,7 +76,7 @@ def child_export(args) -> dict:
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     import ptdstream
-    from ptdstream.cuda_backend import stream_cuda_weights
+    from ptdstream.executorch.cuda_backend import stream_cuda_weights
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[

@@ -148,7 +148,7 @@ def export_artifacts(out: str, dim: int, layers: int, vocab: int, log) -> Dict[s
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     import ptdstream
-    from ptdstream.models import TinyLMConfig, build_tiny_lm
+    from ptdstream.demo.model import TinyLMConfig, build_tiny_lm
 
     config = TinyLMConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=max(1, dim // 64),
                           hidden_dim=dim * 8 // 3 // 64 * 64 or 64, max_seq_len=16)

@@ -4,23 +4,43 @@ ExecuTorch's own serializer, in bounded host memory.
 Three ways in:
 
 * ``ptdstream.save(manager, "model.pte")``: drop-in for ``write_to_file`` +
-  ``write_tensor_data_to_file``;
-* the ``ptdstream`` command (``verify``, ``inspect``, ``demo``);
-* the embedding API: :class:`StreamingNamedDataStore`, :func:`plan_pte`,
-  :func:`plan_ptd`, :class:`ChunkedFileSink` and :func:`write_plan`.
+  ``write_tensor_data_to_file``; ``ptdstream.install()`` routes executorch's own
+  save methods through it;
+* the ``ptdstream`` command (``verify``, ``inspect``, ``manifest``, ``pack``,
+  ``unpack``, ``extract``, ``demo``);
+* the embedding API: :class:`StreamingNamedDataStore`, sources,
+  :func:`plan_pte`, :func:`plan_ptd`, :class:`ChunkedFileSink`, :func:`write_plan`.
+
+The package map is in docs/ARCHITECTURE.md.
 """
 
-from . import patch
+import importlib
+
 from .errors import FormatError, IntegrityError, LayoutError, PtdstreamError, StateError
-from .fingerprint import Fingerprint
-from .plan import FilePlan
-from .ptd import plan_ptd
-from .pte import PteOptions, plan_pte
-from .save import SavePlan, SaveReport, plan_manager, save
-from .sink import ChunkedFileSink
-from .sources import BufferRing, FileRangeSource, MemorySource, Source, TensorSource, as_source
-from .store import StreamingNamedDataStore
-from .writer import write_plan
+from .save import SaveReport, save
+
+#: Public names loaded on first use (``import ptdstream`` stays fast): name -> module.
+_LAZY = {
+    "BufferRing": "sources", "FileRangeSource": "sources", "MemorySource": "sources", "Source": "sources",
+    "TensorSource": "sources", "as_source": "sources", "Fingerprint": "sources.fingerprint",
+    "FilePlan": "format.plan", "SavePlan": "format.plan", "plan_ptd": "format.ptd", "PteOptions": "format.pte",
+    "plan_pte": "format.pte", "plan_manager": "manager", "StreamingNamedDataStore": "store",
+    "ChunkedFileSink": "write.sink", "write_plan": "write.writer",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ptdstream' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
@@ -45,30 +65,44 @@ __all__ = [
     "as_source",
     "constants_by_reference",
     "install",
+    "installed",
     "plan_manager",
     "plan_pte",
     "plan_ptd",
     "save",
+    "uninstall",
     "write_plan",
 ]
 
 
 def install() -> None:
-    """Route executorch's save paths through ptdstream and record configs.
-
-    See :func:`ptdstream.patch.install`.
-    """
-    from .patch import install as _install
+    """Route executorch's save paths through ptdstream and record configs, until
+    :func:`uninstall`. See :mod:`ptdstream.executorch.install`."""
+    from .executorch.install import install as _install
 
     _install()
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (executorch's own methods are restored)."""
+    from .executorch.install import uninstall as _uninstall
+
+    _uninstall()
+
+
+def installed():
+    """Context manager: :func:`install` inside, restored on exit."""
+    from .executorch.install import installed as _installed
+
+    return _installed()
 
 
 def constants_by_reference():
     """Context manager: executorch's emitter keeps constants as references to their
     tensors, not ``bytes`` copies (wrap ``to_executorch()``).
 
-    See :func:`ptdstream.constants.constants_by_reference`.
+    See :func:`ptdstream.executorch.emitter.constants_by_reference`.
     """
-    from .constants import constants_by_reference as _constants_by_reference
+    from .executorch.emitter import constants_by_reference as _constants_by_reference
 
     return _constants_by_reference()

@@ -11,10 +11,10 @@ Mirrors ``exir/_serialize/_named_data_store.py`` (executorch 1.5.1) rule for rul
 * ``alignment=None`` means 1, ``alignment <= 0`` raises upstream's ``ValueError``.
 
 The difference is what is held: upstream keeps each buffer as ``bytes`` and
-confirms equality with SHA-256; this store keeps :class:`~ptdstream.sources.Source`
+confirms equality with SHA-256; this store keeps :class:`~ptdstream.sources.base.Source`
 objects (nothing is copied) and digests with xxh3-128 only the buffers whose
 ``(nbytes, first 32 bytes)`` collide with another's (see
-:mod:`ptdstream.fingerprint`).
+:mod:`ptdstream.sources.fingerprint`).
 """
 
 from __future__ import annotations
@@ -22,21 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .fingerprint import CandidateKey, Fingerprint, candidate_key, check_expected, fingerprint
-from .layout import check_alignment
-from .sources import BufferRing, Source, as_source
+from .format.layout import check_alignment
+from .format.plan import DataEntry
+from .sources import BufferRing, Source, as_source, is_tensor
+from .sources.fingerprint import CandidateKey, Fingerprint, candidate_key, check_expected, fingerprint
 
-
-@dataclass(frozen=True)
-class DataEntry:
-    """One key's entry: the index of its buffer, its alignment, its tensor layout.
-
-    Same fields as upstream's ``data_serializer.DataEntry``.
-    """
-
-    buffer_index: int
-    alignment: int
-    tensor_layout: Any = None
+__all__ = ["DataEntry", "NamedDataOutput", "StreamingNamedDataStore"]
 
 
 @dataclass
@@ -59,7 +50,7 @@ class StreamingNamedDataStore:
     Calls, in order: 1) ``add_named_data`` / ``merge_named_data_store`` any number
     of times; 2) ``get_named_data_store_output`` for the planner.
 
-    Memory: one :class:`~ptdstream.sources.BufferRing` for digesting file sources
+    Memory: one :class:`~ptdstream.sources.base.BufferRing` for digesting file sources
     (``chunk_nbytes`` bytes, allocated on first use), plus metadata. Not
     thread-safe.
     """
@@ -70,7 +61,6 @@ class StreamingNamedDataStore:
         self.external_data: Dict[str, Dict[str, DataEntry]] = {}
         self._ring = ring or BufferRing(count=1)
         self._candidates: Dict[CandidateKey, List[int]] = {}
-        self._candidate_of: Dict[int, CandidateKey] = {}
         self._fingerprints: Dict[int, Fingerprint] = {}
         self._key_to_buffer: Dict[str, int] = {}
         #: Bytes not stored because an equal buffer was already there.
@@ -133,7 +123,7 @@ class StreamingNamedDataStore:
             TypeError: an unsupported data type.
         """
         alignment = check_alignment(alignment)
-        if _is_tensor(data):
+        if is_tensor(data):
             from executorch.exir.tensor_layout import TensorLayout
 
             real_layout = TensorLayout.from_tensor(data)
@@ -184,7 +174,6 @@ class StreamingNamedDataStore:
             index = len(self.buffers)
             self.buffers.append(source)
             self._candidates.setdefault(ckey, []).append(index)
-            self._candidate_of[index] = ckey
             if source in self._pending:
                 self._fingerprints[index] = self._pending.pop(source)
         self._pending.clear()
@@ -202,7 +191,7 @@ class StreamingNamedDataStore:
 
         def source_of(index: int) -> Any:
             data = other.buffers[index]
-            if _is_tensor(data):
+            if is_tensor(data):
                 return data
             if index not in sources:
                 sources[index] = as_source(data, label=f"buffer {index}")
@@ -219,25 +208,9 @@ class StreamingNamedDataStore:
                     tensor_layout=entry.tensor_layout,
                 )
 
-    def candidate_collisions(self) -> Dict[int, CandidateKey]:
-        """Buffer indices whose candidate key is shared with another buffer."""
-        return {
-            index: ckey
-            for index, ckey in self._candidate_of.items()
-            if len(self._candidates[ckey]) > 1
-        }
-
     def get_named_data_store_output(self) -> NamedDataOutput:
         """The buffers and entries, with empty tags removed (as upstream)."""
         self.external_data = {k: v for k, v in self.external_data.items() if len(v) > 0}
         return NamedDataOutput(
             self.buffers, self.pte_data, self.external_data, dict(self._fingerprints)
         )
-
-
-def _is_tensor(data: Any) -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(data, torch.Tensor)

@@ -87,7 +87,7 @@ def test_c3_segments_past_4_gib_from_a_sparse_file(tmp_path):
     from executorch.exir._serialize.data_serializer import DataPayload
     from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
 
-    from ptdstream._upstream import cord_pieces
+    from ptdstream.check.compare import cord_pieces
 
     sparse = tmp_path / "sparse.bin"
     size = (9 << 30) // 2  # 4.5 GiB, never in memory

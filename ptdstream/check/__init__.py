@@ -1,0 +1,3 @@
+"""Check written artifacts: byte identity (``compare``), what the runtime's loaders
+check (``structure``), what is inside (``inspection``) and integrity manifests
+(``manifest``, with its generated flatbuffer code in ``manifest_fb``)."""

@@ -1,0 +1,369 @@
+"""Integrity manifests: a content check of a saved set at disk speed, in bounded memory.
+
+A manifest (``schema/manifest.fbs``, identifier ``PSM1``) lists, for each file: its
+name (no folder), kind, size, every section (from :mod:`ptdstream.format.reader`), the
+xxh3-128 digest of every fixed-size piece (8 MiB by default; the last may be
+shorter) and, for each named-data key, the xxh3-128 fingerprint of its bytes.
+Its bytes depend only on the files it describes: files are listed in the order
+given, sections in file order, keys in the file's key order.
+
+``write_manifest`` reads each file once. :func:`verify_manifest` reads each file
+once and names the first bad piece, with the section and key it falls in.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import flatbuffers
+import xxhash
+
+from ..defaults import CHUNK_NBYTES
+from ..errors import FormatError
+from ..format.reader import read_artifact
+from ..reports import Report
+from ..sources import BufferRing, FileRangeSource
+from ..write.sink import ChunkedFileSink
+
+ALGORITHM = "xxh3-128"
+#: Default piece size in bytes (:data:`ptdstream.defaults.CHUNK_NBYTES`).
+DEFAULT_PIECE_NBYTES = CHUNK_NBYTES
+IDENTIFIER = b"PSM1"
+#: File name suffix of a manifest.
+SUFFIX = ".manifest"
+
+
+def manifest_path_for(path: str) -> str:
+    """The default manifest of a set whose first file is ``path``: the same path
+    with its suffix replaced by ``.manifest`` (``out/model.pte`` -> ``out/model.manifest``)."""
+    return os.path.splitext(os.fspath(path))[0] + SUFFIX
+
+
+@dataclass(frozen=True)
+class SectionEntry:
+    name: str
+    key: Optional[str]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileManifest:
+    """One file's entry: name, kind ("pte"/"ptd"/"file"), size and piece size in
+    bytes, piece digests (16 bytes each), sections, and ``(key, nbytes, digest)``."""
+
+    name: str
+    kind: str
+    nbytes: int
+    piece_nbytes: int
+    pieces: Tuple[bytes, ...]
+    sections: Tuple[SectionEntry, ...]
+    keys: Tuple[Tuple[str, int, bytes], ...]
+
+
+@dataclass(frozen=True)
+class IntegrityManifest:
+    """A whole manifest: one :class:`FileManifest` per file, in the order given."""
+
+    files: Tuple[FileManifest, ...]
+    algorithm: str = ALGORITHM
+    version: int = 1
+
+
+def describe_file(path: str, piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> FileManifest:
+    """Read ``path`` once and describe it. Non-ExecuTorch files get pieces only.
+
+    Raises:
+        OSError: the file cannot be read.
+        IntegrityError: the file shrank while it was read.
+    """
+    try:
+        artifact = read_artifact(path)
+        kind = artifact.kind
+        sections = tuple(
+            SectionEntry(s.name, s.key, s.start, s.end - s.start) for s in artifact.sections()
+        )
+        key_ranges = [
+            (key, artifact.segments[index].start, artifact.segments[index].end)
+            for key, index in artifact.keys.items()
+        ]
+    except FormatError:
+        kind, sections, key_ranges = "file", (), []
+    source = FileRangeSource(path)  # reads in pieces, drops the pages behind it
+    pieces: List[bytes] = []
+    key_hashes = [xxhash.xxh3_128() for _ in key_ranges]
+    offset = 0
+    for piece in source.pieces(BufferRing(piece_nbytes, count=1)):
+        n = len(piece)
+        pieces.append(xxhash.xxh3_128(piece).digest())
+        for h, (_, start, end) in zip(key_hashes, key_ranges):
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                h.update(piece[lo - offset : hi - offset])
+        offset += n
+    keys = tuple(
+        (key, end - start, h.digest()) for h, (key, start, end) in zip(key_hashes, key_ranges)
+    )
+    return FileManifest(os.path.basename(path), kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys)
+
+
+def to_bytes(manifest: IntegrityManifest) -> bytes:
+    """Serialize with the generated builder (``ptdstream/check/manifest_fb``); deterministic."""
+    from .manifest_fb import FileEntry as FE
+    from .manifest_fb import KeyFingerprint as KF
+    from .manifest_fb import Manifest as M
+    from .manifest_fb import Section as S
+    from .manifest_fb.Digest128 import CreateDigest128
+
+    b = flatbuffers.Builder(1024)
+
+    def digest_vector(start_fn, digests: Sequence[bytes]) -> int:
+        start_fn(b, len(digests))
+        for d in reversed(digests):
+            CreateDigest128(b, int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little"))
+        return b.EndVector()
+
+    def table_vector(start_fn, offsets: List[int]) -> int:
+        start_fn(b, len(offsets))
+        for o in reversed(offsets):
+            b.PrependUOffsetTRelative(o)
+        return b.EndVector()
+
+    file_offsets = []
+    for fm in manifest.files:
+        sections = []
+        for s in fm.sections:
+            name = b.CreateString(s.name)
+            key = b.CreateString(s.key) if s.key is not None else None
+            S.SectionStart(b)
+            S.SectionAddName(b, name)
+            if key is not None:
+                S.SectionAddKey(b, key)
+            S.SectionAddOffset(b, s.offset)
+            S.SectionAddSize(b, s.nbytes)
+            sections.append(S.SectionEnd(b))
+        keys = []
+        for key, nbytes, digest in fm.keys:
+            k = b.CreateString(key)
+            KF.KeyFingerprintStart(b)
+            KF.KeyFingerprintAddKey(b, k)
+            KF.KeyFingerprintAddSize(b, nbytes)
+            KF.KeyFingerprintAddDigest(
+                b,
+                CreateDigest128(b, int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little")),
+            )
+            keys.append(KF.KeyFingerprintEnd(b))
+        pieces = digest_vector(FE.FileEntryStartPiecesVector, fm.pieces)
+        section_vec = table_vector(FE.FileEntryStartSectionsVector, sections)
+        key_vec = table_vector(FE.FileEntryStartKeysVector, keys)
+        name = b.CreateString(fm.name)
+        kind = b.CreateString(fm.kind)
+        FE.FileEntryStart(b)
+        FE.FileEntryAddName(b, name)
+        FE.FileEntryAddKind(b, kind)
+        FE.FileEntryAddSize(b, fm.nbytes)
+        FE.FileEntryAddPieceSize(b, fm.piece_nbytes)
+        FE.FileEntryAddPieces(b, pieces)
+        FE.FileEntryAddSections(b, section_vec)
+        FE.FileEntryAddKeys(b, key_vec)
+        file_offsets.append(FE.FileEntryEnd(b))
+    files = table_vector(M.ManifestStartFilesVector, file_offsets)
+    algorithm = b.CreateString(manifest.algorithm)
+    M.ManifestStart(b)
+    M.ManifestAddVersion(b, manifest.version)
+    M.ManifestAddAlgorithm(b, algorithm)
+    M.ManifestAddFiles(b, files)
+    b.Finish(M.ManifestEnd(b), file_identifier=IDENTIFIER)
+    return bytes(b.Output())
+
+
+def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
+    """Parse a manifest.
+
+    Raises:
+        FormatError: wrong identifier, or a structure that does not parse or
+            points outside the data.
+    """
+    from .manifest_fb.Manifest import Manifest as M
+
+    if len(data) < 8 or data[4:8] != IDENTIFIER:
+        raise FormatError(f"{name}: not a ptdstream manifest (identifier {bytes(data[4:8])!r})")
+    try:
+        root = M.GetRootAs(data, 0)
+        files = []
+        for i in range(root.FilesLength()):
+            fe = root.Files(i)
+            pieces = tuple(_digest(fe.Pieces(j)) for j in range(fe.PiecesLength()))
+            sections = tuple(
+                SectionEntry(
+                    _str(fe.Sections(j).Name()),
+                    _str(fe.Sections(j).Key()) if fe.Sections(j).Key() is not None else None,
+                    fe.Sections(j).Offset(),
+                    fe.Sections(j).Size(),
+                )
+                for j in range(fe.SectionsLength())
+            )
+            keys = tuple(
+                (_str(fe.Keys(j).Key()), fe.Keys(j).Size(), _digest(fe.Keys(j).Digest()))
+                for j in range(fe.KeysLength())
+            )
+            if fe.PieceSize() <= 0:
+                raise ValueError(f"piece size {fe.PieceSize()}")
+            files.append(
+                FileManifest(_str(fe.Name()), _str(fe.Kind()), fe.Size(), fe.PieceSize(), pieces, sections, keys)
+            )
+        return IntegrityManifest(tuple(files), _str(root.Algorithm()), root.Version())
+    except FormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the generated reader trusts its input
+        raise FormatError(f"{name}: manifest does not parse ({type(e).__name__}: {e})") from None
+
+
+def _str(value) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+def _digest(d) -> bytes:
+    return d.Lo().to_bytes(8, "little") + d.Hi().to_bytes(8, "little")
+
+
+def write_manifest(paths: Sequence[str], out_path: str, piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> IntegrityManifest:
+    """Describe ``paths`` and write the manifest atomically to ``out_path``."""
+    manifest = IntegrityManifest(tuple(describe_file(p, piece_nbytes) for p in paths))
+    with ChunkedFileSink(out_path) as sink:
+        sink.write(to_bytes(manifest))
+    return manifest
+
+
+@dataclass(frozen=True)
+class ManifestCheck(Report):
+    """Result of checking one file against its manifest entry.
+
+    ``first_bad_offset`` is the file offset of the first bad piece (or where the
+    size differs), with its piece index, section and key; ``bad_keys`` lists keys
+    whose bytes differ.
+    """
+
+    path: str
+    ok: bool
+    message: str
+    first_bad_piece: Optional[int] = None
+    first_bad_offset: Optional[int] = None
+    section: Optional[str] = None
+    key: Optional[str] = None
+    bad_keys: Tuple[str, ...] = field(default=())
+
+    def summary(self) -> str:
+        return ("OK " if self.ok else "BAD ") + self.message
+
+
+@dataclass(frozen=True)
+class ManifestReport(Report):
+    """Every file checked against one manifest; ``ok`` when all match."""
+
+    manifest_path: str
+    checks: Tuple[ManifestCheck, ...]
+
+    derived = ("ok",)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def summary(self) -> str:
+        return "\n".join(c.summary() for c in self.checks)
+
+
+@dataclass(frozen=True)
+class ManifestWritten(Report):
+    """A manifest written by :func:`write_manifest_report`: where, and what it covers."""
+
+    path: str
+    files: int
+    pieces: int
+    keys: int
+
+    def summary(self) -> str:
+        return f"wrote {self.path}: {self.files} file(s), {self.pieces} piece(s), {self.keys} key(s)"
+
+
+def write_manifest_report(paths: Sequence[str], out_path: str,
+                          piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> ManifestWritten:
+    """:func:`write_manifest`, returning a report."""
+    manifest = write_manifest(paths, out_path, piece_nbytes)
+    return ManifestWritten(out_path, len(manifest.files), sum(len(f.pieces) for f in manifest.files),
+                           sum(len(f.keys) for f in manifest.files))
+
+
+def verify_files(paths: Sequence[str], manifest_path: str) -> ManifestReport:
+    """Check each of ``paths`` against the manifest at ``manifest_path``.
+
+    Raises:
+        FormatError: the manifest does not parse.
+        OSError: the manifest or a file cannot be read.
+    """
+    manifest = read_manifest(manifest_path)
+    return ManifestReport(manifest_path, tuple(verify_manifest(p, manifest) for p in paths))
+
+
+def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
+    """Check ``path`` against the entry of the same name in ``manifest``.
+
+    Reads the file once, in the manifest's piece size (bounded memory).
+    """
+    name = os.path.basename(path)
+    entry = next((f for f in manifest.files if f.name == name), None)
+    if entry is None:
+        return ManifestCheck(path, False, f"{path}: the manifest has no entry named {name!r}")
+    actual = describe_file(path, entry.piece_nbytes)
+    bad = None
+    for i, (want, got) in enumerate(zip(entry.pieces, actual.pieces)):
+        if want != got:
+            bad = i
+            break
+    if bad is None and len(entry.pieces) != len(actual.pieces):
+        bad = min(len(entry.pieces), len(actual.pieces))
+    want_keys = {k: (n, d) for k, n, d in entry.keys}
+    got_keys = {k: (n, d) for k, n, d in actual.keys}
+    bad_keys = tuple(k for k in want_keys if got_keys.get(k) != want_keys[k])
+    if bad is None and actual.nbytes == entry.nbytes and not bad_keys:
+        return ManifestCheck(path, True, f"{path}: matches the manifest ({entry.nbytes:,} bytes, {len(entry.pieces)} "
+            f"piece{'s' if len(entry.pieces) != 1 else ''})")
+    offset = (bad if bad is not None else 0) * entry.piece_nbytes
+    section = _first_bad_section(entry, offset, bad_keys)
+    where = f"piece {bad} at offset {offset}" if bad is not None else "keys"
+    sec = f", section {section.name!r}" if section else ""
+    key = f", key {section.key!r}" if section and section.key else ""
+    size = f"; size {actual.nbytes} != {entry.nbytes}" if actual.nbytes != entry.nbytes else ""
+    keys = f"; keys differing: {', '.join(repr(k) for k in bad_keys[:5])}" if bad_keys else ""
+    return ManifestCheck(
+        path,
+        False,
+        f"{path}: first bad {where}{sec}{key}{size}{keys}",
+        bad,
+        offset if bad is not None else None,
+        section.name if section else None,
+        section.key if section else None,
+        bad_keys,
+    )
+
+
+def _first_bad_section(entry: FileManifest, piece_offset: int, bad_keys) -> Optional[SectionEntry]:
+    """The section to blame: the first differing key's section inside the bad
+    piece when a key fingerprint pins it down, else the section at the piece start."""
+    piece_end = piece_offset + entry.piece_nbytes
+    for s in entry.sections:
+        if s.key is not None and s.offset < piece_end and s.offset + s.nbytes > piece_offset:
+            if any(k in bad_keys for k in s.key.split(", ")):
+                return s
+    return next(
+        (s for s in entry.sections if s.offset <= piece_offset < s.offset + s.nbytes), None
+    )
+
+
+def read_manifest(path: str) -> IntegrityManifest:
+    """Read and parse a manifest file (it is small: metadata only)."""
+    with open(path, "rb") as f:
+        return from_bytes(f.read(), path)

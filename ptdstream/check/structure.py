@@ -1,0 +1,152 @@
+"""Structure: the checks the runtime's loaders make, on a .pte and its .ptd files.
+
+:func:`check_structure` reads each file's section map (:mod:`ptdstream.format.reader`,
+which already refuses headers, bounds, constant offsets and segment references
+that the runtime would refuse) and adds cross-file checks: every tensor the
+program marks EXTERNAL is a key of a given .ptd with the same layout, and no key
+is in two .ptd files. Nothing is written; only metadata is read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from ..errors import FormatError
+from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identifier
+from ..format.reader import Artifact, read_artifact
+from ..reports import Report
+
+
+@dataclass(frozen=True)
+class Check:
+    """One structural check: the file it concerns, its name, result and detail."""
+
+    path: str
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class StructureReport(Report):
+    """All checks :func:`check_structure` made; ``ok`` when every one passed."""
+
+    pte_path: str
+    ptd_paths: Tuple[str, ...]
+    checks: Tuple[Check, ...]
+
+    derived = ("ok",)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def problems(self) -> Tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.ok)
+
+    def summary(self) -> str:
+        """One line per check, then a verdict line."""
+        lines = [f"{'ok  ' if c.ok else 'FAIL'} {c.path}: {c.name}: {c.detail}" for c in self.checks]
+        n = len(self.problems)
+        lines.append("OK: structure valid" if self.ok else f"INVALID: {n} check{'s' * (n != 1)} failed")
+        return "\n".join(lines)
+
+
+def _file_checks(path: str, art: Artifact, expected_kind: str) -> List[Check]:
+    checks = [Check(path, "kind", art.kind == expected_kind,
+                    f"{art.kind} (identifier {art.identifier}); expected {expected_kind}")]
+    want = expected_identifier(art.kind).decode("ascii")
+    checks.append(Check(path, "identifier", art.identifier == want, f"{art.identifier}, runtime expects {want}"))
+    h = art.header
+    if h is None:
+        checks.append(Check(path, "header", True, "no extended header: raw program flatbuffer, no segment data"))
+    else:
+        checks.append(Check(path, "header", True, f"{h.MAGIC.decode()} length {h.length}"))
+    checks.append(Check(path, "flatbuffer", True, f"parses ({art.flatbuffer_end:,} bytes with header)"))
+    end = art.segment_base_offset + art.segment_data_nbytes
+    checks.append(Check(path, "segments in bounds", True,
+                        f"{len(art.segments)} segment{'' if len(art.segments) == 1 else 's'}; base {art.segment_base_offset:,} + data "
+                        f"{art.segment_data_nbytes:,} = {end:,} <= file size {art.file_nbytes:,}"))
+    if art.constant_segment_index is not None:
+        seg = art.segments[art.constant_segment_index]
+        checks.append(Check(path, "constant offsets", True,
+                            f"{len(art.constant_offsets)} offset{'' if len(art.constant_offsets) == 1 else 's'} within segment {seg.index} ({seg.nbytes:,} bytes)"))
+    checks.append(Check(path, "named keys", True, f"{len(art.named)} keys resolve to segments"))
+    counts: Dict[str, int] = {}
+    for e in art.named:
+        counts[e.key] = counts.get(e.key, 0) + 1
+    dups = sorted(k for k, n in counts.items() if n > 1)
+    checks.append(Check(path, "keys unique", not dups, f"duplicate keys: {_names(dups)}" if dups else "no key repeats"))
+    if art.kind == "ptd":
+        checks.append(Check(path, "version", art.version <= MAX_SUPPORTED_FLAT_TENSOR_VERSION,
+                            f"FlatTensor version {art.version}, runtime supports <= "
+                            f"{MAX_SUPPORTED_FLAT_TENSOR_VERSION}"))
+    return checks
+
+
+def _names(keys: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_structure(pte_path: str, ptd_paths: Sequence[str] = ()) -> StructureReport:
+    """Check a .pte and its .ptd files the way the runtime would load them.
+
+    Per file: kind and identifier, header, flatbuffer parse, segments within the
+    file, constant offsets within the constant segment, named keys resolving to
+    segments and unique, .ptd version. Across files: every tensor the program
+    marks EXTERNAL is a key of some .ptd (layouts equal where the .ptd records
+    one), and no key is in two .ptd files. Keys that only a backend's blob
+    references (XNNPACK weights in a .ptd) cannot be checked.
+
+    Raises:
+        OSError: a file cannot be opened or read (an invalid file is a failed check).
+    """
+    pte_path = os.fspath(pte_path)
+    ptd_paths = tuple(os.fspath(p) for p in ptd_paths)
+    checks: List[Check] = []
+    arts: Dict[str, Artifact] = {}
+    for path, kind in [(pte_path, "pte")] + [(p, "ptd") for p in ptd_paths]:
+        try:
+            arts[path] = read_artifact(path)
+        except FormatError as e:
+            checks.append(Check(path, "parse", False, str(e)))
+            continue
+        checks.extend(_file_checks(path, arts[path], kind))
+    pte = arts.get(pte_path)
+    ptds = [arts[p] for p in ptd_paths if p in arts and arts[p].kind == "ptd"]
+    owners: Dict[str, List[str]] = {}
+    for art in ptds:
+        for e in art.named:
+            if art.path not in owners.setdefault(e.key, []):
+                owners[e.key].append(art.path)
+    if ptds:
+        shared = sorted(k for k, paths in owners.items() if len(paths) > 1)
+        checks.append(Check(pte_path, "keys unique across .ptd files", not shared,
+                            f"in several files: {_names(shared)}" if shared else f"{len(owners)} keys"))
+    if pte is not None and pte.kind == "pte":
+        checks.extend(_external_checks(pte_path, pte, ptds))
+    return StructureReport(pte_path, ptd_paths, tuple(checks))
+
+
+def _external_checks(pte_path: str, pte: Artifact, ptds: List[Artifact]) -> List[Check]:
+    if not pte.external_tensors:
+        return [Check(pte_path, "external data", True, "the program marks no tensor EXTERNAL (keys only a backend blob "
+                      "references cannot be checked)")]
+    layouts = {}
+    for art in ptds:
+        for e in art.named:
+            layouts.setdefault(e.key, (art.path, e.layout))
+    missing = [t.fqn for t in pte.external_tensors if t.fqn not in layouts]
+    checks = [Check(pte_path, "external data", not missing,
+                    f"missing from the given .ptd files: {_names(missing)}" if missing
+                    else f"all {len(pte.external_tensors)} external tensors found")]
+    wrong = [f"{t.fqn!r} program {t.layout} vs {layouts[t.fqn][0]} {layouts[t.fqn][1]}"
+             for t in pte.external_tensors
+             if t.fqn in layouts and layouts[t.fqn][1] is not None and layouts[t.fqn][1] != t.layout]
+    checks.append(Check(pte_path, "external layouts", not wrong,
+                        "; ".join(wrong[:3]) if wrong else "layouts match where recorded"))
+    return checks

@@ -1,0 +1,54 @@
+"""``ptdstream extract``: one key or segment of a packed .pte/.ptd, or the list of them."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import EXIT_LINE, EXIT_OK, UsageError, add_command, print_report
+
+
+def register(subparsers) -> None:
+    """Add ``extract`` to ``subparsers``."""
+    e = add_command(
+        subparsers, "extract", help="read one key or segment from a packed .pte/.ptd",
+        description="Write the bytes of named-data KEY (or of segment --segment) of the .pte/.ptd packed in "
+                    "PACKED, decompressing only the frames of its metadata and of that segment.",
+        epilog="examples:\n  ptdstream extract model.ptd.zst --list\n"
+               "  ptdstream extract model.ptd.zst l1.weight -o l1.weight.bin\n"
+               "  ptdstream extract model.pte.zst --segment 0 > delegate.bin\n" + EXIT_LINE,
+        run=run, inputs=lambda a: [a.packed])
+    e.add_argument("packed", help="packed .pte/.ptd")
+    e.add_argument("key", nargs="?", help="named-data key")
+    e.add_argument("--segment", type=int, help="segment index instead of a key")
+    e.add_argument("-o", "--output", help="file to write (default: stdout)")
+    e.add_argument("--list", action="store_true", help="list segments and keys, extract nothing")
+    e.add_argument("--json", action="store_true", help="print the report (or list) as JSON")
+
+
+def run(args) -> int:
+    from ..pack.extract import PackedArtifact
+
+    if not args.list and (args.key is None) == (args.segment is None):
+        raise UsageError("ptdstream extract: error: give exactly one of KEY or --segment INDEX (or --list)")
+    with PackedArtifact(args.packed) as packed:
+        if args.list:
+            return _list(packed.artifact, args)
+        report = packed.extract(args.output, args.key, args.segment, stream=sys.stdout.buffer)
+        sys.stdout.flush()
+        # stdout may hold the extracted bytes: then the report goes to stderr
+        print_report(args, report, stream=sys.stdout if args.output is not None else sys.stderr)
+        return EXIT_OK
+
+
+def _list(art, args) -> int:
+    rows = [dict(segment=s.index, offset=s.start, nbytes=s.nbytes, label=s.label, keys=list(s.keys))
+            for s in art.segments]
+    if args.json:
+        print(json.dumps({"kind": art.kind, "nbytes": art.file_nbytes, "segments": rows}, indent=2))
+        return EXIT_OK
+    print(f"{args.packed}: {art.kind}, {art.file_nbytes:,} bytes, {len(rows)} segments")
+    for r in rows:
+        keys = f"  keys: {', '.join(r['keys'])}" if r["keys"] else ""
+        print(f"  segment {r['segment']:>4}  offset {r['offset']:>14,}  {r['nbytes']:>14,} bytes  {r['label']}{keys}")
+    return EXIT_OK

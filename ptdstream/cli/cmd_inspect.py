@@ -1,0 +1,23 @@
+"""``ptdstream inspect``: sections, keys, sizes, alignments and duplicated content."""
+
+from __future__ import annotations
+
+from .common import EPILOG, EXIT_OK, add_command, print_report
+
+
+def register(subparsers) -> None:
+    """Add ``inspect`` to ``subparsers``."""
+    i = add_command(
+        subparsers, "inspect", help="sections, keys, sizes, alignments and duplicated content",
+        description="Show each file's section map, segments with their alignment, keys, a size breakdown "
+                    "(metadata + padding + payload = file size) and content stored more than once.",
+        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=True)
+    i.add_argument("files", nargs="+", metavar="FILE")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args) -> int:
+    from ..check.inspection import inspect_files
+
+    print_report(args, inspect_files(args.files))
+    return EXIT_OK

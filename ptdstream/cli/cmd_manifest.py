@@ -1,0 +1,31 @@
+"""``ptdstream manifest``: write an integrity manifest of a set of files."""
+
+from __future__ import annotations
+
+from ..defaults import CHUNK_NBYTES
+from .common import EPILOG, EXIT_OK, UsageError, add_command, print_report
+
+
+def register(subparsers) -> None:
+    """Add ``manifest`` to ``subparsers``."""
+    m = add_command(
+        subparsers, "manifest",
+        help="write an integrity manifest (piece digests, sections, key fingerprints)",
+        description="Describe FILEs in a manifest (ptdstream's flatbuffer schema, schema/manifest.fbs): each "
+                    "file's size, sections, the xxh3-128 digest of every piece and each key's fingerprint. "
+                    "Check copies later with `ptdstream verify FILE --manifest M`.",
+        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=True)
+    m.add_argument("files", nargs="+", metavar="FILE")
+    m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
+    m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES", help="piece size (default 8 MiB)")
+    m.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args) -> int:
+    from ..check.manifest import manifest_path_for, write_manifest_report
+
+    if args.piece_size <= 0:
+        raise UsageError("ptdstream manifest: --piece-size must be > 0")
+    out = args.output or manifest_path_for(args.files[0])
+    print_report(args, write_manifest_report(args.files, out, args.piece_size))
+    return EXIT_OK

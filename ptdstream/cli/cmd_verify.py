@@ -1,0 +1,43 @@
+"""``ptdstream verify``: byte identity with a reference, structure, or a manifest."""
+
+from __future__ import annotations
+
+from .common import EPILOG, EXIT_INVALID, EXIT_OK, UsageError, add_command, print_report
+
+
+def register(subparsers) -> None:
+    """Add ``verify`` to ``subparsers``."""
+    v = add_command(
+        subparsers, "verify",
+        help="compare with a reference, or check the structure of a .pte and its .ptd files",
+        description="With --against: compare FILE with REF byte for byte (streamed) and name the first "
+                    "difference. Without: check FILE (a .pte) and the .ptd files after it the way the "
+                    "runtime loads them, including that every external tensor is in a given .ptd.",
+        epilog=EPILOG, run=run, imports_torch=True,
+        inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p])
+    v.add_argument("files", nargs="+", metavar="FILE", help="OUT (with --against), or OUT.pte [DATA.ptd ...]")
+    v.add_argument("--against", metavar="REF", help="reference file to compare the single FILE with")
+    v.add_argument("--manifest", metavar="M", help="check each FILE against manifest M (piece digests)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args) -> int:
+    if args.manifest is not None:
+        if args.against is not None:
+            raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")
+        from ..check.manifest import verify_files
+
+        report = verify_files(args.files, args.manifest)
+    elif args.against is not None:
+        if len(args.files) != 1:
+            raise UsageError(f"ptdstream verify: --against compares one FILE, got {len(args.files)} "
+                             "(see ptdstream verify --help)")
+        from ..check.compare import compare_files
+
+        report = compare_files(args.files[0], args.against)
+    else:
+        from ..check.structure import check_structure
+
+        report = check_structure(args.files[0], args.files[1:])
+    print_report(args, report)
+    return EXIT_OK if report.ok else EXIT_INVALID

@@ -1,0 +1,158 @@
+"""What every ``ptdstream`` command shares: the parser, exit codes, the one mapping
+from errors to exit codes and messages, output and input helpers.
+
+Exit codes: 0 ok; 1 mismatch or invalid file (or a failure inside a command);
+2 usage error or unreadable input; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, PtdstreamError
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EPILOG = """\
+examples:
+  ptdstream verify out/model.pte --against ref/model.pte     byte identity with a reference
+  ptdstream verify model.pte model.ptd                        structure of a program and its data
+  ptdstream verify model.pte model.ptd --json                 same, as JSON
+  ptdstream inspect model.pte model.ptd                       sections, keys, sizes, duplicates
+  ptdstream manifest model.pte model.ptd                      write model.manifest (piece digests)
+  ptdstream verify model.pte model.ptd --manifest model.manifest   check copies at disk speed
+  ptdstream pack model.ptd model.ptd.zst                      seekable zstd for transport
+  ptdstream demo --out /tmp/ptdstream-demo                    export a small LM and save it
+
+exit codes:
+  0  ok
+  1  files differ, or a file is not a valid .pte/.ptd
+  2  usage error, or an input cannot be read (missing file, permission)
+"""
+
+#: The exit codes line of a command's own epilog.
+EXIT_LINE = "exit codes: 0 ok, 1 corrupt input or mismatch, 2 usage error or unreadable input"
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given (exit 2)."""
+
+
+#: Errors users cause (bad arguments, bad or unreadable files, Ctrl-C): reported in
+#: one line even with ``PTDSTREAM_DEBUG=1``, which shows tracebacks of the others.
+EXPECTED_ERRORS = (UsageError, PtdstreamError, OSError, KeyboardInterrupt)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises :class:`UsageError` instead of printing and exiting."""
+
+    def error(self, message: str):  # noqa: D401 (argparse API)
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def add_command(subparsers, name: str, *, help: str, description: str, epilog: str,
+                run: Callable[[argparse.Namespace], int],
+                inputs: Callable[[argparse.Namespace], Sequence[str]] = lambda a: (),
+                imports_torch: bool = False) -> argparse.ArgumentParser:
+    """Register subcommand ``name`` and return its parser for the caller's arguments.
+
+    ``run(args)`` returns the exit code or raises (mapped by :func:`exit_for`);
+    ``inputs(args)`` names the files it reads (checked to be regular files first);
+    ``imports_torch`` makes ``main`` silence the import noise of torch/executorch.
+    """
+    parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(run=run, inputs=inputs, imports_torch=imports_torch)
+    return parser
+
+
+def exit_for(error: BaseException, command: Optional[str]) -> Tuple[int, str]:
+    """The one mapping from an error to ``(exit code, one-line message)``.
+
+    Usage errors, bad parameters and keys a file does not hold exit 2; invalid or
+    corrupt input and mismatches exit 1; unreadable input exits 2; Ctrl-C 130.
+    Anything else is a failure inside the command (1), reported in one line.
+    """
+    if isinstance(error, UsageError):
+        return EXIT_USAGE, str(error)
+    if isinstance(error, FormatError):
+        return EXIT_INVALID, f"ptdstream: invalid file: {error}"
+    if isinstance(error, (LayoutError, MissingKeyError)):
+        return EXIT_USAGE, f"ptdstream {command}: error: {error}"
+    if isinstance(error, IntegrityError):
+        return EXIT_INVALID, f"ptdstream {command}: error: {error}"
+    if isinstance(error, OSError):
+        what = error.strerror or type(error).__name__
+        if error.filename:
+            return EXIT_USAGE, f"ptdstream: cannot read {error.filename}: {what}"
+        return EXIT_USAGE, f"ptdstream: {what}"
+    if isinstance(error, PtdstreamError):
+        return EXIT_INVALID, f"ptdstream: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "ptdstream: interrupted"
+    return EXIT_INVALID, (f"ptdstream: {command} failed: {type(error).__name__}: {error} "
+                          "(set PTDSTREAM_DEBUG=1 for a traceback)")
+
+
+def print_error(message: str) -> None:
+    """One line on stderr (whitespace, newlines included, collapsed)."""
+    print(" ".join(str(message).split()) or "error", file=sys.stderr)
+
+
+def print_report(args: argparse.Namespace, report: Any, stream=None) -> None:
+    """A report's JSON with ``--json``, else its summary (stdout by default)."""
+    print(report.to_json() if getattr(args, "json", False) else report.summary(), file=stream or sys.stdout)
+
+
+def parse_nbytes(text: str) -> int:
+    """``"8M"``, ``"8MiB"``, ``"512k"``, ``"1048576"`` -> bytes (K/M/G are powers of 1024)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8M, 512K, 1048576)") from None
+
+
+def quiet_third_party() -> None:
+    """Keep torch/torchao/executorch import chatter (deprecation warnings, optional
+    kernels that fail to load) out of the command's output; ``PTDSTREAM_DEBUG=1``
+    shows it."""
+    import logging
+    import warnings
+
+    if os.environ.get("PTDSTREAM_DEBUG"):
+        return
+    for category in (DeprecationWarning, FutureWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for name in ("torchao", "torch.utils._pytree", "torch._export", "executorch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # Some of it is printed straight to stderr while torch, torchao and executorch
+    # import: import them now with file descriptor 2 pointed at /dev/null.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        try:
+            from ..executorch import adapter
+
+            adapter.preload_serializer()
+        except ImportError:
+            pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null (after a broken pipe, so exit flushes nothing)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,18 @@
+"""The built-in example (``ptdstream demo``): a small tied-embedding LM
+(``model``), exported, saved with ptdstream, verified and run (``run``). Not part
+of the library's core: nothing else in ptdstream imports it."""
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the demo's options (``--out``, ``--no-run``) to ``parser``; returns it."""
+    parser.add_argument(
+        "--out", default="./ptdstream-demo",
+        help="folder for model.pte and model.ptd (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-run", action="store_true",
+        help="skip loading the files with the ExecuTorch runtime",
+    )
+    return parser

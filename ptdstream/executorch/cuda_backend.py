@@ -1,0 +1,161 @@
+"""Route executorch's CUDA backend weight storages through ptdstream.
+
+executorch 1.5.1's ``backends/cuda/cuda_weight_collector.py`` writes every AOTI
+weight storage to a temp file as it lowers each method (8 MiB pageable
+``.cpu()`` chunks, SHA-256 on one core, a write), once per method, and keeps
+only the first copy of each key. Inside :func:`stream_cuda_weights`, each CUDA
+storage is instead wrapped as a :class:`~ptdstream.executorch.interop.SourceBackedData`
+over a :class:`~ptdstream.sources.cuda.CudaTensorSource`: nothing is copied to the host
+or written while lowering; the storage's GPU fingerprint stands in for its
+SHA-256 (so a later method re-adding the same key costs one fingerprint), and
+``ptdstream.save`` streams each surviving storage from the GPU exactly once.
+Upstream's own ``write_to_file`` still writes the same bytes (slowly).
+
+Memory: upstream frees each AOTI storage once it has written it, so each
+distinct content is first copied on the device (at device bandwidth, no host
+copy) and that copy stays on the GPU until the manager is saved and dropped. A
+later method's storage that ``torch.equal`` finds equal to a kept copy (the
+candidates are those with the same size and the same 64 sampled bytes) reuses
+it: no second copy and no second fingerprint, so a method that re-adds every
+weight costs one gather and one comparison per storage.
+Dedup classes are upstream's, except that a CUDA storage and a non-CUDA blob
+with equal bytes are not merged (their digests differ in kind).
+
+CPU-resident AOTI weights keep upstream's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Tuple
+
+from . import adapter
+from .patching import shadowed
+
+PROBE_NBYTES = 64
+
+
+@dataclass
+class CudaWeightStats:
+    """What happened inside :func:`stream_cuda_weights`.
+
+    ``routed``/``routed_nbytes``: CUDA storages handed to ptdstream and their
+    bytes (every method counted); ``copied_nbytes``: device memory (bytes) kept
+    for them, each distinct content once; ``upstream``: storages left to
+    upstream's path (CPU ones)."""
+
+    routed: int = 0
+    routed_nbytes: int = 0
+    copied_nbytes: int = 0
+    upstream: int = 0
+
+
+def _probe(flat, positions) -> Tuple[int, bytes]:
+    """``(nbytes, PROBE_NBYTES bytes spread evenly over flat)``: one gather, one small copy.
+
+    Storages with different probes differ; equal probes are confirmed (or not)
+    with ``torch.equal``. ``positions`` caches the index tensor per size.
+    """
+    import torch
+
+    n = flat.numel()
+    if n <= PROBE_NBYTES:
+        return n, bytes(flat.cpu().numpy())
+    index = positions.get((flat.device, n))
+    if index is None:
+        index = torch.linspace(0, n - 1, PROBE_NBYTES, dtype=torch.float64, device=flat.device).long()
+        positions[(flat.device, n)] = index
+    return n, bytes(flat[index].cpu().numpy())
+
+
+@contextlib.contextmanager
+def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightStats]:
+    """While active, executorch's CUDA backend hands weight storages to ptdstream.
+
+    Patches names of ``executorch.backends.cuda.cuda_weight_collector``
+    (``_write_tensor_storage``, the ``FileBackedData`` it uses and, unless
+    ``trim_host_memory``, ``trim_host_memory``) and restores them when the last
+    context exits (:func:`ptdstream.executorch.patching.shadowed`). Lower one model at a
+    time: a context entered while another is active keeps the first one's hooks.
+
+    Args:
+        trim_host_memory: keep upstream's ``gc.collect()`` + ``malloc_trim(0)``
+            before and after each method's weights. They hand back the host
+            memory of upstream's ``.cpu()`` chunks; routed weights use none, and
+            the two full collections cost about 0.5 s per method on a lowered
+            model (measured on the H200 by ``benchmarks/bench_cuda_backend.py``),
+            so by default they are skipped.
+
+    Raises:
+        ImportError: executorch's CUDA backend is not importable.
+    """
+    import torch
+
+    from ..sources.cuda import CudaTensorSource
+    from ..sources.cuda_fingerprint import gpu_fingerprint
+    from .interop import SourceBackedData
+
+    collector = adapter.cuda_weight_collector()
+    real_write = collector._write_tensor_storage
+    real_file_backed = collector.FileBackedData
+    pending: Dict[str, CudaTensorSource] = {}
+    kept: Dict[Tuple[int, bytes], List[CudaTensorSource]] = {}
+    positions: Dict[Tuple[object, int], object] = {}
+    warmed: set = set()
+    stats = CudaWeightStats()
+
+    def write_storage(tensor, path):
+        if not tensor.is_cuda:
+            stats.upstream += 1
+            return real_write(tensor, path)
+        storage = tensor.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            storage, 0, (storage.nbytes(),), (1,)
+        )
+        probe = _probe(flat, positions)
+        if flat.device not in warmed and flat.numel():
+            warmed.add(flat.device)
+            # Load torch.equal's kernels now, with the first method's copies,
+            # rather than on the first comparison of the next method (~25 ms).
+            head = flat[: 1 << 16]  # large enough for the vectorized kernels
+            torch.equal(head.clone(), head)
+        for source in kept.get(probe, ()):
+            if torch.equal(source._flat(), flat):
+                break  # a later method's equal storage: reuse the kept copy
+        else:
+            # Upstream frees (resizes to 0) the AOTI storage once it is written;
+            # keep a device-side copy (at device bandwidth) until ptdstream saves it.
+            source = CudaTensorSource(
+                flat.clone(), label=f"CUDA weight storage ({storage.nbytes()} bytes)"
+            )
+            source._gpu_fingerprint = gpu_fingerprint(flat)
+            kept.setdefault(probe, []).append(source)
+            stats.copied_nbytes += source.nbytes
+        pending[path] = source
+        stats.routed += 1
+        stats.routed_nbytes += source.nbytes
+        return source.gpu_fingerprint().digest
+
+    class _FileBackedData(real_file_backed):
+        @classmethod
+        def move_from(cls, path, sha256=None):
+            source = pending.pop(path, None)
+            if source is None:
+                return real_file_backed.move_from(path, sha256=sha256)
+            os.remove(path)  # the empty temp file upstream made for it
+            data = SourceBackedData(source)
+            adapter.set_cached_sha256(data, sha256)
+            return data
+
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(shadowed(collector, "_write_tensor_storage", write_storage))
+        patches.enter_context(shadowed(collector, "FileBackedData", _FileBackedData))
+        if not trim_host_memory:
+            patches.enter_context(shadowed(collector, "trim_host_memory", lambda: None))
+        try:
+            yield stats
+        finally:
+            kept.clear()
+            positions.clear()

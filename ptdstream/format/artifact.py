@@ -1,0 +1,220 @@
+"""What the readers give back: an :class:`Artifact` (a file's section map) and the
+checks they share on the segment table.
+
+Every function here works on values already parsed; none reads a file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from ..errors import FormatError
+from .identity import HEADER_OFFSET, ExtendedHeader, FlatTensorHeader
+
+_EXTERNAL_LOCATION = 1  # schema.TensorDataLocation.EXTERNAL
+
+#: ``read_at(offset, nbytes) -> bytes``: random access to a file being read.
+ReadAt = Callable[[int, int], bytes]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor's layout as a file records it: ``scalar_type`` (ExecuTorch
+    ``ScalarType`` value), sizes and dim order. (executorch's own ``TensorLayout``
+    is the writer-side type; this is what the readers give back.)"""
+
+    scalar_type: int
+    sizes: Tuple[int, ...]
+    dim_order: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One data segment. ``offset`` is relative to ``segment_base_offset``; ``start``
+    and ``end`` are absolute file offsets (bytes); ``keys`` are the named-data keys
+    that resolve to it (several when equal data was stored once)."""
+
+    index: int
+    offset: int
+    nbytes: int
+    start: int
+    end: int
+    label: str
+    keys: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NamedEntry:
+    """A named-data key, its segment index and (in a .ptd) its tensor layout."""
+
+    key: str
+    segment_index: int
+    layout: Optional[TensorMeta] = None
+
+
+@dataclass(frozen=True)
+class ExternalTensor:
+    """A program tensor whose data lives in a .ptd under ``fqn``."""
+
+    fqn: str
+    layout: TensorMeta
+
+
+@dataclass(frozen=True)
+class Section:
+    """A byte range ``[start, end)`` of a file, its name and key (or None)."""
+
+    start: int
+    end: int
+    name: str
+    key: Optional[str] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """What :func:`read_artifact` found. All offsets and sizes are in bytes.
+
+    ``header`` is an :class:`~ptdstream.format.identity.ExtendedHeader` (None for a .pte
+    that is a raw flatbuffer) or a :class:`~ptdstream.format.identity.FlatTensorHeader`;
+    ``flatbuffer_end`` ends the metadata (header included, it starts at 0);
+    ``constant_offsets`` are the tensor offsets within the constant segment.
+    """
+
+    path: str
+    kind: str
+    file_nbytes: int
+    identifier: str
+    header: Union[ExtendedHeader, FlatTensorHeader, None]
+    flatbuffer_end: int
+    segment_base_offset: int
+    segment_data_nbytes: int
+    segments: Tuple[Segment, ...]
+    named: Tuple[NamedEntry, ...]
+    constant_segment_index: Optional[int] = None
+    constant_offsets: Tuple[int, ...] = ()
+    external_tensors: Tuple[ExternalTensor, ...] = ()
+    version: int = 0
+
+    @functools.cached_property
+    def _sections(self) -> Tuple[Section, ...]:
+        return section_map(self)
+
+    @property
+    def keys(self) -> Dict[str, int]:
+        """Named-data key -> segment index."""
+        return {e.key: e.segment_index for e in self.named}
+
+    def sections(self) -> Tuple[Section, ...]:
+        """Non-empty sections covering ``[0, file_nbytes)`` in order, no overlap."""
+        return self._sections
+
+    def locate(self, offset: int) -> Optional[Section]:
+        """The section holding file offset ``offset``, None past the end. Inside the
+        constant segment the key is ``constant <i>`` (tensor ``i`` of the segment)."""
+        if not 0 <= offset < self.file_nbytes or not self._sections:
+            return None
+        sec = self._sections[bisect.bisect_right([s.start for s in self._sections], offset) - 1]
+        if sec.name == "constant segment" and self.constant_offsets:
+            i = bisect.bisect_right(self.constant_offsets, offset - sec.start) - 1
+            return Section(sec.start, sec.end, sec.name, f"constant {max(i, 0)}")
+        return sec
+
+
+def fail(name: str, offset: int, what: str) -> FormatError:
+    return FormatError(f"{name}: at offset {offset}: {what}")
+
+
+def one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
+
+
+def check_index(name: str, base: int, spans, index: int, what: str) -> None:
+    if not 0 <= index < len(spans):
+        raise fail(name, base, f"{what} names segment {index}, but there are {len(spans)} segments")
+
+
+def subsegments(name, base, spans, index, offsets, what) -> Tuple[int, ...]:
+    check_index(name, base, spans, index, f"{what} segment")
+    seg_offset, seg_nbytes = spans[index]
+    values = tuple(int(o) for o in offsets)
+    prev = 0
+    for i, value in enumerate(values):
+        if not prev <= value <= seg_nbytes:
+            raise fail(name, base + seg_offset, f"{what} offset [{i}] = {value} is outside "
+                        f"[{prev}, {seg_nbytes}] (segment {index}, {seg_nbytes} bytes)")
+        prev = value
+    return values
+
+
+def label(labels: Dict[int, List], index: int, label: str, key: Optional[str] = None) -> None:
+    """First reference names a segment; named-data keys accumulate on a named segment."""
+    entry = labels.setdefault(index, [label, []])
+    if key is not None and entry[0] == label:
+        entry[1].append(key)
+
+
+def external_tensors(program) -> Tuple[ExternalTensor, ...]:
+    found: Dict[str, ExternalTensor] = {}
+    for plan in program.execution_plan or []:
+        for value in plan.values or []:
+            info = getattr(value.val, "extra_tensor_info", None)
+            if info is None or int(info.location) != _EXTERNAL_LOCATION or not info.fully_qualified_name:
+                continue
+            t = value.val
+            layout = TensorMeta(int(t.scalar_type), tuple(int(s) for s in t.sizes), tuple(int(d) for d in t.dim_order))
+            found.setdefault(str(info.fully_qualified_name), ExternalTensor(str(info.fully_qualified_name), layout))
+    return tuple(found.values())
+
+
+def segments_of(name, base, spans, labels, limit, has_header) -> Tuple[Segment, ...]:
+    out = []
+    for i, (offset, size) in enumerate(spans):
+        if offset < 0 or size < 0:
+            raise fail(name, base, f"segment {i} has a negative offset or size")
+        if size and not has_header:
+            raise fail(name, 8, f"segment {i} holds {size} bytes but the file has no extended header")
+        start, end = base + offset, base + offset + size
+        if end > limit:
+            where = "the end of the segment data" if has_header else "the end of the file"
+            raise fail(name, start, f"segment {i} [{start}, {end}) ({size} bytes) ends beyond {where} ({limit})")
+        label, keys = labels.get(i, ["unreferenced segment", []])
+        out.append(Segment(i, offset, size, start, end, label, tuple(keys)))
+    filled = sorted((s for s in out if s.nbytes), key=lambda s: s.start)
+    for a, b in zip(filled, filled[1:]):
+        if b.start < a.end:
+            raise fail(name, b.start, f"segment {b.index} [{b.start}, {b.end}) overlaps segment {a.index} [{a.start}, {a.end})")
+    return tuple(out)
+
+
+def section_map(art: Artifact) -> Tuple[Section, ...]:
+    """Non-empty sections covering ``[0, art.file_nbytes)`` in order, no overlap."""
+    header, fb_end, nbytes = art.header, art.flatbuffer_end, art.file_nbytes
+    sections: List[Section] = [Section(0, 8, "flatbuffer")]
+    if isinstance(header, ExtendedHeader):
+        hdr_end = HEADER_OFFSET + min(header.length, fb_end - HEADER_OFFSET)
+        sections.append(Section(8, hdr_end, "extended header"))
+        sections.append(Section(hdr_end, fb_end, "flatbuffer"))
+    elif isinstance(header, FlatTensorHeader):
+        sections.append(Section(8, 8 + header.length, "flat tensor header"))
+        sections.append(Section(8 + header.length, 8 + header.flatbuffer_offset, "header padding"))
+        sections.append(Section(8 + header.flatbuffer_offset, fb_end, "flatbuffer"))
+    else:
+        sections.append(Section(8, fb_end, "flatbuffer"))
+    pos = fb_end
+    for seg in sorted((s for s in art.segments if s.nbytes), key=lambda s: s.start):
+        sections.append(Section(pos, seg.start, "padding"))
+        sections.append(Section(seg.start, seg.end, seg.label, seg.keys[0] if seg.keys else None))
+        pos = seg.end
+    data_end = art.segment_base_offset + art.segment_data_nbytes if header is not None else fb_end
+    if pos < data_end:
+        sections.append(Section(pos, data_end, "padding"))
+        pos = data_end
+    sections.append(Section(pos, nbytes, "trailing bytes"))
+    return tuple(s for s in sections if s.end > s.start)

@@ -1,0 +1,153 @@
+"""Format identity: every magic, identifier, version and header length of .pte and .ptd.
+
+Supporting a new format version starts and mostly ends here: the planners
+(:mod:`.layout`), the readers (:mod:`.reader`), verify (:mod:`ptdstream.check`)
+and pack (:mod:`ptdstream.pack`) take these values from this module only.
+
+Mirrors executorch 1.5.1: ``schema/program.fbs`` (file identifier ``ET12``),
+``exir/_serialize/_program.py::_ExtendedHeader`` (``eh00``, read by the runtime's
+``schema/extended_header.cpp``), ``extension/flat_tensor/serialize/flat_tensor.fbs``
+(``FT01``) and ``serialize.py::FlatTensorHeader`` (``FH01``, read by
+``flat_tensor_header.cpp``), ``FlatTensorDataMap::kMaxSupportedSchemaVersion``.
+All integers are little-endian; offsets and sizes are unsigned 64-bit.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+#: Offset of an inserted header: after the flatbuffer's root offset (u32) and its
+#: 4-byte file identifier.
+HEADER_OFFSET = 8
+#: Bytes read to find a header (upstream's ``_ExtendedHeader.NUM_HEAD_BYTES``).
+HEAD_NBYTES = 64
+
+#: The .pte program flatbuffer's file identifier, and the prefix every version shares.
+PTE_IDENTIFIER = b"ET12"
+PTE_IDENTIFIER_PREFIX = b"ET"
+#: The .ptd FlatTensor flatbuffer's file identifier, and its version-free prefix.
+PTD_IDENTIFIER = b"FT01"
+PTD_IDENTIFIER_PREFIX = b"FT"
+#: Any identifier the readers recognise: a known prefix and two version characters.
+IDENTIFIER_PATTERN = re.compile(rb"(ET|FT)[0-9a-zA-Z]{2}\Z")
+
+#: ``FlatTensor.version`` written (``serialize.py::_FLAT_TENSOR_VERSION``) and the
+#: highest the runtime loads (``FlatTensorDataMap::kMaxSupportedSchemaVersion``).
+FLAT_TENSOR_VERSION = 0
+MAX_SUPPORTED_FLAT_TENSOR_VERSION = 0
+
+
+def kind_of(identifier: bytes) -> Optional[str]:
+    """``"pte"`` or ``"ptd"`` for a file identifier (bytes 4..8 of a file) the
+    readers recognise, else None."""
+    if not IDENTIFIER_PATTERN.match(identifier):
+        return None
+    return "pte" if identifier.startswith(PTE_IDENTIFIER_PREFIX) else "ptd"
+
+
+def expected_identifier(kind: str) -> bytes:
+    """The identifier the runtime expects for a file of ``kind`` ("pte"/"ptd")."""
+    return PTE_IDENTIFIER if kind == "pte" else PTD_IDENTIFIER
+
+
+def u32(value: int) -> bytes:
+    return struct.pack("<I", value)
+
+
+def u64(value: int) -> bytes:
+    return struct.pack("<Q", value)
+
+
+@dataclass(frozen=True)
+class ExtendedHeader:
+    """The .pte extended header, inserted at byte 8 of the program flatbuffer.
+
+    Byte layout (``_program.py::_ExtendedHeader``; read by
+    ``schema/extended_header.cpp``): ``b"eh00"``, u32 length (32 written, >= 24
+    accepted), u64 program_size (header + flatbuffer, bytes), u64
+    segment_base_offset, u64 segment_data_size (only when length >= 32).
+    """
+
+    MAGIC: ClassVar[bytes] = b"eh00"
+    MINIMUM_LENGTH: ClassVar[int] = 24
+    LENGTH: ClassVar[int] = 32
+
+    program_size: int
+    segment_base_offset: int
+    segment_data_size: int
+    length: int = LENGTH
+
+    def to_bytes(self) -> bytes:
+        """The 32 header bytes (always the full length)."""
+        return (
+            self.MAGIC
+            + u32(self.LENGTH)
+            + u64(self.program_size)
+            + u64(self.segment_base_offset)
+            + u64(self.segment_data_size)
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Optional["ExtendedHeader"]:
+        """Parse the bytes at file offset 8; ``None`` if no valid header is there."""
+        if len(data) < cls.MINIMUM_LENGTH or data[0:4] != cls.MAGIC:
+            return None
+        (length,) = struct.unpack_from("<I", data, 4)
+        if length < cls.MINIMUM_LENGTH:
+            return None
+        program_size, base = struct.unpack_from("<QQ", data, 8)
+        data_size = 0
+        if length >= cls.LENGTH:
+            if len(data) < cls.LENGTH:
+                return None
+            (data_size,) = struct.unpack_from("<Q", data, 24)
+        return cls(program_size, base, data_size, length)
+
+
+@dataclass(frozen=True)
+class FlatTensorHeader:
+    """The .ptd header, inserted at byte 8 of the FlatTensor flatbuffer.
+
+    Byte layout (``flat_tensor/serialize/serialize.py::FlatTensorHeader``; read by
+    ``flat_tensor_header.cpp``): ``b"FH01"``, u32 length (40), u64
+    flatbuffer_offset (48), u64 flatbuffer_size, u64 segment_base_offset, u64
+    segment_data_size. 8 zero bytes follow it, so 48 bytes are inserted.
+    """
+
+    MAGIC: ClassVar[bytes] = b"FH01"
+    LENGTH: ClassVar[int] = 40
+    #: The flatbuffer is aligned to 16 after the header (``_FLATBUFFER_ALIGNMENT``).
+    FLATBUFFER_ALIGNMENT: ClassVar[int] = 16
+
+    flatbuffer_offset: int
+    flatbuffer_size: int
+    segment_base_offset: int
+    segment_data_size: int
+    length: int = LENGTH
+
+    def to_bytes(self) -> bytes:
+        """The 40 header bytes."""
+        return (
+            self.MAGIC
+            + u32(self.LENGTH)
+            + u64(self.flatbuffer_offset)
+            + u64(self.flatbuffer_size)
+            + u64(self.segment_base_offset)
+            + u64(self.segment_data_size)
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Optional["FlatTensorHeader"]:
+        """Parse the bytes at file offset 8; ``None`` if no valid header is there."""
+        if len(data) < cls.LENGTH or data[0:4] != cls.MAGIC:
+            return None
+        (length,) = struct.unpack_from("<I", data, 4)
+        if length < cls.LENGTH:
+            return None
+        fields = struct.unpack_from("<QQQQ", data, 8)
+        return cls(*fields, length=length)
+
+

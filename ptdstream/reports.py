@@ -1,0 +1,48 @@
+"""The report protocol every ptdstream operation returns.
+
+Save, verify, inspect, manifest, pack, unpack and extract each return a frozen
+dataclass mixing in :class:`Report`: ``summary()`` is text for people (one or a
+few lines), ``to_dict()`` is plain data (fields, nested dataclasses as dicts, plus
+the derived properties named in ``derived``), ``to_json()`` is that as a JSON
+string. Bytes become hex strings and enums their values in JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, ClassVar, Tuple
+
+
+class Report:
+    """Mixin for report dataclasses: ``summary()``, ``to_dict()``, ``to_json() -> str``."""
+
+    #: Properties added to :meth:`to_dict` beside the dataclass fields (``"ok"``, ``"gbps"``...).
+    derived: ClassVar[Tuple[str, ...]] = ()
+
+    def summary(self) -> str:
+        """Text for people: one line or a few."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict:
+        """The fields (nested dataclasses as dicts) and the :attr:`derived` properties."""
+        out = dataclasses.asdict(self)  # type: ignore[call-overload]
+        for name in self.derived:
+            out[name] = getattr(self, name)
+        return out
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON (bytes as hex, enums as values)."""
+        import json
+
+        return json.dumps(self.to_dict(), indent=2, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)

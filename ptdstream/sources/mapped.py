@@ -1,0 +1,70 @@
+"""Sources over file-mapped memory: a checkpoint loaded with ``mmap`` read without
+keeping it resident."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import IntegrityError
+from ..system.pagecache import FileMapping, page_out, will_need
+from .base import BufferRing
+from .tensor import TensorSource
+
+
+class MappedTensorSource(TensorSource):
+    """A :class:`~ptdstream.sources.TensorSource` over file-mapped memory (a
+    checkpoint loaded with ``mmap``).
+
+    Each piece is copied into the ring and its pages are paged out of this
+    process at once (read-ahead keeps two pieces ahead), so reading a whole
+    checkpoint leaves about one piece resident. Before reading, the file is
+    checked to be the one mapped and still long enough: a checkpoint shrunk
+    under a mapping would otherwise kill the process with SIGBUS (a file
+    replaced by rename is fine: the mapping keeps the old one).
+
+    Raises:
+        IntegrityError: the checkpoint file was truncated.
+    """
+
+    def __init__(self, tensor, mapping: FileMapping, label: str = "tensor") -> None:  # noqa: D107
+        super().__init__(tensor, label)
+        self.mapping = mapping
+
+    def _check_file(self) -> None:
+        m = self.mapping
+        if m.path.endswith(" (deleted)"):
+            return  # unlinked: nobody can reach it by name to change it
+        try:
+            st = os.stat(m.path)
+        except FileNotFoundError:
+            return  # unlinked since it was mapped: the mapping keeps the inode
+        if st.st_ino != m.inode:
+            return  # replaced (os.replace): the mapping keeps the old inode, unchanged
+        needed = m.offset + (self._address() - m.start) + self.nbytes
+        if st.st_size < needed:
+            raise IntegrityError(
+                f"{self.describe()}: its checkpoint file {m.path} was truncated after "
+                f"it was mapped (needs {needed:,} bytes, has {st.st_size:,})"
+            )
+
+    def pieces(self, ring: BufferRing):
+        self._check_file()
+        view = self._view()
+        address = self._address()
+        step = ring.chunk_nbytes
+        bounds = (self.mapping.start, self.mapping.stop)
+        will_need(address, 2 * step, bounds)
+        for start in range(0, self.nbytes, step):
+            will_need(address + start + 2 * step, step, bounds)  # keep two pieces ahead
+            piece = view[start : start + step]
+            buf = ring.next()[: len(piece)]
+            buf[:] = piece
+            page_out(address + start, len(piece), bounds)
+            yield buf
+
+    def prefix(self, nbytes: int = 32) -> bytes:
+        self._check_file()
+        head = super().prefix(nbytes)
+        # The fault maps (and reads ahead) more than the page it needs.
+        page_out(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
+        return head

@@ -1,0 +1,40 @@
+"""In-memory sources: bytes, bytearray and any C-contiguous buffer, read in place."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..errors import IntegrityError, LayoutError
+from .base import BufferRing, Source
+
+
+class MemorySource(Source):
+    """Bytes, bytearray or any C-contiguous buffer, read in place (no copy).
+
+    The caller must not mutate the buffer between plan and write; a change of
+    content is caught by the digest check when the buffer is a dedup candidate,
+    and by the prefix check otherwise.
+    """
+
+    def __init__(self, data, label: str = "bytes") -> None:
+        view = memoryview(data)
+        if not view.c_contiguous:
+            raise LayoutError(f"{label}: buffer is not C-contiguous")
+        self._view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self.nbytes = self._view.nbytes
+        self._label = label
+
+    def describe(self) -> str:
+        return self._label
+
+    def prefix(self, nbytes: int = 32) -> bytes:
+        return bytes(self._view[:nbytes])
+
+    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+        if self._view.nbytes != self.nbytes:
+            raise IntegrityError(
+                f"{self._label}: size changed from {self.nbytes} to {self._view.nbytes} bytes"
+            )
+        step = ring.chunk_nbytes
+        for start in range(0, self.nbytes, step):
+            yield self._view[start : start + step]

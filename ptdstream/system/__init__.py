@@ -1,0 +1,1 @@
+"""The operating system layer: page-cache control and file reading primitives."""

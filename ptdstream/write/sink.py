@@ -1,0 +1,372 @@
+"""``ChunkedFileSink``: a temp file beside the target, written in pieces, published atomically.
+
+Calls, in order: 1) open (the constructor creates the temp file); 2) ``write`` /
+``write_zeros`` any number of times; 3) ``sync`` (fsync the file, drop its pages);
+4) ``publish`` (rename over the target, fsync the folder). ``commit`` does 3 and
+4. ``abort`` removes the temp file and may be called in any state; it is
+idempotent. Used as a context manager, an exception inside the ``with`` aborts
+and a clean exit commits.
+
+Page cache: every ``window_nbytes`` written, writeback of that window is started
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``); once more than ``inflight_windows``
+windows are under writeback, the oldest is waited for and dropped
+(``POSIX_FADV_DONTNEED``). So a bounded number of windows of the output stay
+resident while writing (5 x 64 MiB by default), and none after ``sync``.
+
+On any failure: the temp file is removed, the target is untouched (absent, or the
+previous complete file). Temp files are named ``.<name>.ptdstream-<pid>-<hex>.tmp``
+so that leftovers of a killed process are recognisable
+(:func:`ptdstream.write.tempfiles.stale_temp_files`).
+Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import enum
+import errno
+import os
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+from ..defaults import WINDOW_NBYTES
+from ..errors import StateError
+from ..system.pagecache import drop_pages
+from .tempfiles import temp_name_for
+
+#: Default page-drop window (bytes): :data:`ptdstream.defaults.WINDOW_NBYTES`.
+DEFAULT_WINDOW_NBYTES = WINDOW_NBYTES
+#: Windows under writeback at once (see ``ChunkedFileSink``).
+DEFAULT_INFLIGHT_WINDOWS = 4
+#: O_DIRECT: bytes per write from the staging block, and the alignment of the
+#: last (padded, then truncated) block.
+DIRECT_BLOCK_NBYTES = 8 << 20
+DIRECT_ALIGNMENT = 4096
+_ZEROS = bytes(1 << 20)
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where the writer puts a file's bytes, in order (:func:`ptdstream.write.writer.write_plan`).
+
+    ``write(data)`` appends every byte of a bytes-like object (looping on short
+    writes); ``write_zeros(nbytes)`` appends zero bytes. Implementations:
+    :class:`ChunkedFileSink` (a temp file published atomically) and
+    :class:`~ptdstream.write.stream_sink.StreamSink` (a caller's open file).
+    """
+
+    def write(self, data) -> None: ...
+
+    def write_zeros(self, nbytes: int) -> None: ...
+
+
+def write_zeros(write: Callable[[memoryview], None], nbytes: int) -> None:
+    """Call ``write`` with views of a shared 1 MiB zero buffer until ``nbytes``
+    zero bytes (``nbytes >= 0``) were written."""
+    view = memoryview(_ZEROS)
+    while nbytes > 0:
+        n = min(nbytes, len(_ZEROS))
+        write(view[:n])
+        nbytes -= n
+
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
+_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_AFTER = 4
+
+
+def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class SinkState(enum.Enum):
+    OPEN = "open"
+    WRITING = "writing"
+    SYNCED = "synced"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class ChunkedFileSink:
+    """Write one file through a temp file, then publish it under ``target``.
+
+    Args:
+        target: the final path.
+        window_nbytes: bytes between page-cache drops (64 MiB).
+        drop_pages: drop written pages per window and after sync (default on).
+        inflight_windows: windows under writeback before the oldest is waited for
+            and dropped (4: enough queue depth for a fast NVMe disk; at most
+            ``(inflight_windows + 1) * window_nbytes`` of output cached while writing).
+        direct: write with ``O_DIRECT`` through an aligned 8 MiB staging block (one
+            memcpy, no page cache at all); where the file system refuses O_DIRECT
+            (tmpfs, some network file systems) the sink falls back to buffered
+            writes and sets ``self.direct = False``.
+        write_fn: ``os.write``-like function (tests inject short writes and faults).
+
+    Raises:
+        IsADirectoryError: ``target`` is a folder (nothing is created).
+        OSError: the folder is missing or not writable (nothing is created; the
+            message names the target and its folder), or a write, fsync or
+            rename failed (the temp file is removed first).
+        StateError: a method called in the wrong state.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+        drop_pages: bool = True,
+        inflight_windows: int = DEFAULT_INFLIGHT_WINDOWS,
+        direct: bool = False,
+        write_fn: Callable[[int, memoryview], int] = os.write,
+    ) -> None:
+        self.target = os.path.abspath(os.fspath(target))
+        self.temp_path = temp_name_for(self.target)
+        self.window_nbytes = window_nbytes
+        self.drop_pages = drop_pages
+        self._write = write_fn
+        self.nbytes = 0
+        self._window_start = 0
+        self._inflight: "collections.deque" = collections.deque()
+        self.inflight_windows = inflight_windows
+        self._fd: Optional[int] = None
+        folder = os.path.dirname(self.target)
+        if os.path.isdir(self.target):
+            # Found now, not at the rename after every byte was written (and after
+            # the files published before this one were renamed).
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"cannot write {self.target}: it is a folder; remove it or choose "
+                "another path",
+                self.target,
+            )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self._fd = os.open(self.temp_path, flags, 0o666)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot create a temp file for {self.target} in folder {folder} "
+                f"({os.strerror(e.errno or 0)}); the folder must exist and be writable",
+                self.temp_path,
+            ) from e
+        self._staging: Optional[memoryview] = None
+        self._staging_map = None
+        self.direct = bool(direct) and hasattr(os, "O_DIRECT")
+        if self.direct:
+            self._enable_direct()
+        self.state = SinkState.OPEN
+
+    def _enable_direct(self) -> None:
+        """Switch the temp file to O_DIRECT with a page-aligned staging block; keep
+        buffered writes (``self.direct = False``) where the file system refuses it."""
+        import fcntl
+        import mmap
+
+        try:
+            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+            probe_map = mmap.mmap(-1, DIRECT_ALIGNMENT)
+            try:
+                os.pwrite(self._fd, memoryview(probe_map), 0)
+                os.ftruncate(self._fd, 0)
+            finally:
+                probe_map.close()
+        except OSError:
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
+            except (OSError, UnboundLocalError):
+                pass
+            self.direct = False
+            return
+        self._staging_map = mmap.mmap(-1, DIRECT_BLOCK_NBYTES)
+        self._staging = memoryview(self._staging_map)
+
+    def _release_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None
+        if self._staging_map is not None:
+            self._staging_map.close()
+            self._staging_map = None
+
+    def _expect(self, *states: SinkState) -> None:
+        if self.state not in states:
+            names = " or ".join(s.value for s in states)
+            raise StateError(
+                f"sink for {self.target}: expected state {names}, but it is {self.state.value}"
+            )
+
+    def write(self, data) -> None:
+        """Append ``data`` (any bytes-like object); loops until every byte is written."""
+        self._expect(SinkState.OPEN, SinkState.WRITING)
+        self.state = SinkState.WRITING
+        view = memoryview(data).cast("B")
+        if self._staging is not None:
+            self._stage(view)
+            return
+        self._write_all(view, self.nbytes)
+        self.nbytes += len(view)
+        if self.drop_pages and self.nbytes - self._window_start >= self.window_nbytes:
+            self._end_window()
+
+    def _write_all(self, view: memoryview, offset: int) -> None:
+        total = len(view)
+        done = 0
+        while done < total:
+            try:
+                n = self._write(self._fd, view[done:])
+            except InterruptedError:
+                continue  # EINTR: nothing was written; retry, as io does (PEP 475)
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"writing {self.temp_path} (for {self.target}) at offset "
+                    f"{offset + done}: {os.strerror(e.errno or 0)}",
+                ) from e
+            if n <= 0:
+                raise OSError(
+                    errno.EIO,
+                    f"writing {self.temp_path} at offset {offset + done}: "
+                    f"write returned {n} with {total - done} bytes left",
+                )
+            done += n
+
+    def _stage(self, view: memoryview) -> None:
+        """O_DIRECT: gather bytes into the aligned staging block; write full blocks."""
+        staging = self._staging
+        block = len(staging)
+        done = 0
+        while done < len(view):
+            used = self.nbytes % block
+            n = min(block - used, len(view) - done)
+            staging[used : used + n] = view[done : done + n]
+            done += n
+            self.nbytes += n
+            if used + n == block:
+                self._write_all(staging, self.nbytes - block)
+
+    def _flush_direct_tail(self) -> None:
+        """O_DIRECT: write the last partial block padded to the alignment, then
+        truncate the file to its real size."""
+        staging = self._staging
+        used = self.nbytes % len(staging)
+        if used:
+            padded = used + (-used) % DIRECT_ALIGNMENT
+            staging[used:padded] = bytes(padded - used)
+            self._write_all(staging[:padded], self.nbytes - used)
+            os.ftruncate(self._fd, self.nbytes)
+
+    def write_zeros(self, nbytes: int) -> None:
+        """Append ``nbytes`` zero bytes."""
+        write_zeros(self.write, nbytes)
+
+    def _end_window(self) -> None:
+        """Start writeback of the window just filled; once more than
+        ``inflight_windows`` are under writeback, wait for the oldest and drop it."""
+        start, end = self._window_start, self.nbytes
+        if _sync_file_range is not None:
+            _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
+            self._inflight.append((start, end))
+            while len(self._inflight) > self.inflight_windows:
+                old_start, old_end = self._inflight.popleft()
+                _sync_file_range(
+                    self._fd,
+                    old_start,
+                    old_end - old_start,
+                    _SYNC_FILE_RANGE_WAIT_BEFORE
+                    | _SYNC_FILE_RANGE_WRITE
+                    | _SYNC_FILE_RANGE_WAIT_AFTER,
+                )
+                drop_pages(self._fd, old_start, old_end - old_start)
+        self._window_start = end
+
+    def sync(self) -> None:
+        """fsync the temp file and drop its pages; the data is durable but not yet visible."""
+        self._expect(SinkState.OPEN, SinkState.WRITING)
+        if self._staging is not None:
+            self._flush_direct_tail()
+            self._release_staging()
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"fsync of {self.temp_path} (for {self.target}) failed: "
+                f"{os.strerror(e.errno or 0)}",
+            ) from e
+        if self.drop_pages:
+            drop_pages(self._fd, 0, 0)
+        os.close(self._fd)
+        self._fd = None
+        self.state = SinkState.SYNCED
+
+    def publish(self) -> None:
+        """Rename the temp file over the target and fsync the folder."""
+        self._expect(SinkState.SYNCED)
+        os.replace(self.temp_path, self.target)
+        self.state = SinkState.COMMITTED
+        fsync_dir(os.path.dirname(self.target))
+
+    def commit(self) -> None:
+        """``sync`` then ``publish``."""
+        self.sync()
+        self.publish()
+
+    def abort(self) -> None:
+        """Close and remove the temp file; the target is untouched. Idempotent."""
+        if self.state in (SinkState.COMMITTED, SinkState.ABORTED):
+            return
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        self._release_staging()
+        try:
+            os.unlink(self.temp_path)
+        except FileNotFoundError:
+            pass
+        self.state = SinkState.ABORTED
+
+    def __enter__(self) -> "ChunkedFileSink":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            if self.state in (SinkState.OPEN, SinkState.WRITING):
+                self.sync()
+            if self.state is SinkState.SYNCED:
+                self.publish()
+        except BaseException:
+            self.abort()
+            raise
+
+
+def fsync_dir(folder: str) -> None:
+    """fsync a folder so a rename in it is durable (ignored where unsupported)."""
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,207 @@
+"""Stream a :class:`~ptdstream.format.plan.FilePlan` into a sink, checking every source.
+
+Each source is read once: its pieces go to the sink and, on the way, into an
+xxh3-128 digest. A source must still give exactly the bytes it promised at plan
+time: its size, its first 32 bytes, and, when the plan already knew its digest
+(dedup candidates), that digest. Otherwise :class:`~ptdstream.errors.IntegrityError`
+names the key, the file and the output offset, and the caller aborts the sink:
+nothing is published.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, Optional
+
+from ..errors import IntegrityError
+from ..format.plan import ExtentKind, FilePlan
+from ..sources.base import BufferRing
+from ..sources.fingerprint import Fingerprint, StreamingDigest, check_expected
+from .sink import Sink
+
+#: ``progress(nbytes)`` is called after each piece with the bytes just written.
+ProgressFn = Callable[[int], None]
+
+#: Pieces at least this large go to the writer thread; smaller writes are made
+#: inline (after the thread's pending write), where a hand-off would cost more.
+THREAD_MIN_NBYTES = 256 << 10
+
+
+class _WriterThread:
+    """One background thread writing one piece at a time into the sink.
+
+    ``write(piece)`` waits until the previous piece is written, then hands this one
+    over and returns, so reading and hashing the next piece overlap this write
+    (``os.write`` releases the GIL). At most one piece is in the thread: sources
+    that reuse buffers keep one slot for it (see ``sources.cuda.CudaTensorSource``). An
+    error in the thread is raised by the next ``write`` or by ``close``.
+    """
+
+    def __init__(self, sink) -> None:
+        self._sink = sink
+        self._idle = threading.Semaphore(1)
+        self._ready = threading.Semaphore(0)
+        self._piece = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="ptdstream-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._ready.acquire()
+            piece = self._piece
+            if piece is None:
+                return
+            try:
+                if self._error is None:
+                    self._sink.write(piece)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._error = e
+            finally:
+                self._piece = None
+                self._idle.release()
+
+    def _wait_idle(self) -> None:
+        self._idle.acquire()
+        if self._error is not None:
+            self._idle.release()
+            raise self._error
+
+    def write(self, piece) -> None:
+        self._wait_idle()
+        if len(piece) < THREAD_MIN_NBYTES:
+            try:
+                self._sink.write(piece)
+            finally:
+                self._idle.release()
+            return
+        self._piece = piece
+        self._ready.release()
+
+    def write_zeros(self, nbytes: int) -> None:
+        self._wait_idle()
+        try:
+            self._sink.write_zeros(nbytes)
+        finally:
+            self._idle.release()
+
+    def close(self) -> None:
+        """Wait for the last piece, stop the thread, raise its error if any."""
+        self._idle.acquire()
+        self._piece = None
+        self._ready.release()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def write_plan(
+    plan: FilePlan,
+    sink: Sink,
+    ring: BufferRing,
+    progress: Optional[ProgressFn] = None,
+    threaded: bool = True,
+) -> Dict[str, Fingerprint]:
+    """Write every extent of ``plan`` to ``sink`` in order.
+
+    Args:
+        plan: the file's plan.
+        sink: a :class:`~ptdstream.write.sink.Sink` (an open
+            :class:`~ptdstream.write.sink.ChunkedFileSink`, a ``StreamSink``).
+        ring: reused buffers for file sources.
+        progress: called with the bytes of each piece handed to the sink.
+        threaded: write large pieces from a background thread, overlapping
+            reading and hashing with the file writes (one piece in flight).
+
+    Returns:
+        ``{section label: Fingerprint}`` for every payload extent.
+
+    Raises:
+        IntegrityError: a source's size, prefix or digest differs from the plan.
+        OSError: from the sink.
+    """
+    if threaded:
+        writer = _WriterThread(sink)
+        try:
+            result = _write_extents(plan, writer, ring, progress)
+        except BaseException:
+            try:
+                writer.close()
+            except BaseException:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+        writer.close()
+        return result
+    return _write_extents(plan, sink, ring, progress)
+
+
+def _write_extents(plan, sink, ring, progress) -> Dict[str, Fingerprint]:
+    fingerprints: Dict[str, Fingerprint] = {}
+    offset = 0
+    for extent in plan.extents:
+        if extent.kind is ExtentKind.METADATA:
+            sink.write(extent.data)
+        elif extent.kind is ExtentKind.ZEROS:
+            sink.write_zeros(extent.nbytes)
+        else:
+            fingerprints[extent.label()] = _write_source(plan, extent, offset, sink, ring, progress)
+            offset += extent.nbytes
+            continue
+        if progress is not None:
+            progress(extent.nbytes)
+        offset += extent.nbytes
+    return fingerprints
+
+
+def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
+    digest = StreamingDigest()
+    where = f"{extent.label()} of {plan.name} at offset {offset}"
+    first = True
+    for piece in _checked_pieces(extent.source.pieces(ring), where):
+        if first:
+            head = bytes(piece[: len(extent.prefix)])
+            if head != extent.prefix[: len(head)]:
+                raise IntegrityError(
+                    f"{where}: {extent.source.describe()} changed since the plan "
+                    "(its first bytes differ); nothing was published"
+                )
+            first = False
+        if digest.nbytes + len(piece) > extent.nbytes:
+            raise IntegrityError(
+                f"{where}: {extent.source.describe()} gave more than the "
+                f"{extent.nbytes} bytes planned; nothing was published"
+            )
+        digest.update(piece)
+        sink.write(piece)
+        if progress is not None:
+            progress(len(piece))
+    if digest.nbytes != extent.nbytes:
+        raise IntegrityError(
+            f"{where}: {extent.source.describe()} gave {digest.nbytes} bytes, "
+            f"{extent.nbytes} planned; nothing was published"
+        )
+    result = digest.finish()
+    check_expected(extent.source, result, where=f"{where}: ")
+    if extent.fingerprint is not None and result != extent.fingerprint:
+        raise IntegrityError(
+            f"{where}: {extent.source.describe()} changed since the plan (digest "
+            f"{result.hex} != {extent.fingerprint.hex}); nothing was published"
+        )
+    return result
+
+
+def _checked_pieces(pieces, where: str):
+    """Re-raise a source's failure with the key, file and offset prefixed."""
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration:
+            return
+        except IntegrityError as e:
+            raise IntegrityError(f"{where}: {e}; nothing was published") from e
+        except Exception as e:  # noqa: BLE001 - a source failing mid-stream
+            raise IntegrityError(
+                f"{where}: reading the source failed ({type(e).__name__}: {e}); "
+                "nothing was published"
+            ) from e
+        yield piece
