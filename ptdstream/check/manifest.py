@@ -28,8 +28,6 @@ from ..sources import BufferRing, FileRangeSource
 from ..write.sink import ChunkedFileSink
 
 ALGORITHM = "xxh3-128"
-#: Default piece size in bytes (:data:`ptdstream.defaults.CHUNK_NBYTES`).
-DEFAULT_PIECE_NBYTES = CHUNK_NBYTES
 IDENTIFIER = b"PSM1"
 #: File name suffix of a manifest.
 SUFFIX = ".manifest"
@@ -72,7 +70,7 @@ class IntegrityManifest:
     version: int = 1
 
 
-def describe_file(path: str, piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> FileManifest:
+def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES) -> FileManifest:
     """Read ``path`` once and describe it. Non-ExecuTorch files get pieces only.
 
     Raises:
@@ -229,7 +227,7 @@ def _digest(d) -> bytes:
     return d.Lo().to_bytes(8, "little") + d.Hi().to_bytes(8, "little")
 
 
-def write_manifest(paths: Sequence[str], out_path: str, piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> IntegrityManifest:
+def write_manifest(paths: Sequence[str], out_path: str, piece_nbytes: int = CHUNK_NBYTES) -> IntegrityManifest:
     """Describe ``paths`` and write the manifest atomically to ``out_path``."""
     manifest = IntegrityManifest(tuple(describe_file(p, piece_nbytes) for p in paths))
     with ChunkedFileSink(out_path) as sink:
@@ -290,7 +288,7 @@ class ManifestWritten(Report):
 
 
 def write_manifest_report(paths: Sequence[str], out_path: str,
-                          piece_nbytes: int = DEFAULT_PIECE_NBYTES) -> ManifestWritten:
+                          piece_nbytes: int = CHUNK_NBYTES) -> ManifestWritten:
     """:func:`write_manifest`, returning a report."""
     manifest = write_manifest(paths, out_path, piece_nbytes)
     return ManifestWritten(out_path, len(manifest.files), sum(len(f.pieces) for f in manifest.files),

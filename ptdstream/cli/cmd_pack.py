@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..pack.compress import DEFAULT_FRAME_NBYTES, DEFAULT_LEVEL
+from ..defaults import CHUNK_NBYTES
+from ..pack.compress import DEFAULT_LEVEL
 from .common import EXIT_LINE, EXIT_OK, add_command, parse_nbytes, print_report
 
 
@@ -19,7 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("input", help="file to compress")
     p.add_argument("output", help="packed file to write (replaced atomically)")
     p.add_argument("-l", "--level", type=int, default=DEFAULT_LEVEL, help="zstd level, -7..22 (default %(default)s)")
-    p.add_argument("--frame-size", type=parse_nbytes, default=DEFAULT_FRAME_NBYTES,
+    p.add_argument("--frame-size", type=parse_nbytes, default=CHUNK_NBYTES,
                    help="bytes per frame, e.g. 8M (default 8 MiB)")
     p.add_argument("-T", "--threads", type=int, default=1, help="frames compressed at once (default %(default)s)")
     p.add_argument("--no-checksums", action="store_true", help="leave checksums out of the seek table")

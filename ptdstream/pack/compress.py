@@ -39,8 +39,6 @@ from ..system.files import pread_exact
 from ..write.sink import ChunkedFileSink
 from .seek_table import EMPTY_CHECKSUM, MAX_FRAME_NBYTES, MAX_FRAMES, ContentFrame, encode_seek_table, frame_checksum
 
-#: Default frame size in bytes: the piece size, :data:`ptdstream.defaults.CHUNK_NBYTES`.
-DEFAULT_FRAME_NBYTES = CHUNK_NBYTES
 #: Default zstd level, the ``zstd`` command's default.
 DEFAULT_LEVEL = 3
 _local = threading.local()
@@ -85,7 +83,7 @@ class PackReport(Report):
                 f"{self.level}, {self.seconds:.2f} s ({self.mbps:.0f} MB/s)")
 
 
-def plan_frames(nbytes: int, frame_nbytes: int = DEFAULT_FRAME_NBYTES, head_nbytes: int = 0) -> List[Tuple[int, int]]:
+def plan_frames(nbytes: int, frame_nbytes: int = CHUNK_NBYTES, head_nbytes: int = 0) -> List[Tuple[int, int]]:
     """``(offset, nbytes)`` of each frame: boundaries at multiples of ``frame_nbytes``
     and at ``head_nbytes`` (ignored when 0 or >= ``nbytes``). The last frame may be shorter.
 
@@ -141,7 +139,7 @@ def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
                              "nothing was published")
 
 
-def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: int = DEFAULT_FRAME_NBYTES,
+def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: int = CHUNK_NBYTES,
          threads: int = 1, checksums: bool = True, verify: bool = False, progress=False,
          window_nbytes: int = WINDOW_NBYTES, drop_pages: bool = True) -> PackReport:
     """Compress the file ``source`` into the seekable zstd file ``target``.

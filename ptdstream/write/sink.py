@@ -30,18 +30,16 @@ import errno
 import os
 from typing import Callable, Optional, Protocol, runtime_checkable
 
-from ..defaults import WINDOW_NBYTES
+from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import StateError
 from ..system.pagecache import drop_pages
 from .tempfiles import temp_name_for
 
-#: Default page-drop window (bytes): :data:`ptdstream.defaults.WINDOW_NBYTES`.
-DEFAULT_WINDOW_NBYTES = WINDOW_NBYTES
 #: Windows under writeback at once (see ``ChunkedFileSink``).
 DEFAULT_INFLIGHT_WINDOWS = 4
 #: O_DIRECT: bytes per write from the staging block, and the alignment of the
 #: last (padded, then truncated) block.
-DIRECT_BLOCK_NBYTES = 8 << 20
+DIRECT_BLOCK_NBYTES = CHUNK_NBYTES
 DIRECT_ALIGNMENT = 4096
 _ZEROS = bytes(1 << 20)
 
@@ -125,7 +123,7 @@ class ChunkedFileSink:
         self,
         target: str,
         *,
-        window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+        window_nbytes: int = WINDOW_NBYTES,
         drop_pages: bool = True,
         inflight_windows: int = DEFAULT_INFLIGHT_WINDOWS,
         direct: bool = False,
