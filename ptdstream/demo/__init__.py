@@ -3,6 +3,12 @@
 of the library's core: nothing else in ptdstream imports it."""
 
 import argparse
+from typing import Tuple
+
+#: The data file's tag: every weight goes to ``<out>/model.ptd``.
+DATA_TAG = "model"
+#: The exported methods: (name, tokens per call).
+METHODS: Tuple[Tuple[str, int], ...] = (("forward", 8), ("prefill", 16))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -15,4 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--no-run", action="store_true",
         help="skip loading the files with the ExecuTorch runtime",
     )
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bar while saving (default: on when stderr is a terminal)",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary, no stages")
     return parser

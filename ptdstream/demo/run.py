@@ -35,18 +35,36 @@ Run it: ``python -m ptdstream.demo --out ./ptdstream-demo`` (or ``ptdstream demo
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, TextIO, Tuple
+from typing import Iterator, Optional, TextIO, Tuple
 
-DATA_TAG = "model"  # every weight goes to <out>/model.ptd
-METHODS: Tuple[Tuple[str, int], ...] = (("forward", 8), ("prefill", 16))  # (name, tokens)
-ATOL = 1e-4
-RTOL = 1e-4
+from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_embedding
+from . import DATA_TAG, METHODS
+from .rss import PeakRssSampler
+
+
+class Stages:
+    """Prints each stage of the demo on ``stream`` as it starts and when it ends,
+    with its wall time in seconds; silent when ``stream`` is None."""
+
+    def __init__(self, stream: Optional[TextIO], total: int) -> None:
+        self.stream, self.total, self.count = stream, total, 0
+
+    @contextlib.contextmanager
+    def stage(self, what: str) -> Iterator[None]:
+        self.count += 1
+        start = time.perf_counter()
+        self._say(f"[{self.count}/{self.total}] {what} ...")
+        yield
+        self._say(f"[{self.count}/{self.total}] {what}: done in {time.perf_counter() - start:.1f} s")
+
+    def _say(self, line: str) -> None:
+        if self.stream is not None:
+            print(line, file=self.stream, flush=True)
 
 
 @dataclass(frozen=True)
@@ -59,12 +77,13 @@ class DemoBuild:
     lower_seconds: float
 
 
-def build_demo(seed: int = 0) -> DemoBuild:
+def build_demo(seed: int = 0, stages: Optional[Stages] = None) -> DemoBuild:
     """Export, lower (XNNPACK) and emit the demo model, weights tagged external.
 
     CPU only; holds the model's weights a few times over (tens of MiB here).
     Takes about 15 s on two cores, most of it in ``to_edge_transform_and_lower``.
     """
+    stages = stages or Stages(None, 2)
     import torch
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -77,163 +96,20 @@ def build_demo(seed: int = 0) -> DemoBuild:
     model = build_tiny_lm(seed=seed)
     start = time.perf_counter()
     programs = {}
-    for name, seq_len in METHODS:
-        example = (torch.zeros(1, seq_len, dtype=torch.long),)
-        unlifted = torch.export.export(model, example, strict=False).module()
-        # XNNPACK reads the tag from the get_attr nodes of the unlifted graph.
-        delegate_external_constants_pass_unlifted(unlifted, gen_tag_fn=lambda node: DATA_TAG)
-        programs[name] = torch.export.export(unlifted, example, strict=False)
+    with stages.stage(f"export {len(METHODS)} methods with torch.export"):
+        for name, seq_len in METHODS:
+            example = (torch.zeros(1, seq_len, dtype=torch.long),)
+            unlifted = torch.export.export(model, example, strict=False).module()
+            # XNNPACK reads the tag from the get_attr nodes of the unlifted graph.
+            delegate_external_constants_pass_unlifted(unlifted, gen_tag_fn=lambda node: DATA_TAG)
+            programs[name] = torch.export.export(unlifted, example, strict=False)
     exported = time.perf_counter()
-    edge = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
-    manager = edge.to_executorch(
-        ExecutorchBackendConfig(external_constants=lambda node: DATA_TAG)
-    )
-    return DemoBuild(model, manager, exported - start, time.perf_counter() - exported)
-
-
-class PeakRssSampler:
-    """Context manager: the peak resident set size added while it is entered.
-
-    A daemon thread reads ``/proc/self/statm`` every ``interval_s`` seconds (plus
-    once on enter and once on exit); ``added_nbytes`` is the peak minus the value
-    on enter, in bytes. Where ``/proc`` is missing it falls back to
-    ``resource.getrusage`` ``ru_maxrss`` before/after, which only shows growth
-    above the process's earlier lifetime peak (``method`` says which was used).
-    A peak held for less than ``interval_s``, or inside one call that keeps the
-    GIL, can be missed; the save loop releases the GIL on every write. Not
-    reentrant; use one instance per measured region.
-    """
-
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.interval_s = interval_s
-        self.added_nbytes = 0
-        self.samples = 0
-        self._use_proc = os.path.exists("/proc/self/statm")
-        self.method = (
-            f"/proc/self/statm sampled every {interval_s * 1e3:g} ms by a background thread"
-            if self._use_proc
-            else "resource.getrusage ru_maxrss before/after (growth above earlier peak only)"
+    with stages.stage("lower to XNNPACK and emit (to_edge_transform_and_lower, to_executorch)"):
+        edge = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
+        manager = edge.to_executorch(
+            ExecutorchBackendConfig(external_constants=lambda node: DATA_TAG)
         )
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._baseline = 0
-        self._peak = 0
-
-    @staticmethod
-    def _rss_nbytes() -> int:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    @staticmethod
-    def _maxrss_nbytes() -> int:
-        import resource
-
-        scale = 1 if sys.platform == "darwin" else 1024  # macOS bytes, Linux KiB
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-    def _sample(self) -> None:
-        self._peak = max(self._peak, self._rss_nbytes())
-        self.samples += 1
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def __enter__(self) -> "PeakRssSampler":
-        if self._use_proc:
-            self._baseline = self._peak = self._rss_nbytes()
-            self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
-            self._thread.start()
-        else:
-            self._baseline = self._maxrss_nbytes()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._use_proc:
-            self._stop.set()
-            self._thread.join()
-            self._sample()
-        else:
-            self._peak = self._maxrss_nbytes()
-        self.added_nbytes = max(0, self._peak - self._baseline)
-
-
-@dataclass(frozen=True)
-class TiedEmbedding:
-    """Where the tied embedding's bytes sit in a .ptd.
-
-    ``keys`` all name segment ``segment_index`` (``nbytes`` long);
-    ``copies`` counts the segments holding those bytes (1 = stored once).
-    """
-
-    keys: Tuple[str, ...]
-    segment_index: int
-    nbytes: int
-    copies: int
-
-
-def find_tied_embedding(ptd_path: str, weight) -> TiedEmbedding:
-    """Locate ``weight`` (a contiguous CPU tensor) in ``ptd_path``.
-
-    Reads the file's section map with :func:`ptdstream.format.reader.read_artifact` and
-    only the segments of the tensor's size. XNNPACK names the tensor by the
-    SHA-256 hex of its bytes; the emitter names it by FQN.
-
-    Raises:
-        KeyError: the SHA-256 key is not in the file.
-    """
-    from ..format.reader import read_artifact
-
-    data = weight.detach().contiguous().numpy().tobytes()
-    art = read_artifact(ptd_path)
-    key = hashlib.sha256(data).hexdigest()
-    index = art.keys[key]
-    keys = tuple(k for k, i in art.keys.items() if i == index)
-    copies = 0
-    with open(ptd_path, "rb") as f:
-        for seg in art.segments:
-            if seg.nbytes == len(data):
-                f.seek(seg.start)
-                copies += f.read(seg.nbytes) == data
-    return TiedEmbedding(keys, index, len(data), copies)
-
-
-@dataclass(frozen=True)
-class RuntimeCheck:
-    """ExecuTorch runtime outputs against eager PyTorch, per method."""
-
-    max_abs_diff: Dict[str, float]
-    matches: Dict[str, bool]
-    xnnpack_available: bool
-
-    @property
-    def ok(self) -> bool:
-        return all(self.matches.values())
-
-
-def check_runtime(model, pte_path: str, ptd_path: str, seed: int = 1) -> RuntimeCheck:
-    """Run every demo method with the ExecuTorch runtime and compare with ``model``.
-
-    Loads through ``executorch.runtime.Runtime.load_program(pte, data_path=ptd)``
-    (1.5.1's Python API taking a .ptd), on fresh random tokens drawn from
-    ``seed``; outputs match when ``torch.allclose(atol=ATOL, rtol=RTOL)``.
-    """
-    import torch
-    from executorch.runtime import Runtime
-
-    runtime = Runtime.get()
-    program = runtime.load_program(pte_path, data_path=ptd_path)
-    generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    diffs, matches = {}, {}
-    for name, seq_len in METHODS:
-        tokens = torch.randint(0, vocab, (1, seq_len), generator=generator)
-        got = program.load_method(name).execute([tokens])[0]
-        with torch.no_grad():
-            want = model(tokens)
-        diffs[name] = float((got - want).abs().max())
-        matches[name] = bool(torch.allclose(got, want, atol=ATOL, rtol=RTOL))
-    return RuntimeCheck(diffs, matches, runtime.backend_registry.is_available("XnnpackBackend"))
+    return DemoBuild(model, manager, exported - start, time.perf_counter() - exported)
 
 
 @dataclass(frozen=True)
@@ -258,25 +134,32 @@ class DemoResult:
         return 0 if self.identical and runtime_ok else 1
 
 
-def run_demo(out: str, *, no_run: bool = False, progress: bool = True) -> DemoResult:
+def run_demo(out: str, *, no_run: bool = False, progress: bool = False,
+             log: Optional[TextIO] = None) -> DemoResult:
     """Build, save into ``out`` (created if missing), verify and optionally run.
 
     Writes ``out/model.pte`` and ``out/model.ptd`` (replacing them atomically if
-    present); nothing else is left in ``out``.
+    present); nothing else is left in ``out``. Each stage is announced on ``log``
+    (with its time) as it happens; ``progress`` shows a bar while saving.
     """
     from ..check.compare import verify_against_manager
     from ..save import save
 
-    build = build_demo()
+    stages = Stages(log, 4 if no_run else 5)
+    build = build_demo(stages=stages)
+    out = os.path.abspath(out)  # one style of path in every line the demo prints
     os.makedirs(out, exist_ok=True)
     pte_path = os.path.join(out, "model.pte")
-    with PeakRssSampler() as rss:
+    with stages.stage(f"save with ptdstream into {out}"), PeakRssSampler() as rss:
         report = save(build.manager, pte_path, progress=progress)
-    # Streams the manager's own serialized Cords against the files; writes nothing.
-    files = tuple(verify_against_manager(build.manager, pte_path))
+    with stages.stage("verify byte identity against executorch's serializer (streamed from the manager)"):
+        files = tuple(verify_against_manager(build.manager, pte_path))
     ptd_path = os.path.join(out, DATA_TAG + ".ptd")
     tied = find_tied_embedding(ptd_path, build.model.tok_embeddings.weight)
-    runtime = None if no_run else check_runtime(build.model, pte_path, ptd_path)
+    runtime = None
+    if not no_run:
+        with stages.stage("run both methods with the ExecuTorch runtime and compare with eager PyTorch"):
+            runtime = check_runtime(build.model, pte_path, ptd_path)
     return DemoResult(build, report, rss.added_nbytes, rss.method, files, tied, runtime)
 
 
@@ -343,7 +226,12 @@ def main(args: argparse.Namespace, stream: Optional[TextIO] = None) -> int:
     except OSError as e:
         print(f"ptdstream demo: cannot create the output folder {args.out}: {e.strerror}", file=sys.stderr)
         return 2
-    result = run_demo(args.out, no_run=args.no_run)
+    quiet = getattr(args, "quiet", False)
+    progress = getattr(args, "progress", None)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    result = run_demo(args.out, no_run=args.no_run, progress=bool(progress) and not quiet,
+                      log=None if quiet else sys.stderr)
     print(format_summary(result), file=stream)
     return result.exit_code
 

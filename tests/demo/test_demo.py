@@ -7,6 +7,7 @@ called for real by the ``built`` fixture, and the runs through ``main`` reuse it
 from __future__ import annotations
 
 import argparse
+import io
 import dataclasses
 import hashlib
 import os
@@ -23,14 +24,25 @@ pytestmark = pytest.mark.slow
 EMBEDDING_NBYTES = 512 * 64 * 4
 
 
+_BUILD_LOG = io.StringIO()
+
+
 @pytest.fixture(scope="module")
 def built():
-    return demo.build_demo()
+    return demo.build_demo(stages=demo.Stages(_BUILD_LOG, 5))
+
+
+def test_build_announces_export_and_lowering_with_times(built):
+    lines = _BUILD_LOG.getvalue().splitlines()
+    assert [line.split(" ...")[0] for line in lines[::2]] == [
+        "[1/5] export 2 methods with torch.export",
+        "[2/5] lower to XNNPACK and emit (to_edge_transform_and_lower, to_executorch)"]
+    assert all(": done in " in line and line.endswith(" s") for line in lines[1::2])
 
 
 @pytest.fixture
 def cached_build(built, monkeypatch):
-    monkeypatch.setattr(demo, "build_demo", lambda seed=0: built)
+    monkeypatch.setattr(demo, "build_demo", lambda seed=0, stages=None: built)
     return built
 
 
@@ -41,7 +53,12 @@ def _ns(out, no_run):
 def test_main_with_runtime_is_identical_matches_eager_and_exits_0(cached_build, tmp_path, capsys):
     out = tmp_path / "demo"
     assert demo.main(_ns(out, no_run=False)) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    stages = [line.split("] ", 1)[1].split(":")[0] for line in captured.err.splitlines() if ": done in " in line]
+    assert stages == [f"save with ptdstream into {out}",  # export and lowering are cached here
+                      "verify byte identity against executorch's serializer (streamed from the manager)",
+                      "run both methods with the ExecuTorch runtime and compare with eager PyTorch"]
     assert sorted(os.listdir(out)) == ["model.ptd", "model.pte"]
     for name in ("model.pte", "model.ptd"):
         assert f"OK {out / name}: identical to <upstream {name}>" in printed
