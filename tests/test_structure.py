@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(ptdstream.__file__).parent
 #: Layers, low to high (docs/ARCHITECTURE.md). A module may import modules of its
 #: own layer or lower ones. Longest prefix wins.
 LAYERS = {
-    "errors": 0, "defaults": 0, "reports": 0, "progress": 0, "system": 0,
+    "errors": 0, "defaults": 0, "reports": 0, "progress": 0, "timeline": 0, "system": 0,
     "executorch.names": 0, "executorch.patching": 0, "executorch.adapter": 0, "executorch.untrusted": 0,
     "format": 1, "sources": 1,
     "store": 2,

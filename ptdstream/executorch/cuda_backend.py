@@ -11,13 +11,19 @@ SHA-256 (so a later method re-adding the same key costs one fingerprint), and
 ``ptdstream.save`` streams each surviving storage from the GPU exactly once.
 Upstream's own ``write_to_file`` still writes the same bytes (slowly).
 
-Memory: upstream frees each AOTI storage once it has written it, so each
-distinct content is first copied on the device (at device bandwidth, no host
-copy) and that copy stays on the GPU until the manager is saved and dropped. A
-later method's storage that ``torch.equal`` finds equal to a kept copy (the
+Memory: upstream frees each AOTI storage once it has written it. For each
+distinct content, ptdstream keeps instead a reference to a CUDA parameter the
+process already holds with equal bytes (the model's, which the exported program
+shares; found by size, sampled bytes and ``torch.equal``:
+:mod:`ptdstream.executorch.cuda_twins`), so no device memory is added. Only a
+storage with no such twin is copied on the device (at device bandwidth, no host
+copy), and that copy stays on the GPU until the manager is saved and dropped. A
+later method's storage that ``torch.equal`` finds equal to a kept source (the
 candidates are those with the same size and the same 64 sampled bytes) reuses
 it: no second copy and no second fingerprint, so a method that re-adds every
-weight costs one gather and one comparison per storage.
+weight costs one gather and one comparison per storage. Every kept source
+carries its GPU fingerprint; the save recomputes it after copying the bytes out
+and refuses (naming the key) a twin that was changed in the meantime.
 Dedup classes are upstream's, except that a CUDA storage and a non-CUDA blob
 with equal bytes are not merged (their digests differ in kind).
 
@@ -29,12 +35,13 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import adapter
+from .cuda_twins import PROBE_NBYTES, TwinFinder, probe
 from .patching import shadowed
 
-PROBE_NBYTES = 64
+__all__ = ["CudaWeightStats", "PROBE_NBYTES", "stream_cuda_weights"]
 
 
 @dataclass
@@ -42,40 +49,26 @@ class CudaWeightStats:
     """What happened inside :func:`stream_cuda_weights`.
 
     ``routed``/``routed_nbytes``: CUDA storages handed to ptdstream and their
-    bytes (every method counted); ``copied_nbytes``: device memory (bytes) kept
-    for them, each distinct content once; ``upstream``: storages left to
-    upstream's path (CPU ones)."""
+    bytes (every method counted); ``copied_nbytes``: device memory (bytes) added
+    for copies of storages that had no twin, each distinct content once;
+    ``twin_nbytes``: bytes of distinct storages served by a parameter the process
+    already held (no memory added); ``upstream``: storages left to upstream's
+    path (CPU ones)."""
 
     routed: int = 0
     routed_nbytes: int = 0
     copied_nbytes: int = 0
+    twin_nbytes: int = 0
     upstream: int = 0
 
 
-def _probe(flat, positions) -> Tuple[int, bytes]:
-    """``(nbytes, PROBE_NBYTES bytes spread evenly over flat)``: one gather, one small copy.
-
-    Storages with different probes differ; equal probes are confirmed (or not)
-    with ``torch.equal``. ``positions`` caches the index tensor per size.
-    """
-    import torch
-
-    n = flat.numel()
-    if n <= PROBE_NBYTES:
-        return n, bytes(flat.cpu().numpy())
-    index = positions.get((flat.device, n))
-    if index is None:
-        index = torch.linspace(0, n - 1, PROBE_NBYTES, dtype=torch.float64, device=flat.device).long()
-        positions[(flat.device, n)] = index
-    return n, bytes(flat[index].cpu().numpy())
-
-
 @contextlib.contextmanager
-def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightStats]:
+def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> Iterator[CudaWeightStats]:
     """While active, executorch's CUDA backend hands weight storages to ptdstream.
 
     Patches names of ``executorch.backends.cuda.cuda_weight_collector``
-    (``_write_tensor_storage``, the ``FileBackedData`` it uses and, unless
+    (``_write_tensor_storage``, ``CudaWeightCollector.materialize`` (to learn
+    which storages are being collected), the ``FileBackedData`` it uses and, unless
     ``trim_host_memory``, ``trim_host_memory``) and restores them when the last
     context exits (:func:`ptdstream.executorch.patching.shadowed`). Lower one model at a
     time: a context entered while another is active keeps the first one's hooks.
@@ -87,6 +80,9 @@ def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightSt
             the two full collections cost about 0.5 s per method on a lowered
             model (measured on the H200 by ``benchmarks/bench_cuda_backend.py``),
             so by default they are skipped.
+        twins: serve a storage from a CUDA ``nn.Parameter`` the process already
+            holds with equal bytes (no device memory added) when there is one;
+            ``False``: always keep a device copy (the memory cost of the old path).
 
     Raises:
         ImportError: executorch's CUDA backend is not importable.
@@ -100,39 +96,64 @@ def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightSt
     collector = adapter.cuda_weight_collector()
     real_write = collector._write_tensor_storage
     real_file_backed = collector.FileBackedData
+    real_materialize = collector.CudaWeightCollector.materialize
     pending: Dict[str, CudaTensorSource] = {}
     kept: Dict[Tuple[int, bytes], List[CudaTensorSource]] = {}
     positions: Dict[Tuple[object, int], object] = {}
     warmed: set = set()
     stats = CudaWeightStats()
+    rounds: List[Optional[TwinFinder]] = [None]
+
+    def materialize(self, weights, *args, **kwargs):
+        excluded = set()
+        for tensor, _ in weights.values():
+            try:
+                excluded.add(tensor.untyped_storage().data_ptr())
+            except Exception:  # noqa: BLE001 - not a real tensor: nothing to exclude
+                pass
+        rounds[0] = TwinFinder(excluded, positions) if twins else None
+        try:
+            return real_materialize(self, weights, *args, **kwargs)
+        finally:
+            rounds[0] = None
 
     def write_storage(tensor, path):
         if not tensor.is_cuda:
             stats.upstream += 1
             return real_write(tensor, path)
         storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
         flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-            storage, 0, (storage.nbytes(),), (1,)
+            storage, 0, (nbytes,), (1,)
         )
-        probe = _probe(flat, positions)
+        wanted = probe(flat, positions)
         if flat.device not in warmed and flat.numel():
             warmed.add(flat.device)
-            # Load torch.equal's kernels now, with the first method's copies,
+            # Load torch.equal's kernels now, with the first method's storages,
             # rather than on the first comparison of the next method (~25 ms).
             head = flat[: 1 << 16]  # large enough for the vectorized kernels
             torch.equal(head.clone(), head)
-        for source in kept.get(probe, ()):
+        for source in kept.get(wanted, ()):
             if torch.equal(source._flat(), flat):
-                break  # a later method's equal storage: reuse the kept copy
+                break  # a later method's equal storage: reuse the kept source
         else:
-            # Upstream frees (resizes to 0) the AOTI storage once it is written;
-            # keep a device-side copy (at device bandwidth) until ptdstream saves it.
-            source = CudaTensorSource(
-                flat.clone(), label=f"CUDA weight storage ({storage.nbytes()} bytes)"
-            )
+            finder = rounds[0]
+            if finder is None and twins:
+                finder = TwinFinder({storage.data_ptr()}, positions)
+            twin = finder.find(flat, wanted) if finder is not None and nbytes else None
+            label = f"CUDA weight storage ({nbytes} bytes)"
+            if twin is not None:
+                # A parameter the process holds with these bytes: keep a reference.
+                source = CudaTensorSource(twin, label=label + " held by a parameter")
+                stats.twin_nbytes += nbytes
+            else:
+                # Upstream frees (resizes to 0) the AOTI storage once it is written;
+                # keep a device-side copy (at device bandwidth) until ptdstream saves it.
+                source = CudaTensorSource(flat.clone(), label=label)
+                stats.copied_nbytes += nbytes
             source._gpu_fingerprint = gpu_fingerprint(flat)
-            kept.setdefault(probe, []).append(source)
-            stats.copied_nbytes += source.nbytes
+            source.verify_on_write = True
+            kept.setdefault(wanted, []).append(source)
         pending[path] = source
         stats.routed += 1
         stats.routed_nbytes += source.nbytes
@@ -152,6 +173,7 @@ def stream_cuda_weights(trim_host_memory: bool = False) -> Iterator[CudaWeightSt
     with contextlib.ExitStack() as patches:
         patches.enter_context(shadowed(collector, "_write_tensor_storage", write_storage))
         patches.enter_context(shadowed(collector, "FileBackedData", _FileBackedData))
+        patches.enter_context(shadowed(collector.CudaWeightCollector, "materialize", materialize))
         if not trim_host_memory:
             patches.enter_context(shadowed(collector, "trim_host_memory", lambda: None))
         try:

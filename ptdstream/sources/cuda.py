@@ -15,9 +15,11 @@ added again, under the same or another key, costs no host copy and no write.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Dict, Iterator, List, Tuple
 
-from ..errors import LayoutError
+from ..errors import IntegrityError, LayoutError
+from ..timeline import stage_timeline
 from .base import BufferRing, Source
 from .tensor import check_storage
 
@@ -61,8 +63,15 @@ class CudaTensorSource(Source):
 
     Raises:
         LayoutError: a non-contiguous tensor ("call .contiguous()").
-        IntegrityError: at write time, when the storage was freed or resized.
+        IntegrityError: at write time, when the storage was freed or resized, or
+            (``verify_on_write``) when the bytes' GPU fingerprint differs from
+            the one recorded when the source was made.
     """
+
+    #: Recompute the GPU fingerprint once every byte is copied out and refuse a
+    #: difference from the cached one (set for sources that stand for bytes
+    #: someone else holds, e.g. :func:`ptdstream.executorch.cuda_backend.stream_cuda_weights`).
+    verify_on_write = False
 
     device_kind = "cuda"
 
@@ -148,10 +157,36 @@ class CudaTensorSource(Source):
         ahead = min(count - 2, len(starts))
         for i in range(ahead):
             enqueue(i)
+        timeline = stage_timeline()
         for i in range(len(starts)):
             if i + ahead < len(starts):
                 enqueue(i + ahead)
             slot = i % count
-            pinned.events[slot].synchronize()
             n = min(step, self.nbytes - starts[i])
+            if timeline is None:
+                pinned.events[slot].synchronize()
+            else:
+                t = time.perf_counter()
+                pinned.events[slot].synchronize()
+                timeline.add("D2H wait", time.perf_counter() - t, n)
             yield memoryview(pinned.buffers[slot].numpy()).cast("B")[:n]
+        if self.verify_on_write and self._gpu_fingerprint is not None:
+            self._verify(flat, pinned.stream, timeline)
+
+    def _verify(self, flat, stream, timeline) -> None:
+        """Refuse bytes whose GPU fingerprint changed since the source was made."""
+        import torch
+
+        from .cuda_fingerprint import gpu_fingerprint
+
+        t = time.perf_counter()
+        with torch.cuda.stream(stream):
+            now = gpu_fingerprint(flat)
+        if timeline is not None:
+            timeline.add("GPU fingerprint check", time.perf_counter() - t, self.nbytes)
+        if now != self._gpu_fingerprint:
+            raise IntegrityError(
+                f"{self.describe()}: its bytes changed after they were handed to ptdstream "
+                f"(GPU fingerprint {now.hex} != {self._gpu_fingerprint.hex}); a tensor kept "
+                "for the save must not be modified before the save"
+            )

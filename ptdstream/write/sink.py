@@ -28,11 +28,14 @@ import ctypes.util
 import enum
 import errno
 import os
+import time
 from typing import Callable, Optional, Protocol, runtime_checkable
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import StateError
 from ..system.pagecache import drop_pages
+from ..timeline import stage_timeline
+from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
 from .tempfiles import temp_name_for
 
 #: Windows under writeback at once (see ``ChunkedFileSink``).
@@ -105,11 +108,14 @@ class ChunkedFileSink:
         inflight_windows: windows under writeback before the oldest is waited for
             and dropped (4: enough queue depth for a fast NVMe disk; at most
             ``(inflight_windows + 1) * window_nbytes`` of output cached while writing).
-        direct: write with ``O_DIRECT`` through an aligned 8 MiB staging block (one
-            memcpy, no page cache at all); where the file system refuses O_DIRECT
-            (tmpfs, some network file systems) the sink falls back to buffered
-            writes and sets ``self.direct = False``.
+        direct: write with ``O_DIRECT`` through aligned 8 MiB staging blocks (one
+            memcpy, no page cache at all), ``direct_depth`` writes in flight
+            (:class:`~ptdstream.write.direct_io.DirectBlockWriter`); where the file
+            system refuses O_DIRECT (tmpfs, some network file systems) the sink
+            falls back to buffered writes and sets ``self.direct = False``.
         write_fn: ``os.write``-like function (tests inject short writes and faults).
+        direct_depth: O_DIRECT writes in flight (I/O threads).
+        pwrite_fn: ``os.pwrite``-like function for the O_DIRECT path.
 
     Raises:
         IsADirectoryError: ``target`` is a folder (nothing is created).
@@ -128,6 +134,8 @@ class ChunkedFileSink:
         inflight_windows: int = DEFAULT_INFLIGHT_WINDOWS,
         direct: bool = False,
         write_fn: Callable[[int, memoryview], int] = os.write,
+        direct_depth: int = DEFAULT_DIRECT_DEPTH,
+        pwrite_fn: Callable[[int, memoryview, int], int] = os.pwrite,
     ) -> None:
         self.target = os.path.abspath(os.fspath(target))
         self.temp_path = temp_name_for(self.target)
@@ -159,14 +167,13 @@ class ChunkedFileSink:
                 f"({os.strerror(e.errno or 0)}); the folder must exist and be writable",
                 self.temp_path,
             ) from e
-        self._staging: Optional[memoryview] = None
-        self._staging_map = None
+        self._staging: Optional[DirectBlockWriter] = None
         self.direct = bool(direct) and hasattr(os, "O_DIRECT")
         if self.direct:
-            self._enable_direct()
+            self._enable_direct(direct_depth, pwrite_fn)
         self.state = SinkState.OPEN
 
-    def _enable_direct(self) -> None:
+    def _enable_direct(self, depth: int, pwrite_fn) -> None:
         """Switch the temp file to O_DIRECT with a page-aligned staging block; keep
         buffered writes (``self.direct = False``) where the file system refuses it."""
         import fcntl
@@ -188,16 +195,15 @@ class ChunkedFileSink:
                 pass
             self.direct = False
             return
-        self._staging_map = mmap.mmap(-1, DIRECT_BLOCK_NBYTES)
-        self._staging = memoryview(self._staging_map)
+        self._staging = DirectBlockWriter(
+            self._fd, f"{self.temp_path} (for {self.target})", DIRECT_BLOCK_NBYTES,
+            depth=depth, alignment=DIRECT_ALIGNMENT, pwrite_fn=pwrite_fn,
+        )
 
     def _release_staging(self) -> None:
         if self._staging is not None:
-            self._staging.release()
+            self._staging.close()
             self._staging = None
-        if self._staging_map is not None:
-            self._staging_map.close()
-            self._staging_map = None
 
     def _expect(self, *states: SinkState) -> None:
         if self.state not in states:
@@ -212,9 +218,14 @@ class ChunkedFileSink:
         self.state = SinkState.WRITING
         view = memoryview(data).cast("B")
         if self._staging is not None:
-            self._stage(view)
+            self._staging.write(view)
+            self.nbytes = self._staging.nbytes
             return
+        timeline = stage_timeline()
+        t = time.perf_counter() if timeline is not None else 0.0
         self._write_all(view, self.nbytes)
+        if timeline is not None:
+            timeline.add("buffered write", time.perf_counter() - t, len(view))
         self.nbytes += len(view)
         if self.drop_pages and self.nbytes - self._window_start >= self.window_nbytes:
             self._end_window()
@@ -241,31 +252,6 @@ class ChunkedFileSink:
                 )
             done += n
 
-    def _stage(self, view: memoryview) -> None:
-        """O_DIRECT: gather bytes into the aligned staging block; write full blocks."""
-        staging = self._staging
-        block = len(staging)
-        done = 0
-        while done < len(view):
-            used = self.nbytes % block
-            n = min(block - used, len(view) - done)
-            staging[used : used + n] = view[done : done + n]
-            done += n
-            self.nbytes += n
-            if used + n == block:
-                self._write_all(staging, self.nbytes - block)
-
-    def _flush_direct_tail(self) -> None:
-        """O_DIRECT: write the last partial block padded to the alignment, then
-        truncate the file to its real size."""
-        staging = self._staging
-        used = self.nbytes % len(staging)
-        if used:
-            padded = used + (-used) % DIRECT_ALIGNMENT
-            staging[used:padded] = bytes(padded - used)
-            self._write_all(staging[:padded], self.nbytes - used)
-            os.ftruncate(self._fd, self.nbytes)
-
     def write_zeros(self, nbytes: int) -> None:
         """Append ``nbytes`` zero bytes."""
         write_zeros(self.write, nbytes)
@@ -275,6 +261,8 @@ class ChunkedFileSink:
         ``inflight_windows`` are under writeback, wait for the oldest and drop it."""
         start, end = self._window_start, self.nbytes
         if _sync_file_range is not None:
+            timeline = stage_timeline()
+            t = time.perf_counter() if timeline is not None else 0.0
             _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
             self._inflight.append((start, end))
             while len(self._inflight) > self.inflight_windows:
@@ -288,14 +276,24 @@ class ChunkedFileSink:
                     | _SYNC_FILE_RANGE_WAIT_AFTER,
                 )
                 drop_pages(self._fd, old_start, old_end - old_start)
+            if timeline is not None:
+                timeline.add("writeback start + wait + drop", time.perf_counter() - t)
         self._window_start = end
 
     def sync(self) -> None:
         """fsync the temp file and drop its pages; the data is durable but not yet visible."""
         self._expect(SinkState.OPEN, SinkState.WRITING)
+        timeline = stage_timeline()
+        t = time.perf_counter()
         if self._staging is not None:
-            self._flush_direct_tail()
-            self._release_staging()
+            try:
+                if self._staging.finish():
+                    os.ftruncate(self._fd, self.nbytes)
+            finally:
+                self._release_staging()
+            if timeline is not None:
+                timeline.add("O_DIRECT drain (last writes)", time.perf_counter() - t)
+                t = time.perf_counter()
         try:
             os.fsync(self._fd)
         except OSError as e:
@@ -306,6 +304,8 @@ class ChunkedFileSink:
             ) from e
         if self.drop_pages:
             drop_pages(self._fd, 0, 0)
+        if timeline is not None:
+            timeline.add("fsync + drop", time.perf_counter() - t)
         os.close(self._fd)
         self._fd = None
         self.state = SinkState.SYNCED

@@ -11,12 +11,14 @@ nothing is published.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Dict, Optional
 
 from ..errors import IntegrityError
 from ..format.plan import ExtentKind, FilePlan
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint, StreamingDigest, check_expected
+from ..timeline import stage_timeline
 from .sink import Sink
 
 #: ``progress(nbytes)`` is called after each piece with the bytes just written.
@@ -54,7 +56,13 @@ class _WriterThread:
                 return
             try:
                 if self._error is None:
-                    self._sink.write(piece)
+                    timeline = stage_timeline()
+                    if timeline is None:
+                        self._sink.write(piece)
+                    else:
+                        t = time.perf_counter()
+                        self._sink.write(piece)
+                        timeline.add("sink write (writer thread)", time.perf_counter() - t, len(piece))
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e
             finally:
@@ -157,6 +165,7 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
     digest = StreamingDigest()
     where = f"{extent.label()} of {plan.name} at offset {offset}"
     first = True
+    timeline = stage_timeline()
     for piece in _checked_pieces(extent.source.pieces(ring), where):
         if first:
             head = bytes(piece[: len(extent.prefix)])
@@ -171,8 +180,16 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
                 f"{where}: {extent.source.describe()} gave more than the "
                 f"{extent.nbytes} bytes planned; nothing was published"
             )
-        digest.update(piece)
-        sink.write(piece)
+        if timeline is None:
+            digest.update(piece)
+            sink.write(piece)
+        else:
+            t0 = time.perf_counter()
+            digest.update(piece)
+            t1 = time.perf_counter()
+            sink.write(piece)
+            timeline.add("xxh3 digest", t1 - t0, len(piece))
+            timeline.add("hand-off to the writer (waits for its last write)", time.perf_counter() - t1)
         if progress is not None:
             progress(len(piece))
     if digest.nbytes != extent.nbytes:

@@ -96,6 +96,9 @@ def test_cuda_weight_collector_names_and_signatures():
     assert list(inspect.signature(collector._write_tensor_storage).parameters) == ["tensor", "path"]
     assert list(inspect.signature(collector.FileBackedData.move_from).parameters) == ["path", "sha256"]
     assert list(inspect.signature(collector.trim_host_memory).parameters) == []
+    # stream_cuda_weights wraps materialize to learn the storages of each round.
+    assert list(inspect.signature(collector.CudaWeightCollector.materialize).parameters) == [
+        "self", "weights", "directory", "device_type_for_weight"]
     # materialize looks the three up as module globals, so replacing them reaches it.
     names = collector.CudaWeightCollector.materialize.__code__.co_names
     assert {"_write_tensor_storage", "FileBackedData", "trim_host_memory"} <= set(names)
@@ -181,14 +184,17 @@ def test_stream_cuda_weights_patches_and_restores_the_collector(tmp_path):
 
     collector = _upstream.cuda_weight_collector()
     before = {name: vars(collector)[name] for name in _upstream.CUDA_COLLECTOR_PATCHED}
+    materialize = vars(collector.CudaWeightCollector)["materialize"]
     weight = torch.arange(64, dtype=torch.float32)
     path = str(tmp_path / "w.storage")
     with stream_cuda_weights() as stats:
         assert all(vars(collector)[n] is not before[n] for n in _upstream.CUDA_COLLECTOR_PATCHED)
+        assert vars(collector.CudaWeightCollector)["materialize"] is not materialize
         digest = collector._write_tensor_storage(weight, path)
         data = collector.FileBackedData.move_from(path, sha256=digest)
     assert (stats.upstream, stats.routed) == (1, 0)
     assert data.to_bytes() == weight.numpy().tobytes() and data.sha256() == digest
     assert {name: vars(collector)[name] for name in _upstream.CUDA_COLLECTOR_PATCHED} == before
+    assert vars(collector.CudaWeightCollector)["materialize"] is materialize
     with stream_cuda_weights(trim_host_memory=True):
         assert vars(collector)["trim_host_memory"] is before["trim_host_memory"]

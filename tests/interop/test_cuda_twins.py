@@ -1,0 +1,74 @@
+"""CUDA weight storages served by a parameter the process already holds (needs a GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ptdstream.errors import IntegrityError
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _hand_over(collector, tensor, path):
+    open(path, "wb").close()
+    digest = collector._write_tensor_storage(tensor, path)
+    return collector.FileBackedData.move_from(path, sha256=digest)
+
+
+def test_storage_equal_to_a_held_parameter_references_it_and_adds_no_device_memory(tmp_path):
+    from ptdstream.executorch.adapter import cuda_weight_collector
+    from ptdstream.executorch.cuda_backend import stream_cuda_weights
+
+    collector = cuda_weight_collector()
+    n = 3 << 20
+    param = torch.nn.Parameter(torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda"), requires_grad=False)
+    plain = torch.randint(0, 256, (n // 2,), dtype=torch.uint8, device="cuda")  # no Parameter holds it
+    aoti = param.detach().clone()  # upstream's AOTI copy: same bytes, its own storage
+    with stream_cuda_weights() as stats:
+        data = _hand_over(collector, aoti, str(tmp_path / "a"))
+        other = _hand_over(collector, plain.clone(), str(tmp_path / "b"))
+    assert data.source._flat().data_ptr() == param.data_ptr()
+    assert other.source._flat().data_ptr() not in (plain.data_ptr(), param.data_ptr())
+    assert (stats.twin_nbytes, stats.copied_nbytes) == (n, n // 2)
+    assert bytes(b"".join(bytes(p) for p in data.source.pieces(_ring()))) == bytes(param.cpu().numpy())
+
+
+def test_a_referenced_parameter_changed_before_the_save_is_refused_naming_the_key(tmp_path):
+    from ptdstream import StreamingNamedDataStore
+    from ptdstream.executorch.adapter import cuda_weight_collector
+    from ptdstream.executorch.cuda_backend import stream_cuda_weights
+    from ptdstream.save import write_data_files
+
+    collector = cuda_weight_collector()
+    n = (1 << 20) + 3
+    param = torch.nn.Parameter(torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda"), requires_grad=False)
+    with stream_cuda_weights() as stats:
+        data = _hand_over(collector, param.detach().clone(), str(tmp_path / "a"))
+    assert stats.twin_nbytes == n
+    out = tmp_path / "out"
+    out.mkdir()
+    store = StreamingNamedDataStore()
+    store.add_named_data("layer.weight", data, external_tag="w")
+    write_data_files(store, str(out))  # unchanged: saved
+    assert (out / "w.ptd").stat().st_size > n
+    store2 = StreamingNamedDataStore()
+    store2.add_named_data("layer.weight", data, external_tag="w")
+    with torch.no_grad():
+        param[n // 2] += 1  # neither the first 32 bytes nor the size change
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    with pytest.raises(IntegrityError, match=r"layer\.weight.*w\.ptd.*changed after they were handed to ptdstream"):
+        write_data_files(store2, str(out2))
+    assert os.listdir(out2) == []
+
+
+def _ring():
+    from ptdstream.sources import BufferRing
+
+    return BufferRing(1 << 20, count=2)
