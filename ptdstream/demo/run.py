@@ -77,38 +77,55 @@ class DemoBuild:
     lower_seconds: float
 
 
+def export_programs(model) -> dict:
+    """``{method: ExportedProgram}`` of the demo model, XNNPACK's weights tagged for
+    ``model.ptd`` (see the module docstring)."""
+    import torch
+    from executorch.exir.passes.external_constants_pass import (
+        delegate_external_constants_pass_unlifted,
+    )
+
+    programs = {}
+    for name, seq_len in METHODS:
+        example = (torch.zeros(1, seq_len, dtype=torch.long),)
+        unlifted = torch.export.export(model, example, strict=False).module()
+        # XNNPACK reads the tag from the get_attr nodes of the unlifted graph.
+        delegate_external_constants_pass_unlifted(unlifted, gen_tag_fn=lambda node: DATA_TAG)
+        programs[name] = torch.export.export(unlifted, example, strict=False)
+    return programs
+
+
+def lower(programs: dict):
+    """The ``EdgeProgramManager`` of ``programs`` lowered to XNNPACK."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    return to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
+
+
+def backend_config():
+    """The ``ExecutorchBackendConfig`` of the demo: every remaining constant in ``model.ptd``."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    return ExecutorchBackendConfig(external_constants=lambda node: DATA_TAG)
+
+
 def build_demo(seed: int = 0, stages: Optional[Stages] = None) -> DemoBuild:
     """Export, lower (XNNPACK) and emit the demo model, weights tagged external.
 
     CPU only; holds the model's weights a few times over (tens of MiB here).
     Takes about 15 s on two cores, most of it in ``to_edge_transform_and_lower``.
     """
-    stages = stages or Stages(None, 2)
-    import torch
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes.external_constants_pass import (
-        delegate_external_constants_pass_unlifted,
-    )
-
     from .model import build_tiny_lm
 
+    stages = stages or Stages(None, 2)
     model = build_tiny_lm(seed=seed)
     start = time.perf_counter()
-    programs = {}
     with stages.stage(f"export {len(METHODS)} methods with torch.export"):
-        for name, seq_len in METHODS:
-            example = (torch.zeros(1, seq_len, dtype=torch.long),)
-            unlifted = torch.export.export(model, example, strict=False).module()
-            # XNNPACK reads the tag from the get_attr nodes of the unlifted graph.
-            delegate_external_constants_pass_unlifted(unlifted, gen_tag_fn=lambda node: DATA_TAG)
-            programs[name] = torch.export.export(unlifted, example, strict=False)
+        programs = export_programs(model)
     exported = time.perf_counter()
     with stages.stage("lower to XNNPACK and emit (to_edge_transform_and_lower, to_executorch)"):
-        edge = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
-        manager = edge.to_executorch(
-            ExecutorchBackendConfig(external_constants=lambda node: DATA_TAG)
-        )
+        manager = lower(programs).to_executorch(backend_config())
     return DemoBuild(model, manager, exported - start, time.perf_counter() - exported)
 
 
