@@ -42,3 +42,18 @@ class MissingKeyError(PtdstreamError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointMismatchError(PtdstreamError, ValueError):
+    """A checkpoint does not fit a program: missing, extra, mis-typed or
+    mis-shaped keys, or weights a checkpoint cannot recreate (a delegate's).
+    ``problems`` lists every one, by key; the message holds them one per line."""
+
+    def __init__(self, program: str, checkpoint: str, problems) -> None:
+        self.program = program
+        self.checkpoint = checkpoint
+        self.problems = list(problems)
+        super().__init__(
+            f"{checkpoint} does not fit {program} ({len(self.problems)} problem(s); nothing written):\n  "
+            + "\n  ".join(self.problems)
+        )

@@ -1,0 +1,354 @@
+"""Checkpoints as sources: every tensor of a checkpoint by key, its layout, and its
+bytes streamed in pieces, never loaded whole (except DCP, one tensor at a time).
+
+Kinds, each read through its own library:
+
+* ``.safetensors`` file, or a Hugging Face sharded checkpoint
+  (``model.safetensors.index.json``, its ``weight_map`` naming each key's shard):
+  ``safetensors.safe_open`` maps the file; each tensor is a view of that
+  mapping, read piece by piece with its pages paged out of the process after
+  each piece (:class:`~ptdstream.constants.MappedTensorSource`).
+* a ``torch.save`` state dict (a flat ``{key: tensor}``): ``torch.load(mmap=True,
+  weights_only=True)``, read the same way.
+* a ``torch.distributed.checkpoint`` (DCP) directory: ``FileSystemReader``'s
+  metadata gives every key's dtype and shape; the bytes are loaded with
+  ``torch.distributed.checkpoint.load`` one tensor at a time, into a tensor
+  freed as soon as its pieces are written (DCP stores each chunk as a
+  ``torch.save`` record, so the largest tensor is held once, plus DCP's copy of
+  its chunk while loading).
+
+Memory: a mapped tensor costs about one piece (``chunk_nbytes``, 8 MiB) of
+resident pages at a time; a DCP tensor costs its size while it is written (and
+once while planning, to take its first bytes and digest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from .errors import FormatError, IntegrityError
+from .fingerprint import Fingerprint, StreamingDigest
+from .sources import BufferRing, Source, TensorSource
+
+#: The file Hugging Face writes beside the shards of a sharded safetensors checkpoint.
+HF_INDEX_NAME = "model.safetensors.index.json"
+#: The metadata file of a DCP directory (``torch.distributed.checkpoint.filesystem._metadata_fn``).
+DCP_METADATA_NAME = ".metadata"
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One tensor of a checkpoint: its key, torch dtype, shape and dim order (from
+    its strides; ``(0, 1, ..., n-1)`` for row-major), and its size in bytes."""
+
+    key: str
+    dtype: object
+    shape: Tuple[int, ...]
+    dim_order: Tuple[int, ...]
+    nbytes: int
+    where: str
+
+
+class Checkpoint:
+    """A checkpoint opened for reading: ``entries`` (metadata only, in the
+    checkpoint's own order) and :meth:`source` for a key's bytes.
+
+    Use as a context manager (or call :meth:`close`): mappings and readers are
+    released at exit. ``kind`` is ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+    """
+
+    kind = ""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.entries: Dict[str, CheckpointEntry] = {}
+        #: Keys whose tensor is the same memory as another key's -> the first such key.
+        self.aliases: Dict[str, str] = {}
+
+    def source(self, key: str) -> Source:
+        """A :class:`~ptdstream.sources.Source` over the bytes of ``key``, in the
+        tensor's memory order (``nbytes`` bytes)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release mappings and readers."""
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _dim_order(tensor) -> Tuple[int, ...]:
+    from executorch.exir.tensor import dim_order_from_stride
+
+    if tensor.dim() == 0:
+        return ()
+    return tuple(int(d) for d in dim_order_from_stride(tensor.stride()))
+
+
+def _entry(key: str, tensor, where: str) -> CheckpointEntry:
+    return CheckpointEntry(
+        key, tensor.dtype, tuple(int(s) for s in tensor.shape), _dim_order(tensor),
+        tensor.numel() * tensor.element_size(), where,
+    )
+
+
+def _mapped_source(tensor, label: str) -> Source:
+    """A paged-out-as-read source when the tensor lies in a file mapping, else a
+    plain tensor source."""
+    from .constants import MappedTensorSource
+    from .pagecache import file_mapping
+
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes:
+        mapping = file_mapping(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if mapping is not None:
+            return MappedTensorSource(tensor, mapping, label)
+    return TensorSource(tensor, label)
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """One ``.safetensors`` file, or the shards named by a Hugging Face index.
+
+    Raises:
+        FormatError: an index that is not JSON or has no ``weight_map``, a shard
+            that does not hold the key its index names, or a file safetensors
+            refuses.
+    """
+
+    kind = "safetensors"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        from safetensors import safe_open
+
+        self._handles = {}
+        self._tensors = {}
+        if path.endswith(".json"):
+            shards = _hf_weight_map(path)
+            folder = os.path.dirname(path)
+        else:
+            shards, folder = None, os.path.dirname(path)
+        files = [os.path.basename(path)] if shards is None else list(dict.fromkeys(shards.values()))
+        try:
+            for name in files:
+                file = os.path.join(folder, name)
+                handle = safe_open(file, framework="pt")
+                self._handles[file] = handle
+                for key in handle.keys():
+                    if shards is not None and shards.get(key) != name:
+                        continue  # the index names another shard for it
+                    tensor = handle.get_tensor(key)  # a view of the mapping: nothing read yet
+                    self._tensors[key] = tensor
+                    self.entries[key] = _entry(key, tensor, file)
+        except FormatError:
+            raise
+        except Exception as e:  # safetensors' own errors: SafetensorError, OSError
+            raise FormatError(f"{path}: safetensors could not read it: {type(e).__name__}: {e}") from None
+        if shards is not None:
+            lost = [k for k in shards if k not in self.entries]
+            if lost:
+                raise FormatError(
+                    f"{path}: {len(lost)} key(s) named by the index are not in their shard: "
+                    + ", ".join(f"{k!r} ({shards[k]})" for k in lost[:20])
+                )
+
+    def source(self, key: str) -> Source:
+        return _mapped_source(self._tensors[key], f"{self.entries[key].where}: key {key!r}")
+
+    def close(self) -> None:
+        self._tensors.clear()
+        self._handles.clear()
+
+
+def _hf_weight_map(path: str) -> Dict[str, str]:
+    try:
+        with open(path, "rb") as f:
+            index = json.load(f)
+        shards = index["weight_map"]
+        if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
+            raise TypeError("weight_map is not {key: file name}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{path}: not a Hugging Face safetensors index: {type(e).__name__}: {e}") from None
+    for name in set(shards.values()):
+        if os.path.basename(name) != name or name in (".", ".."):
+            raise FormatError(f"{path}: shard name {name!r} is not a file name in the index's folder")
+    return shards
+
+
+class TorchCheckpoint(Checkpoint):
+    """A ``torch.save`` state dict, loaded with ``torch.load(mmap=True,
+    weights_only=True)``: a flat ``{str: tensor}`` dict. Keys whose tensor is the
+    very same memory as an earlier key's (tied weights saved twice) are listed in
+    ``aliases``: every key of such a group -> the group's first key.
+
+    Raises:
+        FormatError: not a state dict, or values that are not CPU tensors.
+    """
+
+    kind = "torch"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        import torch
+
+        try:
+            state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as e:
+            raise FormatError(f"{path}: torch.load(mmap=True, weights_only=True) failed: "
+                              f"{type(e).__name__}: {e}") from None
+        if not isinstance(state, dict):
+            raise FormatError(f"{path}: holds a {type(state).__name__}, not a state dict {{key: tensor}}")
+        bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise FormatError(f"{path}: {len(bad)} entries are not str -> tensor: {bad[:20]!r}")
+        self._tensors = state
+        seen: Dict[tuple, str] = {}
+        for key, tensor in state.items():
+            ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+                     tuple(tensor.shape), tuple(tensor.stride()))
+            if tensor.numel() and ident in seen:
+                self.aliases[key] = self.aliases[seen[ident]] = seen[ident]
+            seen.setdefault(ident, key)
+            self.entries[key] = _entry(key, tensor, path)
+
+    def source(self, key: str) -> Source:
+        return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}")
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+class DcpTensorSource(Source):
+    """One tensor of a DCP checkpoint, loaded with DCP's reader when read.
+
+    :meth:`prefix` loads it once to take its first bytes and its xxh3-128 digest
+    (kept as ``expected_fingerprint``: the write checks the second load against
+    it); :meth:`pieces` loads it again and frees it after the last piece.
+    """
+
+    def __init__(self, folder: str, entry: CheckpointEntry, load: Callable[[str, object], object]) -> None:
+        self.folder = folder
+        self.entry = entry
+        self.nbytes = entry.nbytes
+        self._load = load
+        self._prefix: Optional[bytes] = None
+        self.expected_fingerprint: Optional[Fingerprint] = None
+
+    def describe(self) -> str:
+        return f"{self.folder}: key {self.entry.key!r}"
+
+    def _tensor_source(self) -> TensorSource:
+        return TensorSource(self._load(self.entry.key, self.entry), self.describe())
+
+    def prefix(self, nbytes: int = 32) -> bytes:
+        if self._prefix is None:
+            source = self._tensor_source()
+            digest = StreamingDigest()
+            for piece in source.pieces(BufferRing(count=1)):
+                digest.update(piece)
+            self._prefix = source.prefix(32)
+            self.expected_fingerprint = digest.finish()
+        return self._prefix[:nbytes]
+
+    def same_content(self, other: Source) -> Optional[bool]:
+        if isinstance(other, DcpTensorSource) and other.nbytes == self.nbytes:
+            self.prefix()
+            other.prefix()
+            return self.expected_fingerprint == other.expected_fingerprint
+        return None
+
+    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+        source = self._tensor_source()
+        yield from source.pieces(ring)
+
+
+class DcpCheckpoint(Checkpoint):
+    """A ``torch.distributed.checkpoint`` directory (``FileSystemReader``).
+
+    Only tensor entries are listed; other entries (bytes, Python objects) are in
+    ``skipped``.
+
+    Raises:
+        FormatError: DCP cannot read the metadata.
+    """
+
+    kind = "dcp"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        try:
+            metadata = FileSystemReader(path).read_metadata()
+        except Exception as e:
+            raise FormatError(f"{path}: DCP could not read its metadata: {type(e).__name__}: {e}") from None
+        self.skipped: List[str] = []
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                self.skipped.append(key)
+                continue
+            shape = tuple(int(s) for s in md.size)
+            numel = 1
+            for s in shape:
+                numel *= s
+            itemsize = _itemsize(md.properties.dtype)
+            self.entries[key] = CheckpointEntry(
+                key, md.properties.dtype, shape, tuple(range(len(shape))), numel * itemsize, path
+            )
+
+    def _load_one(self, key: str, entry: CheckpointEntry):
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        try:
+            dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        except Exception as e:
+            raise IntegrityError(f"{self.path}: key {key!r}: DCP could not load it: {type(e).__name__}: {e}") from None
+        return tensor
+
+    def source(self, key: str) -> Source:
+        return DcpTensorSource(self.path, self.entries[key], self._load_one)
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """Open the checkpoint at ``path``, its kind found from what is there:
+
+    * a directory holding ``.metadata``: DCP;
+    * a directory holding ``model.safetensors.index.json`` or ``model.safetensors``,
+      a ``*.safetensors`` file or a ``*.json`` index: safetensors;
+    * any other file: a ``torch.save`` state dict.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a directory of none of these kinds.
+        FormatError: the checkpoint cannot be read (see each kind).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, DCP_METADATA_NAME)):
+            return DcpCheckpoint(path)
+        for name in (HF_INDEX_NAME, "model.safetensors"):
+            if os.path.isfile(os.path.join(path, name)):
+                return SafetensorsCheckpoint(os.path.join(path, name))
+        raise FileNotFoundError(
+            f"{path}: a directory with neither {DCP_METADATA_NAME} (DCP), {HF_INDEX_NAME} "
+            "nor model.safetensors"
+        )
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    if path.endswith((".safetensors", ".json")):
+        return SafetensorsCheckpoint(path)
+    return TorchCheckpoint(path)

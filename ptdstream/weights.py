@@ -1,0 +1,331 @@
+"""New weights for an exported program: the ``.ptd`` files it loads, straight from a
+checkpoint, without re-exporting.
+
+A program exported with its constants outside the ``.pte``
+(``ExecutorchBackendConfig(external_constants=True)`` or a tagging callable)
+names each weight by its fully qualified name (FQN), with its ScalarType, sizes
+and dim order. :func:`write_ptd` reads those from the ``.pte`` (metadata only),
+takes each tensor from a checkpoint (:mod:`ptdstream.checkpoint_sources`), checks
+it, and streams every ``<tag>.ptd`` as upstream would have written it:
+
+upstream (executorch 1.5.1, ``exir/_serialize/_serialize.py::serialize_for_executorch``)
+adds the emitter's external constants to a fresh ``NamedDataStore`` tag by tag,
+FQN by FQN, in emission order, with alignment 1 and the layout the program
+records, then serializes each tag with ``FlatTensorSerializer``. Emission order
+is the order in which the FQNs first appear in the program's execution plans'
+values (``exir/emit/_emitter.py::_tensor_spec_to_evalue`` appends each value as
+it emits it), so it is read from the ``.pte``; the tag is not in the ``.pte``:
+it is ``_default_external_constant`` for ``external_constants=True``
+(``exir/passes/external_constants_pass.py``), or taken from the ``.ptd`` files of
+the original export (``like=``), which also fixes the key order.
+
+Which exports qualify: programs whose every external weight is a plain
+constant under its FQN and which hold no delegate. A delegate (XNNPACK, ...)
+keeps its weights inside its blob or as named data under keys derived from
+the bytes it packed (XNNPACK 1.5.1: the SHA-256 hex digest of each constant
+after its transforms, named in the blob inside the ``.pte``), so new weights
+change the ``.pte`` too: such programs are refused, naming each delegate and,
+with ``like=``, each key of a delegate.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from .checkpoint_sources import Checkpoint, open_checkpoint
+from .errors import CheckpointMismatchError
+from .sink import DEFAULT_WINDOW_NBYTES
+from .sources import DEFAULT_CHUNK_NBYTES
+
+#: The tag ``external_constants=True`` gives every constant (``external_constants_pass.py``).
+DEFAULT_TAG = "_default_external_constant"
+#: ``FlatTensorConfig.segment_alignment`` (``extension/flat_tensor/serialize/serialize.py``).
+DEFAULT_SEGMENT_ALIGNMENT = 128
+
+KeyMap = Union[None, Mapping[str, str], Callable[[str], Optional[str]]]
+
+
+@dataclass(frozen=True)
+class ProgramWeights:
+    """What a ``.pte`` expects: ``keys`` ``{fqn: upstream TensorLayout}`` in emission
+    order, ``delegates`` ``[(method, backend id)]``."""
+
+    path: str
+    keys: Dict[str, Any]
+    delegates: Tuple[Tuple[str, str], ...]
+
+
+def read_program_weights(path: str) -> ProgramWeights:
+    """The external weights of the ``.pte`` at ``path`` (reads only its metadata).
+
+    Raises:
+        FormatError: not a valid ``.pte``.
+    """
+    from . import _upstream
+    from .errors import FormatError
+    from .reader import read_artifact
+
+    path = os.fspath(path)
+    art = read_artifact(path)
+    if art.kind != "pte":
+        raise FormatError(f"{path}: is a .ptd, not a program (.pte)")
+    with open(path, "rb") as f:
+        program = _upstream.flatbuffer_to_program_checked(os.pread(f.fileno(), art.flatbuffer_end, 0))
+    layouts = _upstream.external_tensor_layouts(program)
+    delegates = tuple(
+        (str(plan.name), str(d.id)) for plan in program.execution_plan or [] for d in plan.delegates or []
+    )
+    return ProgramWeights(path, layouts, delegates)
+
+
+def _mapper(key_map: KeyMap) -> Callable[[str], Optional[str]]:
+    if key_map is None:
+        return lambda k: k
+    if callable(key_map):
+        return key_map
+    pairs = list(key_map.items())
+
+    def rename(key: str) -> Optional[str]:
+        for old, new in pairs:
+            if key.startswith(old):
+                return new + key[len(old):]
+        return key
+
+    return rename
+
+
+def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag, problems: List[str]) -> Dict[str, List[str]]:
+    """``{tag: [fqn, ...]}`` in upstream's order."""
+    from .reader import read_artifact
+
+    if like:
+        out: Dict[str, List[str]] = {}
+        owner: Dict[str, str] = {}
+        for ptd in like:
+            art = read_artifact(os.fspath(ptd))
+            name = os.path.basename(os.fspath(ptd))
+            tag_of_file = name[: -len(".ptd")] if name.endswith(".ptd") else name
+            keys = out.setdefault(tag_of_file, [])
+            for entry in art.named:
+                if entry.key in owner:
+                    problems.append(f"like: key {entry.key!r} is in both {owner[entry.key]} and {ptd}")
+                    continue
+                owner[entry.key] = str(ptd)
+                if entry.key not in program.keys:
+                    problems.append(
+                        f"key {entry.key!r} of {ptd} is not an external weight of {program.path}: "
+                        "named data of a delegate or backend (XNNPACK names what it packs by the "
+                        "SHA-256 of the packed bytes), which a checkpoint cannot recreate"
+                    )
+                    continue
+                keys.append(entry.key)
+        for fqn in program.keys:
+            if fqn not in owner:
+                problems.append(f"key {fqn!r} of {program.path} is in none of the like= files")
+        return out
+    if tag is None:
+        tag = DEFAULT_TAG
+    out = {}
+    for fqn in program.keys:
+        t = tag if isinstance(tag, str) else (tag(fqn) if callable(tag) else tag.get(fqn))
+        if not isinstance(t, str):
+            problems.append(f"key {fqn!r}: no tag for it (tag= gave {t!r})")
+            continue
+        out.setdefault(t, []).append(fqn)
+    return out
+
+
+def _describe_layout(layout) -> str:
+    from executorch.exir.scalar_type import ScalarType
+
+    try:
+        name = ScalarType(int(layout.scalar_type)).name
+    except ValueError:
+        name = f"ScalarType {int(layout.scalar_type)}"
+    return f"{name}{list(layout.sizes)} dim order {list(layout.dim_order)}"
+
+
+def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_extra: bool,
+           problems: List[str]) -> Dict[str, str]:
+    """``{fqn: checkpoint key}``; every problem appended to ``problems``."""
+    from executorch.exir.scalar_type import ScalarType
+    from executorch.exir.tensor import scalar_type_enum
+
+    lookup = _mapper(key_map)
+    chosen: Dict[str, str] = {}
+    for fqn, layout in program.keys.items():
+        key = lookup(fqn)
+        if key is None or key not in ckpt.entries:
+            via = "" if key == fqn else f" (looked up as {key!r})"
+            problems.append(f"missing: {fqn!r}{via} ({_describe_layout(layout)}) is not in {ckpt.path}")
+            continue
+        chosen[fqn] = key
+        entry = ckpt.entries[key]
+        named = f"{fqn!r}" if key == fqn else f"{fqn!r} (checkpoint key {key!r})"
+        try:
+            scalar = int(scalar_type_enum(entry.dtype))
+        except Exception:
+            scalar = None
+        if scalar != int(layout.scalar_type):
+            have = ScalarType(scalar).name if scalar is not None else str(entry.dtype)
+            problems.append(f"dtype: {named} is {have} ({entry.dtype}) in the checkpoint, the program expects "
+                            f"{_describe_layout(layout).split('[')[0]}")
+        if list(entry.shape) != [int(s) for s in layout.sizes]:
+            problems.append(f"shape: {named} is {list(entry.shape)} in the checkpoint, the program expects "
+                            f"{[int(s) for s in layout.sizes]}")
+        elif list(entry.dim_order) != [int(d) for d in layout.dim_order]:
+            problems.append(f"dim order: {named} is {list(entry.dim_order)} in the checkpoint, the program "
+                            f"expects {[int(d) for d in layout.dim_order]}")
+    used = set(chosen.values())
+    # A key whose tensor is the very memory of a used key's (tied weights saved twice) is no extra.
+    used_roots = {ckpt.aliases[k] for k in used if k in ckpt.aliases}
+    extra = [k for k in ckpt.entries if k not in used and not (k in ckpt.aliases and ckpt.aliases[k] in used_roots)]
+    if extra and not allow_extra:
+        shown = ", ".join(repr(k) for k in extra[:50])
+        more = f" and {len(extra) - 50} more" if len(extra) > 50 else ""
+        problems.append(f"extra: {len(extra)} checkpoint key(s) are not weights of the program: {shown}{more} "
+                        "(allow_extra=True / --allow-extra to ignore them)")
+    return chosen
+
+
+@dataclass(frozen=True)
+class WeightsReport:
+    """What :func:`write_ptd` wrote: ``files`` (``FileReport``, one per tag), bytes in
+    all, wall seconds, GB/s, bytes not written thanks to dedup, keys written."""
+
+    files: tuple
+    nbytes: int
+    seconds: float
+    gbps: float
+    dedup_saved_nbytes: int
+    keys: int
+
+    def summary(self) -> str:
+        lines = [f"{f.path}  {f.nbytes:,} bytes" for f in self.files]
+        lines.append(f"{self.keys} keys, {self.nbytes:,} bytes in {self.seconds:.2f} s "
+                     f"({self.gbps:.2f} GB/s); dedup saved {self.dedup_saved_nbytes:,} bytes")
+        return "\n".join(lines)
+
+
+def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Sequence[str] = (),
+                   tag=None, key_map: KeyMap = None, allow_extra: bool = False,
+                   segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT):
+    """Check ``checkpoint`` against ``program`` and plan every ``.ptd`` (nothing written).
+
+    Returns ``(SavePlan, keys)``: the plan of the ``.ptd`` files only, and the
+    number of keys. Arguments and errors: see :func:`write_ptd`.
+    """
+    from .ptd import plan_ptd
+    from .save import SavePlan, ptd_file_name
+    from .store import StreamingNamedDataStore
+
+    weights = program if isinstance(program, ProgramWeights) else read_program_weights(program)
+    problems: List[str] = []
+    for method, backend in weights.delegates:
+        problems.append(
+            f"delegate: method {method!r} holds a {backend} delegate; its weights live in its blob or "
+            "under keys derived from the bytes it packed, so new weights need a new .pte (re-export)"
+        )
+    order = _tags_and_order(weights, like, tag, problems)
+    files = []
+    names = {}
+    for t in order:
+        try:
+            names[t] = ptd_file_name(t)
+        except ValueError as e:
+            problems.append(str(e))
+    chosen = _check(weights, checkpoint, key_map, allow_extra, problems)
+    if problems:
+        raise CheckpointMismatchError(weights.path, checkpoint.path, problems)
+    store = StreamingNamedDataStore()
+    for t, fqns in order.items():
+        for fqn in fqns:
+            store.add_named_data(fqn, checkpoint.source(chosen[fqn]), external_tag=t,
+                                 tensor_layout=weights.keys[fqn])
+    output = store.get_named_data_store_output()
+    for t, entries in output.external_data.items():
+        plan = plan_ptd(output.buffers, entries, segment_alignment=segment_alignment, name=names[t],
+                        fingerprints=output.fingerprints)
+        files.append((os.path.join(out_dir, names[t]), plan))
+    return SavePlan(tuple(files), None, store.dedup_saved_nbytes), len(chosen)
+
+
+def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
+              like: Sequence[str] = (), tag: Union[None, str, Mapping[str, str], Callable[[str], str]] = None,
+              key_map: KeyMap = None, allow_extra: bool = False,
+              segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT,
+              chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+              progress: Any = False) -> WeightsReport:
+    """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors.
+
+    The files are byte-identical to the ``.ptd`` files executorch 1.5.1 writes for
+    the same program exported with the checkpoint's weights (same code, same
+    config), when the program qualifies (module docstring). All are written to
+    temp files, synced, then published together (like :func:`ptdstream.save`).
+
+    Args:
+        program: path of the ``.pte`` (only its metadata is read).
+        checkpoint: a path (``.safetensors``, a Hugging Face index or folder, a
+            ``torch.save`` file, a DCP folder; see
+            :func:`~ptdstream.checkpoint_sources.open_checkpoint`) or an open
+            :class:`~ptdstream.checkpoint_sources.Checkpoint`.
+        out_dir: existing folder for the ``<tag>.ptd`` files.
+        like: the ``.ptd`` files of the original export: each key's tag is the
+            name of the file holding it and the key order is theirs.
+        tag: without ``like``: the tag of every key (str), or ``{fqn: tag}``, or a
+            callable ``fqn -> tag``; default ``_default_external_constant``.
+        key_map: program FQN -> checkpoint key: ``{program_prefix:
+            checkpoint_prefix}`` (the first matching prefix is replaced; several
+            FQNs may name one checkpoint key) or a callable ``fqn -> key``
+            (None: no key, reported missing).
+        allow_extra: ignore checkpoint keys that are not weights of the program
+            (otherwise each is reported).
+        segment_alignment: bytes; the ``FlatTensorSerializer``'s (128 by default).
+        chunk_nbytes: piece size in bytes; window_nbytes: bytes between page drops.
+        progress: ``True`` for a tqdm bar, a callable taking byte counts, or False.
+
+    Memory: about two pieces plus metadata for safetensors and ``torch.save``
+    checkpoints (mapped, paged out as read); DCP adds the tensor being written.
+
+    Raises:
+        CheckpointMismatchError: missing, extra, mis-typed, mis-shaped or
+            mis-ordered keys, delegates, unknown tags: all listed at once, by
+            key; nothing written.
+        FormatError: the program or a ``like`` file is invalid, or the checkpoint
+            cannot be read.
+        FileNotFoundError: ``out_dir`` does not exist.
+        IntegrityError, OSError: a read or write failed (nothing published).
+    """
+    from .save import write_save_plan
+
+    start = time.perf_counter()
+    out_dir = os.fspath(out_dir)
+    if not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"{out_dir}: output folder does not exist")
+    owned = not isinstance(checkpoint, Checkpoint)
+    ckpt = open_checkpoint(checkpoint) if owned else checkpoint
+    try:
+        plan, nkeys = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
+                              allow_extra=allow_extra, segment_alignment=segment_alignment)
+        bar, callback = None, progress if callable(progress) else None
+        if progress is True:
+            from tqdm import tqdm
+
+            bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="writing .ptd")
+            callback = bar.update
+        try:
+            reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
+                                      progress=callback)
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        if owned:
+            ckpt.close()
+    seconds = time.perf_counter() - start
+    nbytes = sum(r.nbytes for r in reports)
+    return WeightsReport(tuple(reports), nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
+                         plan.dedup_saved_nbytes, nkeys)
