@@ -1,0 +1,297 @@
+"""write_ptd: a program's .ptd from a checkpoint, byte-identical to a re-export with
+those weights (executorch 1.5.1), every checkpoint kind, every mismatch at once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from conftest import Mlp, TiedLM, export, reference_files
+
+from ptdstream.errors import CheckpointMismatchError, FormatError
+from ptdstream.weights import DEFAULT_TAG, read_program_weights, write_ptd
+
+warnings.filterwarnings("ignore")
+PTD = DEFAULT_TAG + ".ptd"
+
+
+class Pair(torch.nn.Module):
+    """Two linears whose biases start equal (zero): upstream stores them once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            self.a.bias.zero_()
+            self.b.bias.zero_()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class Reversed(torch.nn.Module):
+    """A second method over the same layers, in the other order."""
+
+    def __init__(self, pair: Pair) -> None:
+        super().__init__()
+        self.pair = pair
+
+    def forward(self, x):
+        return self.pair.a(self.pair.b(x))
+
+
+def _methods(model):
+    if isinstance(model, Pair):
+        x = (torch.randn(2, 8),)
+        return {"forward": (model, x), "backward": (Reversed(model), x)}
+    return model
+
+
+def _export_pair(make, folder, config):
+    """Export ``make()`` with seed 0 (A) and seed 1 (B); B's model and both file sets."""
+    models = {}
+    files = {}
+    for name, seed in (("A", 0), ("B", 1)):
+        torch.manual_seed(seed)
+        models[name] = make()
+        files[name] = reference_files(export(_methods(models[name]), config=config), str(folder / name))
+    return models["B"], files
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    from executorch.exir import ExecutorchBackendConfig
+
+    config = ExecutorchBackendConfig(external_constants=True)
+    out = {}
+    for name, make in (("mlp", Mlp), ("tied", TiedLM), ("pair", Pair)):
+        folder = tmp_path_factory.mktemp(name)
+        model_b, files = _export_pair(make, folder, config)
+        out[name] = (folder, model_b, files)
+    return out
+
+
+def _state(model):
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+def _save_checkpoint(kind, state, folder):
+    """Write ``state`` as checkpoint ``kind``; return the path to hand write_ptd."""
+    import safetensors.torch as st
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "torch":
+        path = folder / "ckpt.pt"
+        torch.save(state, path)
+    elif kind == "safetensors":
+        path = folder / "model.safetensors"
+        st.save_file(_untied(state), path)
+    elif kind == "hf-sharded":
+        keys = list(_untied(state))
+        shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        weight_map = {}
+        for name, part in shards.items():
+            st.save_file({k: state[k] for k in part}, folder / name)
+            weight_map.update({k: name for k in part})
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        path = folder  # the folder: found through its index
+    elif kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        path = folder / "dcp"
+        dcp.save(_untied(state), checkpoint_id=str(path), no_dist=True)
+    return str(path)
+
+
+def _untied(state):
+    """safetensors and DCP refuse (or duplicate) shared tensors: keep the first key of each."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        if v.untyped_storage().data_ptr() not in seen:
+            seen.add(v.untyped_storage().data_ptr())
+            out[k] = v
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["torch", "safetensors", "hf-sharded", "dcp"])
+@pytest.mark.parametrize("model", ["mlp", "tied", "pair"])
+def test_ptd_equals_reexport_with_new_weights(exports, tmp_path, kind, model):
+    folder, model_b, files = exports[model]
+    assert files["A"]["model.pte"] == files["B"]["model.pte"]  # only the .ptd changes
+    assert files["A"][PTD] != files["B"][PTD]
+    ckpt = _save_checkpoint(kind, _state(model_b), tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    # The program names the tied weight 'head.weight'; safetensors and DCP keep it
+    # once, as 'embed.weight' (torch.save keeps both keys over one storage).
+    # The second method of 'pair' names the same weights 'pair.a.weight', ...
+    key_map = {"head.weight": "embed.weight"} if model == "tied" and kind != "torch" else None
+    if model == "pair":
+        key_map = {"pair.": ""}
+    report = write_ptd(str(folder / "A" / "model.pte"), ckpt, str(out), key_map=key_map)
+    assert sorted(os.listdir(out)) == [PTD]
+    assert (out / PTD).read_bytes() == files["B"][PTD]
+    assert report.nbytes == len(files["B"][PTD])
+    assert report.keys == len(read_program_weights(str(folder / "A" / "model.pte")).keys)
+
+
+@pytest.mark.slow
+def test_runtime_runs_program_a_with_weights_b(exports, tmp_path):
+    from executorch.runtime import Runtime
+
+    folder, model_b, _ = exports["mlp"]
+    ckpt = _save_checkpoint("safetensors", _state(model_b), tmp_path)
+    write_ptd(str(folder / "A" / "model.pte"), ckpt, str(tmp_path))
+    program = Runtime.get().load_program(str(folder / "A" / "model.pte"), data_path=str(tmp_path / PTD))
+    x = torch.randn(2, 64)
+    (got,) = program.load_method("forward").execute([x])
+    torch.testing.assert_close(got, model_b.eval()(x))
+
+
+@pytest.mark.slow
+def test_like_gives_tags_and_order_and_key_map(tmp_path):
+    """A tagging callable puts keys in several files; like= recovers them; key_map renames."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    def tag(node):
+        return "first" if "l1" in node.name else "rest"
+
+    config = ExecutorchBackendConfig(external_constants=tag)
+    model_b, files = _export_pair(Mlp, tmp_path, config)
+    assert sorted(files["B"]) == ["first.ptd", "model.pte", "rest.ptd"]
+    state = {"model." + k: v for k, v in _state(model_b).items()}
+    ckpt = _save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    like = [str(tmp_path / "A" / "first.ptd"), str(tmp_path / "A" / "rest.ptd")]
+    write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out), like=like, key_map={"": "model."})
+    assert (out / "first.ptd").read_bytes() == files["B"]["first.ptd"]
+    assert (out / "rest.ptd").read_bytes() == files["B"]["rest.ptd"]
+    # The same from a tag callable and a key_map callable.
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out2),
+              tag=lambda fqn: "first" if fqn.startswith("l1.") else "rest", key_map=lambda fqn: "model." + fqn)
+    assert (out2 / "first.ptd").read_bytes() == files["B"]["first.ptd"]
+    assert (out2 / "rest.ptd").read_bytes() == files["B"]["rest.ptd"]
+
+
+@pytest.mark.slow
+def test_every_mismatch_reported_at_once_and_nothing_written(exports, tmp_path):
+    folder, model_b, _ = exports["mlp"]
+    state = _state(model_b)
+    del state["l2.bias"]
+    state["l1.weight"] = state["l1.weight"].to(torch.float16)
+    state["l2.weight"] = state["l2.weight"][:4].contiguous()
+    state["l1.bias"] = state["l1.bias"].clone()
+    state["stray"] = torch.zeros(3)
+    ckpt = _save_checkpoint("torch", state, tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / PTD).write_bytes(b"previous")
+    with pytest.raises(CheckpointMismatchError) as info:
+        write_ptd(str(folder / "A" / "model.pte"), ckpt, str(out))
+    assert info.value.problems == [
+        "dtype: 'l1.weight' is HALF (torch.float16) in the checkpoint, the program expects FLOAT",
+        "shape: 'l2.weight' is [4, 32] in the checkpoint, the program expects [8, 32]",
+        f"missing: 'l2.bias' (FLOAT[8] dim order [0]) is not in {ckpt}",
+        "extra: 1 checkpoint key(s) are not weights of the program: 'stray' "
+        "(allow_extra=True / --allow-extra to ignore them)",
+    ]
+    assert sorted(os.listdir(out)) == [PTD] and (out / PTD).read_bytes() == b"previous"
+
+
+@pytest.mark.slow
+def test_dim_order_mismatch_is_named(tmp_path):
+    """A channels-last conv weight in the program; a row-major one in the checkpoint."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    class Conv(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.conv.weight.data = self.conv.weight.data.to(memory_format=torch.channels_last)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    torch.manual_seed(0)
+    model = Conv()
+    manager = export(model, config=ExecutorchBackendConfig(external_constants=True),
+                     inputs=(torch.randn(1, 3, 8, 8).to(memory_format=torch.channels_last),))
+    files = reference_files(manager, str(tmp_path / "A"))
+    layouts = read_program_weights(str(tmp_path / "A" / "model.pte")).keys
+    if list(layouts["conv.weight"].dim_order) == [0, 1, 2, 3]:
+        pytest.skip("export made the weight row-major: nothing to check here")
+    ckpt = _save_checkpoint("safetensors", _state(model), tmp_path / "ckpt")
+    with pytest.raises(CheckpointMismatchError) as info:
+        write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(tmp_path))
+    assert info.value.problems == [
+        f"dim order: 'conv.weight' is [0, 1, 2, 3] in the checkpoint, the program expects "
+        f"{list(layouts['conv.weight'].dim_order)}"
+    ]
+    # A torch.save checkpoint keeps the channels-last strides: accepted, same bytes.
+    ckpt = _save_checkpoint("torch", {k: v.detach() for k, v in model.state_dict().items()}, tmp_path / "ckpt2")
+    out = tmp_path / "out"
+    out.mkdir()
+    write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out))
+    assert (out / PTD).read_bytes() == files[PTD]
+
+
+@pytest.mark.slow
+def test_xnnpack_tagged_weights_are_refused_by_key(tmp_path):
+    """XNNPACK 1.5.1 with tagged external weights names each packed weight by the
+    SHA-256 of its bytes (fp32 linear weights: untransformed); write_ptd refuses
+    them, naming the delegate and each key."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = (torch.randn(2, 64),)
+    module = torch.export.export(model, x).module()
+    delegate_external_constants_pass_unlifted(module, lambda node: "model")
+    edge = to_edge_transform_and_lower(torch.export.export(module, x), partitioner=[XnnpackPartitioner()])
+    manager = edge.to_executorch()
+    reference_files(manager, str(tmp_path / "A"))
+    from ptdstream.reader import read_artifact
+
+    keys = [e.key for e in read_artifact(str(tmp_path / "A" / "model.ptd")).named]
+    expected = {hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+                for t in model.state_dict().values()}
+    assert set(keys) == expected  # every key is the SHA-256 of the untransformed fp32 bytes
+    ckpt = _save_checkpoint("safetensors", _state(model), tmp_path / "ckpt")
+    with pytest.raises(CheckpointMismatchError) as info:
+        write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(tmp_path), like=[str(tmp_path / "A" / "model.ptd")],
+                  allow_extra=True)
+    problems = info.value.problems
+    assert problems[0].startswith("delegate: method 'forward' holds a XnnpackBackend delegate")
+    assert [p.split("'")[1] for p in problems[1:]] == keys
+    assert all("named data of a delegate or backend" in p for p in problems[1:])
+
+
+def test_checkpoint_errors(tmp_path):
+    from ptdstream.checkpoint_sources import open_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="neither .metadata"):
+        open_checkpoint(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(FormatError, match="not a Hugging Face safetensors index"):
+        open_checkpoint(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../x.safetensors"}}))
+    with pytest.raises(FormatError, match="is not a file name in the index's folder"):
+        open_checkpoint(str(tmp_path))
+    (tmp_path / "s.pt").write_bytes(b"not a zip")
+    with pytest.raises(FormatError, match="torch.load"):
+        open_checkpoint(str(tmp_path / "s.pt"))
+    torch.save([torch.zeros(2)], tmp_path / "l.pt")
+    with pytest.raises(FormatError, match="holds a list, not a state dict"):
+        open_checkpoint(str(tmp_path / "l.pt"))
