@@ -1,0 +1,404 @@
+"""Many ranks, one artifact: every rank of a ``torch.distributed`` group writes the
+bytes it holds into the shared ``.ptd`` files, at offsets one plan fixed.
+
+Protocol (every step is collective; a failure on any rank is reported to all,
+and nothing is published):
+
+1. each rank describes its pieces: key, tag, alignment, the whole tensor's
+   layout, the piece's place among the key's pieces (mesh coordinate), its size
+   and first 32 bytes; ``all_gather_object``;
+2. every rank derives the same global order and the keys whose size and first
+   32 bytes collide with another's (upstream's dedup candidates); each rank
+   digests its pieces of those keys with the composable fingerprint
+   (:mod:`ptdstream.distributed.fingerprint`); ``all_gather_object``;
+3. rank 0 plans every ``<tag>.ptd`` with ptdstream's store and planner (the
+   planner sees sizes, first bytes and fingerprints only), creates the temp
+   files at their full size and broadcasts ``(temp file, key, file offset)``;
+4. each rank ``pwrite``\\ s its own pieces (the first key of each dedup class
+   only), fsyncs and drops their pages; rank 0 writes each head and fsyncs;
+5. a barrier (status exchange), then rank 0 publishes the set atomically
+   (:func:`ptdstream.publish.publish_set`) and tells every rank the outcome.
+
+No rank reads another rank's bytes. The result equals
+``ptdstream.save.write_data_files`` of a store to which the whole tensors were
+added in the global order: rank 0's keys in its order, then rank 1's new keys,
+and so on (DTensor keys are on every rank, so their order is rank 0's).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+from ..errors import LayoutError, PtdstreamError
+from ..fingerprint import Fingerprint
+from ..sink import DEFAULT_WINDOW_NBYTES
+from ..sources import DEFAULT_CHUNK_NBYTES, BufferRing, Source, as_source
+from .fingerprint import combine, digest_piece
+
+PREFIX_NBYTES = 32
+
+
+class DistributedWriteError(PtdstreamError):
+    """A rank failed; raised on every rank, naming each failed rank and its error.
+    Nothing was published and the temp files are removed."""
+
+
+@dataclass(frozen=True)
+class PieceInfo:
+    """One rank's piece of one key (sent to every rank)."""
+
+    key: str
+    tag: str
+    alignment: int
+    scalar_type: int
+    sizes: Tuple[int, ...]
+    dim_order: Tuple[int, ...]
+    total_nbytes: int
+    coordinate: int  # order of the piece among the key's pieces
+    sharded: bool  # a DTensor shard (the key is on every rank)
+    nbytes: int
+    head: bytes  # first min(32, nbytes) bytes of the piece
+    rank: int
+
+
+@dataclass(frozen=True)
+class DistributedReport:
+    """What :func:`write_data_files` did: ``files`` ``[(path, bytes)]`` published,
+    bytes this rank wrote, wall seconds, bytes saved by dedup."""
+
+    files: Tuple[Tuple[str, int], ...]
+    rank_nbytes: int
+    seconds: float
+    dedup_saved_nbytes: int
+
+
+class PlannedSource(Source):
+    """A buffer known to the planner by size, first bytes and fingerprint only;
+    its bytes stay on the ranks that hold them."""
+
+    def __init__(self, key: str, nbytes: int, head: bytes, fingerprint: Optional[Fingerprint]) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self._head = head
+        self.fingerprint = fingerprint
+
+    def describe(self) -> str:
+        return f"key {self.key!r} (held by the ranks)"
+
+    def prefix(self, nbytes: int = 32) -> bytes:
+        return self._head[:nbytes]
+
+    def same_content(self, other: Source) -> Optional[bool]:
+        if isinstance(other, PlannedSource) and self.fingerprint is not None and other.fingerprint is not None:
+            return self.fingerprint == other.fingerprint
+        return None
+
+    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+        raise LayoutError(f"{self.describe()}: its bytes are written by the ranks, not read here")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _exchange(value: Any, error: Optional[BaseException], group) -> List[Any]:
+    """``all_gather_object`` of ``value``, or of this rank's error: raises
+    :class:`DistributedWriteError` on every rank when any rank failed."""
+    dist = _dist()
+    mine = ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", value)
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    failed = [(r, g[1]) for r, g in enumerate(gathered) if g[0] == "error"]
+    if failed:
+        raise DistributedWriteError(
+            "; ".join(f"rank {r}: {msg}" for r, msg in failed) + "; nothing was published"
+        ) from error
+    return [g[1] for g in gathered]
+
+
+def _broadcast(value: Any, error: Optional[BaseException], group) -> Any:
+    """Rank 0's ``value`` (or its error, raised on every rank)."""
+    dist = _dist()
+    box = [("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", value)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    status, payload = box[0]
+    if status == "error":
+        raise DistributedWriteError(f"rank 0: {payload}; nothing was published") from error
+    return payload
+
+
+def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alignment: int, rank: int):
+    """``[PieceInfo]`` and ``{key: (source, tensor)}`` of this rank's pieces."""
+    import torch
+    from executorch.exir.tensor import dim_order_from_stride, scalar_type_enum
+
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # pragma: no cover - torch without DTensor
+        DTensor = ()
+    infos: List[PieceInfo] = []
+    local: Dict[str, Tuple[Source, Any]] = {}
+    for index, (key, tensor) in enumerate(tensors.items()):
+        if not isinstance(key, str):
+            raise LayoutError(f"key {key!r} is not a str")
+        if isinstance(tensor, DTensor):
+            mesh = tensor.device_mesh
+            if mesh.ndim != 1:
+                raise LayoutError(f"key {key!r}: a DTensor on a {mesh.ndim}-D mesh; only 1-D meshes are supported")
+            placement = tensor.placements[0]
+            if not (placement.is_replicate() or (placement.is_shard() and placement.dim == 0)):
+                # Rows of a Shard(0) tensor are byte ranges of the whole: DTensor moves the data.
+                tensor = tensor.redistribute(mesh, [Shard(0)])
+                placement = tensor.placements[0]
+            coordinate = mesh.get_coordinate()[0]
+            piece = tensor.to_local()
+            if placement.is_replicate():
+                owner = index % mesh.size()  # one rank writes a replicated tensor; spread them
+                if coordinate != owner:
+                    piece = piece[:0]
+                coordinate = 0 if coordinate == owner else 1
+            scalar = int(scalar_type_enum(tensor.dtype))
+            sizes, dim_order = tuple(int(s) for s in tensor.shape), tuple(range(tensor.dim()))
+            total = tensor.numel() * tensor.element_size()
+            sharded = True
+            if not piece.is_contiguous():
+                piece = piece.contiguous()
+        elif isinstance(tensor, torch.Tensor):
+            piece, coordinate, sharded = tensor.detach(), 0, False
+            scalar = int(scalar_type_enum(piece.dtype))
+            sizes = tuple(int(s) for s in piece.shape)
+            dim_order = tuple(int(d) for d in dim_order_from_stride(piece.stride())) if piece.dim() else ()
+            total = piece.numel() * piece.element_size()
+        else:
+            raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
+        source = as_source(piece, label=f"rank {rank} key {key!r}")
+        infos.append(PieceInfo(key, tag_of(key), alignment, scalar, sizes, dim_order, total, coordinate,
+                               sharded, source.nbytes, source.prefix(PREFIX_NBYTES), rank))
+        local[key] = (source, piece)
+    return infos, local
+
+
+def _collate(all_infos: List[List[PieceInfo]]):
+    """Global key order and ``{key: [pieces in order]}`` with their offsets.
+
+    Raises:
+        LayoutError: a plain tensor key on two ranks, pieces that do not add up.
+    """
+    order: List[str] = []
+    pieces: Dict[str, List[PieceInfo]] = {}
+    for infos in all_infos:
+        for info in infos:
+            if info.key not in pieces:
+                order.append(info.key)
+                pieces[info.key] = []
+            pieces[info.key].append(info)
+    offsets: Dict[Tuple[str, int], int] = {}
+    for key, group in pieces.items():
+        if len(group) > 1 and not all(p.sharded for p in group):
+            raise LayoutError(f"key {key!r} is held by ranks {[p.rank for p in group]}; a key that is not a "
+                              "DTensor must be on one rank")
+        group.sort(key=lambda p: (p.coordinate, p.rank))
+        end = 0
+        for p in group:
+            offsets[(key, p.rank)] = end
+            end += p.nbytes
+        if end != group[0].total_nbytes:
+            raise LayoutError(f"key {key!r}: the pieces hold {end} bytes, the tensor {group[0].total_nbytes}")
+    return order, pieces, offsets
+
+
+def _candidates(order: List[str], pieces: Dict[str, List[PieceInfo]]):
+    """``({key: first 32 bytes}, {keys whose (size, first bytes) another key shares})``."""
+    heads = {}
+    seen: Dict[Tuple[int, bytes], int] = {}
+    for key in order:
+        head = b"".join(p.head for p in pieces[key])[:PREFIX_NBYTES]
+        heads[key] = head
+        ckey = (pieces[key][0].total_nbytes, head)
+        seen[ckey] = seen.get(ckey, 0) + 1
+    return heads, {k for k in order if seen[(pieces[k][0].total_nbytes, heads[k])] > 1}
+
+
+def _plan(order, pieces, heads, fingerprints, segment_alignment, folder):
+    """Rank 0: the ``.ptd`` plans, as ``[(target, FilePlan)]`` and the dedup savings."""
+    from executorch.exir.scalar_type import ScalarType
+    from executorch.exir.tensor_layout import TensorLayout
+
+    from ..ptd import plan_ptd
+    from ..save import ptd_file_name
+    from ..store import StreamingNamedDataStore
+
+    store = StreamingNamedDataStore()
+    for key in order:
+        first = pieces[key][0]
+        source = PlannedSource(key, first.total_nbytes, heads[key], fingerprints.get(key))
+        layout = TensorLayout(ScalarType(first.scalar_type), list(first.sizes), list(first.dim_order))
+        store.add_named_data(key, source, first.alignment, external_tag=first.tag, tensor_layout=layout)
+    out = store.get_named_data_store_output()
+    files = []
+    for tag, entries in out.external_data.items():
+        name = ptd_file_name(tag)
+        plan = plan_ptd(out.buffers, entries, segment_alignment=segment_alignment, name=name,
+                        fingerprints=out.fingerprints)
+        files.append((os.path.join(folder, name), plan))
+    return files, store.dedup_saved_nbytes
+
+
+def _wire(files, sinks) -> List[Tuple[str, str, int, List[Tuple[str, int, int]]]]:
+    """``[(target, temp path, size, [(key, file offset, bytes)])]`` for every rank."""
+    from ..plan import ExtentKind
+
+    out = []
+    for (target, plan), sink in zip(files, sinks):
+        writes, offset = [], 0
+        for extent in plan.extents:
+            if extent.kind is ExtentKind.SOURCE:
+                writes.append((extent.source.key, offset, extent.nbytes))
+            offset += extent.nbytes
+        out.append((target, sink.temp_path, plan.nbytes, writes))
+    return out
+
+
+def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
+    """pwrite this rank's pieces into the temp files; fsync; drop their pages."""
+    from ..pagecache import drop_pages
+
+    ring = BufferRing(chunk_nbytes, count=1)
+    written = 0
+    for target, temp, _, writes in wire:
+        mine = [(key, at) for key, at, _ in writes if key in local and local[key][0].nbytes]
+        if not mine:
+            continue
+        fd = os.open(temp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for key, at in mine:
+                position = at + offsets[(key, rank)]
+                for piece in local[key][0].pieces(ring):
+                    view = memoryview(piece).cast("B")
+                    while len(view):
+                        n = os.pwrite(fd, view, position)
+                        view, position, written = view[n:], position + n, written + n
+            os.fsync(fd)
+            drop_pages(fd, 0, 0)
+        except OSError as e:
+            raise OSError(e.errno, f"rank {rank}: writing {temp} (for {target}) failed: {e.strerror}") from e
+        finally:
+            os.close(fd)
+    return written
+
+
+def write_data_files(
+    tensors: Mapping[str, Any],
+    folder: str,
+    *,
+    external_tag: Union[str, Callable[[str], str]] = "model",
+    alignment: int = 1,
+    group=None,
+    segment_alignment: int = 128,
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+) -> DistributedReport:
+    """Write ``folder/<tag>.ptd`` from the tensors of every rank; call it on every
+    rank of ``group`` (default: the default process group) with its own tensors.
+
+    Args:
+        tensors: ``{key: tensor}`` this rank holds, in order: CPU or CUDA tensors
+            (a key on one rank only) or DTensors on a 1-D mesh of ``group``
+            (every rank passes the key; ``Shard(0)`` and ``Replicate`` are written
+            as they lie, other placements are first redistributed to
+            ``Shard(0)`` with DTensor's ``redistribute``).
+        folder: existing folder on a file system every rank sees.
+        external_tag: the tag of every key, or ``key -> tag``.
+        alignment: bytes, of every entry (upstream's ``add_named_data`` alignment).
+        segment_alignment: bytes (the ``FlatTensorSerializer``'s, 128).
+        chunk_nbytes: piece size in bytes for reading and writing.
+
+    Returns:
+        A :class:`DistributedReport` on every rank.
+
+    Raises:
+        DistributedWriteError: on every rank, when any rank failed (its error is
+            named); nothing is published and the temp files are removed.
+    """
+    dist = _dist()
+    start = time.perf_counter()
+    rank = dist.get_rank(group)
+    folder = os.path.abspath(os.fspath(folder))
+    tag_of = external_tag if callable(external_tag) else (lambda key: external_tag)
+    local, error, infos = {}, None, None
+    try:
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"{folder}: output folder does not exist (rank {rank})")
+        infos, local = _local_pieces(tensors, tag_of, alignment, rank)
+    except Exception as e:  # reported to every rank
+        error = e
+    all_infos = _exchange(infos, error, group)
+    error, order = None, None
+    try:
+        order, pieces, offsets = _collate(all_infos)
+        heads, candidates = _candidates(order, pieces)
+        partial = {key: digest_piece(local[key][0].pieces(BufferRing(chunk_nbytes, count=1)), offsets[(key, rank)])
+                   for key in order if key in candidates and key in local}
+    except Exception as e:
+        error, partial = e, None
+    all_partials = _exchange(partial, error, group)
+    sinks, error, wire, files, dedup = [], None, None, [], 0
+    if rank == 0:
+        try:
+            fingerprints = {key: combine(pieces[key][0].total_nbytes, [p[key] for p in all_partials if key in p])
+                            for key in candidates}
+            files, dedup = _plan(order, pieces, heads, fingerprints, segment_alignment, folder)
+            sinks = _create_temp_files(files)
+            wire = _wire(files, sinks)
+        except Exception as e:
+            error = e
+    try:
+        wire = _broadcast(wire, error, group)
+        error, written = None, 0
+        try:
+            written = _write_pieces(wire, local, offsets, rank, chunk_nbytes)
+            if rank == 0:
+                for (_, plan), sink in zip(files, sinks):
+                    sink.write(plan.extents[0].data)  # the head: header + FlatTensor flatbuffer + padding
+                    sink.sync()
+        except Exception as e:
+            error = e
+        _exchange(written, error, group)  # every rank has fsynced: the barrier before publishing
+        error = None
+        if rank == 0:
+            try:
+                from ..publish import folder_locks, publish_set
+
+                with folder_locks([folder]):
+                    publish_set(sinks)
+            except Exception as e:
+                error = e
+        published = _broadcast([(t, n) for t, _, n, _ in wire], error, group)
+    except BaseException:
+        for sink in sinks:
+            sink.abort()
+        raise
+    return DistributedReport(tuple(published), written, time.perf_counter() - start, dedup)
+
+
+def _create_temp_files(files):
+    """Rank 0: a sink (temp file) per file, at its full size (the gaps read as zeros)."""
+    from ..publish import remove_stale_temp_files
+    from ..sink import ChunkedFileSink
+
+    sinks = []
+    try:
+        for target, plan in files:
+            remove_stale_temp_files(target)
+            sink = ChunkedFileSink(target, window_nbytes=DEFAULT_WINDOW_NBYTES)
+            sinks.append(sink)
+            os.truncate(sink.temp_path, plan.nbytes)
+    except BaseException:
+        for sink in sinks:
+            sink.abort()
+        raise
+    return sinks
