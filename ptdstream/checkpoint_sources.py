@@ -264,8 +264,13 @@ class DcpTensorSource(Source):
         return None
 
     def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+        # Copied into the ring: a piece may still be being written (by the writer
+        # thread) after this generator ends and the loaded tensor is freed.
         source = self._tensor_source()
-        yield from source.pieces(ring)
+        for piece in source.pieces(ring):
+            buf = ring.next()[: len(piece)]
+            buf[:] = piece
+            yield buf
 
 
 class DcpCheckpoint(Checkpoint):

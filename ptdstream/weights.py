@@ -219,6 +219,7 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     number of keys. Arguments and errors: see :func:`write_ptd`.
     """
     from .ptd import plan_ptd
+    from .pte import PteOptions
     from .save import SavePlan, ptd_file_name
     from .store import StreamingNamedDataStore
 
@@ -250,7 +251,7 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
         plan = plan_ptd(output.buffers, entries, segment_alignment=segment_alignment, name=names[t],
                         fingerprints=output.fingerprints)
         files.append((os.path.join(out_dir, names[t]), plan))
-    return SavePlan(tuple(files), None, store.dedup_saved_nbytes), len(chosen)
+    return SavePlan(tuple(files), PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes), len(chosen)
 
 
 def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
