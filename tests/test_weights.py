@@ -295,3 +295,32 @@ def test_checkpoint_errors(tmp_path):
     torch.save([torch.zeros(2)], tmp_path / "l.pt")
     with pytest.raises(FormatError, match="holds a list, not a state dict"):
         open_checkpoint(str(tmp_path / "l.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_checkpoint_is_never_resident_whole(tmp_path, kind):
+    """A 64 MiB checkpoint, written in 1 MiB pieces: at no piece more than 8 MiB of
+    it is mapped into the process (each piece's pages are paged out once copied)."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    from conftest import mapped_rss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)]).eval()
+    files = reference_files(export(model, config=ExecutorchBackendConfig(external_constants=True),
+                                   inputs=(torch.randn(1, 1024),)), str(tmp_path / "A"))
+    for p in model.parameters():
+        torch.nn.init.normal_(p.data)
+    ckpt = _save_checkpoint(kind, _state(model), tmp_path / "ckpt")
+    path = ckpt
+    peaks = []
+    out = tmp_path / "out"
+    out.mkdir()
+    write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out), chunk_nbytes=1 << 20,
+              progress=lambda n: peaks.append(mapped_rss(path)))
+    assert len(peaks) >= 64 and max(peaks) <= 8 << 20, max(peaks)
+    assert (out / PTD).read_bytes() != files[PTD]  # the new weights...
+    ref = reference_files(export(model, config=ExecutorchBackendConfig(external_constants=True),
+                                 inputs=(torch.randn(1, 1024),)), str(tmp_path / "B"))
+    assert (out / PTD).read_bytes() == ref[PTD]  # ...as a re-export writes them
