@@ -78,7 +78,7 @@ def _raw_copy(src: str, dst: str) -> None:
     """The tensor bytes of a safetensors file into one file, in 8 MiB pieces, then fsync."""
     import struct
 
-    from ptdstream.pagecache import drop_pages
+    from ptdstream.system.pagecache import drop_pages
 
     buf = bytearray(8 * MiB)
     view = memoryview(buf)
@@ -102,7 +102,7 @@ def _raw_copy(src: str, dst: str) -> None:
 
 
 def _cold(paths) -> None:
-    from ptdstream.pagecache import drop_pages
+    from ptdstream.system.pagecache import drop_pages
 
     for path in paths:
         fd = os.open(path, os.O_RDONLY)

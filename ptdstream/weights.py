@@ -5,7 +5,7 @@ A program exported with its constants outside the ``.pte``
 (``ExecutorchBackendConfig(external_constants=True)`` or a tagging callable)
 names each weight by its fully qualified name (FQN), with its ScalarType, sizes
 and dim order. :func:`write_ptd` reads those from the ``.pte`` (metadata only),
-takes each tensor from a checkpoint (:mod:`ptdstream.checkpoint_sources`), checks
+takes each tensor from a checkpoint (:mod:`ptdstream.sources.checkpoint`), checks
 it, and streams every ``<tag>.ptd`` as upstream would have written it:
 
 upstream (executorch 1.5.1, ``exir/_serialize/_serialize.py::serialize_for_executorch``)
@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .checkpoint_sources import Checkpoint, open_checkpoint
+from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from .errors import CheckpointMismatchError
-from .sink import DEFAULT_WINDOW_NBYTES
-from .sources import DEFAULT_CHUNK_NBYTES
+from .reports import Report
+from .sources.checkpoint import Checkpoint, open_checkpoint
 
 #: The tag ``external_constants=True`` gives every constant (``external_constants_pass.py``).
 DEFAULT_TAG = "_default_external_constant"
@@ -64,17 +64,18 @@ def read_program_weights(path: str) -> ProgramWeights:
     Raises:
         FormatError: not a valid ``.pte``.
     """
-    from . import _upstream
     from .errors import FormatError
-    from .reader import read_artifact
+    from .executorch import adapter
+    from .executorch.untrusted import parse_program
+    from .format.reader import read_artifact
 
     path = os.fspath(path)
     art = read_artifact(path)
     if art.kind != "pte":
         raise FormatError(f"{path}: is a .ptd, not a program (.pte)")
     with open(path, "rb") as f:
-        program = _upstream.flatbuffer_to_program_checked(os.pread(f.fileno(), art.flatbuffer_end, 0))
-    layouts = _upstream.external_tensor_layouts(program)
+        program = parse_program(os.pread(f.fileno(), art.flatbuffer_end, 0))
+    layouts = adapter.external_tensor_layouts(program)
     delegates = tuple(
         (str(plan.name), str(d.id)) for plan in program.execution_plan or [] for d in plan.delegates or []
     )
@@ -99,7 +100,7 @@ def _mapper(key_map: KeyMap) -> Callable[[str], Optional[str]]:
 
 def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag, problems: List[str]) -> Dict[str, List[str]]:
     """``{tag: [fqn, ...]}`` in upstream's order."""
-    from .reader import read_artifact
+    from .format.reader import read_artifact
 
     if like:
         out: Dict[str, List[str]] = {}
@@ -192,7 +193,7 @@ def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_ext
 
 
 @dataclass(frozen=True)
-class WeightsReport:
+class WeightsReport(Report):
     """What :func:`write_ptd` wrote: ``files`` (``FileReport``, one per tag), bytes in
     all, wall seconds, GB/s, bytes not written thanks to dedup, keys written."""
 
@@ -218,9 +219,9 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     Returns ``(SavePlan, keys)``: the plan of the ``.ptd`` files only, and the
     number of keys. Arguments and errors: see :func:`write_ptd`.
     """
-    from .ptd import plan_ptd
-    from .pte import PteOptions
-    from .save import SavePlan, ptd_file_name
+    from .format.plan import SavePlan
+    from .format.ptd import plan_data_files, ptd_file_name
+    from .format.pte import PteOptions
     from .store import StreamingNamedDataStore
 
     weights = program if isinstance(program, ProgramWeights) else read_program_weights(program)
@@ -231,11 +232,9 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
             "under keys derived from the bytes it packed, so new weights need a new .pte (re-export)"
         )
     order = _tags_and_order(weights, like, tag, problems)
-    files = []
-    names = {}
     for t in order:
         try:
-            names[t] = ptd_file_name(t)
+            ptd_file_name(t)  # a tag must name a file in out_dir
         except ValueError as e:
             problems.append(str(e))
     chosen = _check(weights, checkpoint, key_map, allow_extra, problems)
@@ -247,18 +246,16 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
             store.add_named_data(fqn, checkpoint.source(chosen[fqn]), external_tag=t,
                                  tensor_layout=weights.keys[fqn])
     output = store.get_named_data_store_output()
-    for t, entries in output.external_data.items():
-        plan = plan_ptd(output.buffers, entries, segment_alignment=segment_alignment, name=names[t],
-                        fingerprints=output.fingerprints)
-        files.append((os.path.join(out_dir, names[t]), plan))
-    return SavePlan(tuple(files), PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes), len(chosen)
+    files = plan_data_files(output.buffers, output.external_data, out_dir, segment_alignment=segment_alignment,
+                            fingerprints=output.fingerprints)
+    return SavePlan(files, None, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes), len(chosen)
 
 
 def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
               like: Sequence[str] = (), tag: Union[None, str, Mapping[str, str], Callable[[str], str]] = None,
               key_map: KeyMap = None, allow_extra: bool = False,
               segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT,
-              chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, window_nbytes: int = DEFAULT_WINDOW_NBYTES,
+              chunk_nbytes: int = CHUNK_NBYTES, window_nbytes: int = WINDOW_NBYTES,
               progress: Any = False) -> WeightsReport:
     """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors.
 
@@ -271,8 +268,8 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
         program: path of the ``.pte`` (only its metadata is read).
         checkpoint: a path (``.safetensors``, a Hugging Face index or folder, a
             ``torch.save`` file, a DCP folder; see
-            :func:`~ptdstream.checkpoint_sources.open_checkpoint`) or an open
-            :class:`~ptdstream.checkpoint_sources.Checkpoint`.
+            :func:`~ptdstream.sources.checkpoint.open_checkpoint`) or an open
+            :class:`~ptdstream.sources.checkpoint.Checkpoint`.
         out_dir: existing folder for the ``<tag>.ptd`` files.
         like: the ``.ptd`` files of the original export: each key's tag is the
             name of the file holding it and the key order is theirs.
@@ -300,7 +297,7 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
         FileNotFoundError: ``out_dir`` does not exist.
         IntegrityError, OSError: a read or write failed (nothing published).
     """
-    from .save import write_save_plan
+    from .write.set_writer import write_save_plan
 
     start = time.perf_counter()
     out_dir = os.fspath(out_dir)

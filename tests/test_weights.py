@@ -262,7 +262,7 @@ def test_xnnpack_tagged_weights_are_refused_by_key(tmp_path):
     edge = to_edge_transform_and_lower(torch.export.export(module, x), partitioner=[XnnpackPartitioner()])
     manager = edge.to_executorch()
     reference_files(manager, str(tmp_path / "A"))
-    from ptdstream.reader import read_artifact
+    from ptdstream.format.reader import read_artifact
 
     keys = [e.key for e in read_artifact(str(tmp_path / "A" / "model.ptd")).named]
     expected = {hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
@@ -279,7 +279,7 @@ def test_xnnpack_tagged_weights_are_refused_by_key(tmp_path):
 
 
 def test_checkpoint_errors(tmp_path):
-    from ptdstream.checkpoint_sources import open_checkpoint
+    from ptdstream.sources.checkpoint import open_checkpoint
 
     with pytest.raises(FileNotFoundError, match="neither .metadata"):
         open_checkpoint(str(tmp_path))

@@ -13,7 +13,7 @@ not matter. Two different byte strings of ``n`` bytes collide in one ``H_j``
 for at most ``n - 1`` of the ``p`` points, so with the three points fixed and
 inputs not chosen against them, the chance is about ``(n / 2**61) ** 3`` (below
 2**-84 for 8 GiB). It is only asked about buffers whose size and first 32 bytes
-already match (upstream's candidate key), as in :mod:`ptdstream.fingerprint`.
+already match (upstream's candidate key), as in :mod:`ptdstream.sources.fingerprint`.
 
 Speed: the bytes of each 4 KiB row are multiplied by a table of powers as one
 float64 matrix product (exact: every sum stays below 2**53), 1 MiB at a time;
@@ -26,7 +26,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Tuple
 
-from ..fingerprint import Fingerprint
+from ..sources.fingerprint import Fingerprint
 
 P = (1 << 61) - 1
 K = 3

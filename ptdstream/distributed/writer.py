@@ -17,7 +17,7 @@ and nothing is published):
 4. each rank ``pwrite``\\ s its own pieces (the first key of each dedup class
    only), fsyncs and drops their pages; rank 0 writes each head and fsyncs;
 5. a barrier (status exchange), then rank 0 publishes the set atomically
-   (:func:`ptdstream.publish.publish_set`) and tells every rank the outcome.
+   (:func:`ptdstream.write.publish.publish_set`) and tells every rank the outcome.
 
 No rank reads another rank's bytes. The result equals
 ``ptdstream.save.write_data_files`` of a store to which the whole tensors were
@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
+from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import LayoutError, PtdstreamError
-from ..fingerprint import Fingerprint
-from ..sink import DEFAULT_WINDOW_NBYTES
-from ..sources import DEFAULT_CHUNK_NBYTES, BufferRing, Source, as_source
+from ..sources import BufferRing, Source, as_source
+from ..sources.fingerprint import Fingerprint
 from .fingerprint import combine, digest_piece
 
 PREFIX_NBYTES = 32
@@ -229,8 +229,7 @@ def _plan(order, pieces, heads, fingerprints, segment_alignment, folder):
     from executorch.exir.scalar_type import ScalarType
     from executorch.exir.tensor_layout import TensorLayout
 
-    from ..ptd import plan_ptd
-    from ..save import ptd_file_name
+    from ..format.ptd import plan_data_files
     from ..store import StreamingNamedDataStore
 
     store = StreamingNamedDataStore()
@@ -240,18 +239,14 @@ def _plan(order, pieces, heads, fingerprints, segment_alignment, folder):
         layout = TensorLayout(ScalarType(first.scalar_type), list(first.sizes), list(first.dim_order))
         store.add_named_data(key, source, first.alignment, external_tag=first.tag, tensor_layout=layout)
     out = store.get_named_data_store_output()
-    files = []
-    for tag, entries in out.external_data.items():
-        name = ptd_file_name(tag)
-        plan = plan_ptd(out.buffers, entries, segment_alignment=segment_alignment, name=name,
-                        fingerprints=out.fingerprints)
-        files.append((os.path.join(folder, name), plan))
-    return files, store.dedup_saved_nbytes
+    files = plan_data_files(out.buffers, out.external_data, folder, segment_alignment=segment_alignment,
+                            fingerprints=out.fingerprints)
+    return [(f.path, f.plan) for f in files], store.dedup_saved_nbytes
 
 
 def _wire(files, sinks) -> List[Tuple[str, str, int, List[Tuple[str, int, int]]]]:
     """``[(target, temp path, size, [(key, file offset, bytes)])]`` for every rank."""
-    from ..plan import ExtentKind
+    from ..format.plan import ExtentKind
 
     out = []
     for (target, plan), sink in zip(files, sinks):
@@ -266,7 +261,7 @@ def _wire(files, sinks) -> List[Tuple[str, str, int, List[Tuple[str, int, int]]]
 
 def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
     """pwrite this rank's pieces into the temp files; fsync; drop their pages."""
-    from ..pagecache import drop_pages
+    from ..system.pagecache import drop_pages
 
     ring = BufferRing(chunk_nbytes, count=1)
     written = 0
@@ -300,7 +295,7 @@ def write_data_files(
     alignment: int = 1,
     group=None,
     segment_alignment: int = 128,
-    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+    chunk_nbytes: int = CHUNK_NBYTES,
 ) -> DistributedReport:
     """Write ``folder/<tag>.ptd`` from the tensors of every rank; call it on every
     rank of ``group`` (default: the default process group) with its own tensors.
@@ -371,7 +366,7 @@ def write_data_files(
         error = None
         if rank == 0:
             try:
-                from ..publish import folder_locks, publish_set
+                from ..write.publish import folder_locks, publish_set
 
                 with folder_locks([folder]):
                     publish_set(sinks)
@@ -387,14 +382,14 @@ def write_data_files(
 
 def _create_temp_files(files):
     """Rank 0: a sink (temp file) per file, at its full size (the gaps read as zeros)."""
-    from ..publish import remove_stale_temp_files
-    from ..sink import ChunkedFileSink
+    from ..write.publish import remove_stale_temp_files
+    from ..write.sink import ChunkedFileSink
 
     sinks = []
     try:
         for target, plan in files:
             remove_stale_temp_files(target)
-            sink = ChunkedFileSink(target, window_nbytes=DEFAULT_WINDOW_NBYTES)
+            sink = ChunkedFileSink(target, window_nbytes=WINDOW_NBYTES)
             sinks.append(sink)
             os.truncate(sink.temp_path, plan.nbytes)
     except BaseException:

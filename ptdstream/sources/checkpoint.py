@@ -7,7 +7,7 @@ Kinds, each read through its own library:
   (``model.safetensors.index.json``, its ``weight_map`` naming each key's shard):
   ``safetensors.safe_open`` maps the file; each tensor is a view of that
   mapping, read piece by piece with its pages paged out of the process after
-  each piece (:class:`~ptdstream.constants.MappedTensorSource`).
+  each piece (:class:`~ptdstream.sources.mapped.MappedTensorSource`).
 * a ``torch.save`` state dict (a flat ``{key: tensor}``): ``torch.load(mmap=True,
   weights_only=True)``, read the same way.
 * a ``torch.distributed.checkpoint`` (DCP) directory: ``FileSystemReader``'s
@@ -29,9 +29,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from .errors import FormatError, IntegrityError
+from ..errors import FormatError, IntegrityError
+from .base import BufferRing, Source
 from .fingerprint import Fingerprint, StreamingDigest
-from .sources import BufferRing, Source, TensorSource
+from .tensor import TensorSource
 
 #: The file Hugging Face writes beside the shards of a sharded safetensors checkpoint.
 HF_INDEX_NAME = "model.safetensors.index.json"
@@ -101,8 +102,8 @@ def _entry(key: str, tensor, where: str) -> CheckpointEntry:
 def _mapped_source(tensor, label: str) -> Source:
     """A paged-out-as-read source when the tensor lies in a file mapping, else a
     plain tensor source."""
-    from .constants import MappedTensorSource
-    from .pagecache import file_mapping
+    from ..system.pagecache import file_mapping
+    from .mapped import MappedTensorSource
 
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes:
