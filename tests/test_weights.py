@@ -324,3 +324,22 @@ def test_checkpoint_is_never_resident_whole(tmp_path, kind):
     ref = reference_files(export(model, config=ExecutorchBackendConfig(external_constants=True),
                                  inputs=(torch.randn(1, 1024),)), str(tmp_path / "B"))
     assert (out / PTD).read_bytes() == ref[PTD]  # ...as a re-export writes them
+
+
+@pytest.mark.slow
+def test_cli(exports, tmp_path, capsys):
+    from ptdstream.cli import main
+
+    folder, model_b, files = exports["pair"]
+    state = {"model." + k: v for k, v in _state(model_b).items()}
+    ckpt = _save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    pte = str(folder / "A" / "model.pte")
+    assert main(["weights", pte, "--from", ckpt, "-o", str(out), "--map", "pair.=model.", "--map", "=model."]) == 0
+    assert (out / PTD).read_bytes() == files["B"][PTD]
+    assert "8 keys" in capsys.readouterr().out
+    assert main(["weights", pte, "--from", ckpt, "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "missing: 'a.weight' (FLOAT[8, 8] dim order [0, 1]) is not in" in err
+    assert "extra: 4 checkpoint key(s) are not weights of the program" in err

@@ -17,12 +17,12 @@ import sys
 from typing import List, Optional
 
 from ..system.files import check_regular_inputs
-from . import cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_verify
+from . import cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_verify, cmd_weights
 from .common import (EPILOG, EXIT_OK, EXIT_USAGE, EXPECTED_ERRORS, Parser, UsageError, exit_for, print_error,
                      quiet_third_party, silence_stdout)
 
 #: The subcommands, in the order ``--help`` lists them.
-COMMANDS = (cmd_verify, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_extract, cmd_demo)
+COMMANDS = (cmd_verify, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_extract, cmd_weights, cmd_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,53 @@
+"""``ptdstream weights``: the .ptd files of an exported program, from a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import EXIT_LINE, EXIT_OK, add_command, print_report
+
+
+def _mapping(text: str):
+    old, sep, new = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not PROGRAM_PREFIX=CHECKPOINT_PREFIX")
+    return old, new
+
+
+def register(subparsers) -> None:
+    """Add ``weights`` to ``subparsers``."""
+    p = add_command(
+        subparsers, "weights", help="write a program's .ptd files from a checkpoint (no re-export)",
+        description="Write every .ptd that PROGRAM (a .pte exported with external constants) loads, from the "
+                    "tensors of CHECKPOINT: byte-identical to the .ptd files a re-export with those weights "
+                    "writes. Every key is checked (dtype, shape, dim order) first; missing, extra and mismatched "
+                    "keys are all reported and nothing is written. Programs with delegates (XNNPACK...) are "
+                    "refused: their weights are inside the .pte.",
+        epilog="checkpoints: a .safetensors file, a Hugging Face folder or model.safetensors.index.json, a "
+               "torch.save state dict, a torch.distributed.checkpoint folder\n"
+               "examples:\n  ptdstream weights model.pte --from finetuned.safetensors -o out/\n"
+               "  ptdstream weights model.pte --from hf_folder/ --map lm_head.=model.lm_head. -o out/\n"
+               "  ptdstream weights model.pte --from dcp_ckpt/ --like old/weights.ptd -o out/\n" + EXIT_LINE,
+        run=run, inputs=lambda a: [a.program] + list(a.like), imports_torch=True)
+    p.add_argument("program", help="the .pte (only its metadata is read)")
+    p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")
+    p.add_argument("-o", "--out", required=True, help="existing folder for the .ptd files")
+    p.add_argument("--like", action="append", default=[], metavar="PTD",
+                   help="a .ptd of the original export: gives each key's tag (file) and the key order; repeat")
+    p.add_argument("--tag", help="tag of every key without --like (default _default_external_constant)")
+    p.add_argument("--map", action="append", default=[], type=_mapping, metavar="PROGRAM_PREFIX=CKPT_PREFIX",
+                   help="look a program key starting with PROGRAM_PREFIX up with CKPT_PREFIX instead; repeat")
+    p.add_argument("--allow-extra", action="store_true", help="ignore checkpoint keys the program does not use")
+    p.add_argument("--segment-alignment", type=int, default=128, help="bytes (default %(default)s)")
+    p.add_argument("--progress", action="store_true", help="progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args) -> int:
+    from ..weights import write_ptd
+
+    report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
+                       key_map=dict(args.map) or None, allow_extra=args.allow_extra,
+                       segment_alignment=args.segment_alignment, progress=args.progress)
+    print_report(args, report)
+    return EXIT_OK
