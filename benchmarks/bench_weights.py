@@ -21,7 +21,8 @@ from the page cache first:
 * ``raw``: the checkpoint's tensor bytes copied into one file (``pread`` +
   ``write`` of 8 MiB pieces, pages dropped) + ``fsync``.
 
-Targets: every ``write_ptd`` output equals upstream's (xxh3-128); ``write_ptd
+Each method runs ``--repeats`` times (order rotated); the table shows the median
+time and the largest peak RSS added. Targets: every ``write_ptd`` output equals upstream's (xxh3-128); ``write_ptd
 safetensors`` peak added <= 256 MiB.
 """
 
@@ -164,6 +165,15 @@ def run_child(args, method: str) -> dict:
         return json.load(f)
 
 
+def _median_run(runs: list) -> dict:
+    """The run of median wall time (its own RSS figures with it); the largest peak RSS of all runs."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    out = dict(ordered[len(ordered) // 2])
+    out["peak_rss"] = max(r["peak_rss"] - r["rss_after_imports"] for r in runs) + out["rss_after_imports"]
+    out["all_seconds"] = [r["seconds"] for r in runs]
+    return out
+
+
 def table(results: dict, weights_nbytes: int) -> str:
     raw_s = results["raw"]["seconds"]
     up = results["upstream"]["files"].get(PTD)
@@ -197,6 +207,7 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=6.0, help="weight size in GiB (default 6, the issue's)")
     parser.add_argument("--out", default="./bench-weights", help="scratch folder (created, removed at the end)")
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per method; median time, largest peak")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -211,7 +222,12 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     try:
         weights_nbytes = run_child(args, "prepare")["weights_nbytes"]
-        results = {m: run_child(args, m) for m in METHODS}
+        runs = {m: [] for m in METHODS}
+        for repeat in range(args.repeats):
+            for i in range(len(METHODS)):  # the order rotates each repeat
+                method = METHODS[(i + repeat) % len(METHODS)]
+                runs[method].append(run_child(args, method))
+        results = {m: _median_run(r) for m, r in runs.items()}
         text, ok = table(results, weights_nbytes)
         print(text)
         if args.json:
