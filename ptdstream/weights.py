@@ -19,6 +19,13 @@ it is ``_default_external_constant`` for ``external_constants=True``
 (``exir/passes/external_constants_pass.py``), or taken from the ``.ptd`` files of
 the original export (``like=``), which also fixes the key order.
 
+The ``.pte`` of a re-export is the same bytes, except where the new weights
+fall into other equal-content classes than the old ones (two biases equal at
+export, different now, or the reverse): the emitter records each tensor's
+``data_buffer_idx`` (its SHA-256 dedup index) in the program. The runtime loads
+external tensors by FQN and does not read that index, so the old ``.pte`` runs
+the new weights right; :class:`WeightsReport` names such keys.
+
 Which exports qualify: programs whose every external weight is a plain
 constant under its FQN and which hold no delegate. A delegate (XNNPACK, ...)
 keeps its weights inside its blob or as named data under keys derived from
@@ -32,7 +39,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
@@ -51,11 +58,14 @@ KeyMap = Union[None, Mapping[str, str], Callable[[str], Optional[str]]]
 @dataclass(frozen=True)
 class ProgramWeights:
     """What a ``.pte`` expects: ``keys`` ``{fqn: upstream TensorLayout}`` in emission
-    order, ``delegates`` ``[(method, backend id)]``."""
+    order, ``delegates`` ``[(method, backend id)]``, and ``buffer_index`` ``{fqn:
+    data_buffer_idx}``: the emitter's index into its external constant buffers,
+    shared by FQNs whose bytes were equal (SHA-256) when the program was exported."""
 
     path: str
     keys: Dict[str, Any]
     delegates: Tuple[Tuple[str, str], ...]
+    buffer_index: Dict[str, int] = field(default_factory=dict)
 
 
 def read_program_weights(path: str) -> ProgramWeights:
@@ -79,7 +89,27 @@ def read_program_weights(path: str) -> ProgramWeights:
     delegates = tuple(
         (str(plan.name), str(d.id)) for plan in program.execution_plan or [] for d in plan.delegates or []
     )
-    return ProgramWeights(path, layouts, delegates)
+    buffer_index: Dict[str, int] = {}
+    for plan in program.execution_plan or []:
+        for value in plan.values or []:
+            info = getattr(value.val, "extra_tensor_info", None)
+            if info is not None and info.fully_qualified_name in layouts:
+                buffer_index.setdefault(str(info.fully_qualified_name), int(value.val.data_buffer_idx))
+    return ProgramWeights(path, layouts, delegates, buffer_index)
+
+
+def _changed_classes(keys, before: Mapping[str, int], after: Mapping[str, int]) -> Tuple[str, ...]:
+    """Keys (in ``keys`` order) whose equal-content class differs between two
+    ``{key: buffer index}`` maps (each class named by its first key)."""
+    first_before: Dict[int, str] = {}
+    first_after: Dict[int, str] = {}
+    changed = []
+    for key in keys:
+        if key not in before or key not in after:
+            continue
+        if first_before.setdefault(before[key], key) != first_after.setdefault(after[key], key):
+            changed.append(key)
+    return tuple(changed)
 
 
 def _mapper(key_map: KeyMap) -> Callable[[str], Optional[str]]:
@@ -195,7 +225,15 @@ def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_ext
 @dataclass(frozen=True)
 class WeightsReport(Report):
     """What :func:`write_ptd` wrote: ``files`` (``FileReport``, one per tag), bytes in
-    all, wall seconds, GB/s, bytes not written thanks to dedup, keys written."""
+    all, wall seconds, GB/s, bytes not written thanks to dedup, keys written.
+
+    ``pte_classes_changed``: keys whose equal-content class differs from the one
+    the program was exported with (say two biases were equal and no longer
+    are). A re-export would then also change the ``.pte``: the emitter's
+    ``data_buffer_idx`` of those tensors. The runtime loads external tensors by
+    FQN and does not read that index, so the program runs with the new ``.ptd``
+    all the same (``tests/test_weights.py``); only a byte comparison of the
+    ``.pte`` with a re-export's would differ."""
 
     files: tuple
     nbytes: int
@@ -203,11 +241,16 @@ class WeightsReport(Report):
     gbps: float
     dedup_saved_nbytes: int
     keys: int
+    pte_classes_changed: Tuple[str, ...] = ()
 
     def summary(self) -> str:
         lines = [f"{f.path}  {f.nbytes:,} bytes" for f in self.files]
         lines.append(f"{self.keys} keys, {self.nbytes:,} bytes in {self.seconds:.2f} s "
                      f"({self.gbps:.2f} GB/s); dedup saved {self.dedup_saved_nbytes:,} bytes")
+        if self.pte_classes_changed:
+            lines.append(f"note: {len(self.pte_classes_changed)} key(s) no longer share content as they did at "
+                         f"export ({', '.join(map(repr, self.pte_classes_changed[:10]))}): a re-export's .pte "
+                         "would differ in their data_buffer_idx, which the runtime does not read")
         return "\n".join(lines)
 
 
@@ -216,8 +259,9 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
                    segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT):
     """Check ``checkpoint`` against ``program`` and plan every ``.ptd`` (nothing written).
 
-    Returns ``(SavePlan, keys)``: the plan of the ``.ptd`` files only, and the
-    number of keys. Arguments and errors: see :func:`write_ptd`.
+    Returns ``(SavePlan, keys, pte_classes_changed)``: the plan of the ``.ptd``
+    files only, the number of keys, and the keys whose equal-content class
+    changed (:class:`WeightsReport`). Arguments and errors: see :func:`write_ptd`.
     """
     from .format.plan import SavePlan
     from .format.ptd import plan_data_files, ptd_file_name
@@ -248,7 +292,10 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     output = store.get_named_data_store_output()
     files = plan_data_files(output.buffers, output.external_data, out_dir, segment_alignment=segment_alignment,
                             fingerprints=output.fingerprints)
-    return SavePlan(files, None, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes), len(chosen)
+    after = {key: entry.buffer_index for entries in output.external_data.values() for key, entry in entries.items()}
+    changed = _changed_classes(weights.keys, weights.buffer_index, after)
+    plan = SavePlan(files, None, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
+    return plan, len(chosen), changed
 
 
 def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
@@ -306,7 +353,7 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
     owned = not isinstance(checkpoint, Checkpoint)
     ckpt = open_checkpoint(checkpoint) if owned else checkpoint
     try:
-        plan, nkeys = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
+        plan, nkeys, changed = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
                               allow_extra=allow_extra, segment_alignment=segment_alignment)
         bar, callback = None, progress if callable(progress) else None
         if progress is True:
@@ -326,4 +373,4 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
     seconds = time.perf_counter() - start
     nbytes = sum(r.nbytes for r in reports)
     return WeightsReport(tuple(reports), nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
-                         plan.dedup_saved_nbytes, nkeys)
+                         plan.dedup_saved_nbytes, nkeys, changed)

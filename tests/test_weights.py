@@ -140,6 +140,7 @@ def test_ptd_equals_reexport_with_new_weights(exports, tmp_path, kind, model):
     assert (out / PTD).read_bytes() == files["B"][PTD]
     assert report.nbytes == len(files["B"][PTD])
     assert report.keys == len(read_program_weights(str(folder / "A" / "model.pte")).keys)
+    assert report.pte_classes_changed == ()
 
 
 @pytest.mark.slow
@@ -153,6 +154,42 @@ def test_runtime_runs_program_a_with_weights_b(exports, tmp_path):
     x = torch.randn(2, 64)
     (got,) = program.load_method("forward").execute([x])
     torch.testing.assert_close(got, model_b.eval()(x))
+
+
+@pytest.mark.slow
+def test_changed_equal_classes_are_reported_and_the_program_still_runs(tmp_path):
+    """A was exported with two equal (zero) biases, B's differ: B's re-export has
+    another .pte (the emitter's data_buffer_idx), the same .ptd as write_ptd
+    gives, and A's .pte runs B's weights right (external tensors load by FQN)."""
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.runtime import Runtime
+
+    class Single(Pair):
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    config = ExecutorchBackendConfig(external_constants=True)
+    x = (torch.randn(2, 8),)
+    torch.manual_seed(0)
+    model_a = Single()
+    torch.manual_seed(1)
+    model_b = Single()
+    for p in (model_b.a.bias, model_b.b.bias):
+        torch.nn.init.normal_(p.data)
+    files_a = reference_files(export(model_a, config=config, inputs=x), str(tmp_path / "A"))
+    files_b = reference_files(export(model_b, config=config, inputs=x), str(tmp_path / "B"))
+    assert files_a["model.pte"] != files_b["model.pte"]
+    ckpt = _save_checkpoint("safetensors", _state(model_b), tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    report = write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out))
+    assert (out / PTD).read_bytes() == files_b[PTD]
+    assert report.pte_classes_changed == ("b.bias",)
+    assert "note: 1 key(s) no longer share content as they did at export ('b.bias')" in report.summary()
+    program = Runtime.get().load_program(str(tmp_path / "A" / "model.pte"), data_path=str(out / PTD))
+    inputs = torch.randn(2, 8)
+    (got,) = program.load_method("forward").execute([inputs])
+    torch.testing.assert_close(got, model_b.eval()(inputs))
 
 
 @pytest.mark.slow
