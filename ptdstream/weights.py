@@ -37,6 +37,7 @@ with ``like=``, each key of a delegate.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -137,6 +138,9 @@ def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag, problems:
         owner: Dict[str, str] = {}
         for ptd in like:
             art = read_artifact(os.fspath(ptd))
+            if art.kind != "ptd":
+                problems.append(f"like: {ptd} is a .pte, not a .ptd")
+                continue
             name = os.path.basename(os.fspath(ptd))
             tag_of_file = name[: -len(".ptd")] if name.endswith(".ptd") else name
             keys = out.setdefault(tag_of_file, [])
@@ -344,6 +348,7 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
         FileNotFoundError: ``out_dir`` does not exist.
         IntegrityError, OSError: a read or write failed (nothing published).
     """
+    from .progress import progress_callback
     from .write.set_writer import write_save_plan
 
     start = time.perf_counter()
@@ -354,19 +359,11 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
     ckpt = open_checkpoint(checkpoint) if owned else checkpoint
     try:
         plan, nkeys, changed = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
-                              allow_extra=allow_extra, segment_alignment=segment_alignment)
-        bar, callback = None, progress if callable(progress) else None
-        if progress is True:
-            from tqdm import tqdm
-
-            bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="writing .ptd")
-            callback = bar.update
-        try:
+                                              allow_extra=allow_extra, segment_alignment=segment_alignment)
+        with contextlib.ExitStack() as stack:
+            callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
             reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
                                       progress=callback)
-        finally:
-            if bar is not None:
-                bar.close()
     finally:
         if owned:
             ckpt.close()

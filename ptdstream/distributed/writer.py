@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
-from ..errors import LayoutError, PtdstreamError
+from ..errors import IntegrityError, LayoutError, PtdstreamError
 from ..sources import BufferRing, Source, as_source
 from ..sources.fingerprint import Fingerprint
 from .fingerprint import combine, digest_piece
@@ -133,7 +133,7 @@ def _broadcast(value: Any, error: Optional[BaseException], group) -> Any:
 
 
 def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alignment: int, rank: int):
-    """``[PieceInfo]`` and ``{key: (source, tensor)}`` of this rank's pieces."""
+    """``[PieceInfo]`` and ``{key: (source, tensor, first bytes)}`` of this rank's pieces."""
     import torch
     from executorch.exir.tensor import dim_order_from_stride, scalar_type_enum
 
@@ -142,7 +142,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     except ImportError:  # pragma: no cover - torch without DTensor
         DTensor = ()
     infos: List[PieceInfo] = []
-    local: Dict[str, Tuple[Source, Any]] = {}
+    local: Dict[str, Tuple[Source, Any, bytes]] = {}
     for index, (key, tensor) in enumerate(tensors.items()):
         if not isinstance(key, str):
             raise LayoutError(f"key {key!r} is not a str")
@@ -177,9 +177,10 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
         else:
             raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
         source = as_source(piece, label=f"rank {rank} key {key!r}")
+        head = source.prefix(PREFIX_NBYTES)
         infos.append(PieceInfo(key, tag_of(key), alignment, scalar, sizes, dim_order, total, coordinate,
-                               sharded, source.nbytes, source.prefix(PREFIX_NBYTES), rank))
-        local[key] = (source, piece)
+                               sharded, source.nbytes, head, rank))
+        local[key] = (source, piece, head)
     return infos, local
 
 
@@ -273,7 +274,11 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
         try:
             for key, at in mine:
                 position = at + offsets[(key, rank)]
-                for piece in local[key][0].pieces(ring):
+                source, _, head = local[key]
+                if source.prefix(len(head)) != head:
+                    raise IntegrityError(f"rank {rank}: key {key!r} changed since the plan (its first bytes "
+                                         f"differ) before it was written to {temp} at offset {position}")
+                for piece in source.pieces(ring):
                     view = memoryview(piece).cast("B")
                     while len(view):
                         n = os.pwrite(fd, view, position)
