@@ -7,7 +7,10 @@ Three ways in:
   ``write_tensor_data_to_file``; ``ptdstream.install()`` routes executorch's own
   save methods through it;
 * the ``ptdstream`` command (``verify``, ``inspect``, ``manifest``, ``pack``,
-  ``unpack``, ``extract``, ``demo``);
+  ``unpack``, ``extract``, ``weights``, ``demo``);
+* ``ptdstream.weights.write_ptd(program, checkpoint, out_dir)``: a program's
+  ``.ptd`` files from a checkpoint; ``ptdstream.distributed.write_data_files``:
+  one ``.ptd`` set written by every rank of a ``torch.distributed`` group;
 * the embedding API: :class:`StreamingNamedDataStore`, sources,
   :func:`plan_pte`, :func:`plan_ptd`, :class:`ChunkedFileSink`, :func:`write_plan`.
 
@@ -29,7 +32,13 @@ _LAZY = {
 }
 
 
+#: Submodules loaded on first use: ``ptdstream.weights.write_ptd(...)``, ``ptdstream.distributed``.
+_LAZY_MODULES = ("weights", "distributed")
+
+
 def __getattr__(name: str):
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ptdstream' has no attribute {name!r}")
@@ -39,7 +48,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))
 
 
 __version__ = "0.1.0"
