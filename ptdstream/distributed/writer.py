@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -143,7 +144,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
         DTensor = ()
     infos: List[PieceInfo] = []
     local: Dict[str, Tuple[Source, Any, bytes]] = {}
-    for index, (key, tensor) in enumerate(tensors.items()):
+    for key, tensor in tensors.items():
         if not isinstance(key, str):
             raise LayoutError(f"key {key!r} is not a str")
         if isinstance(tensor, DTensor):
@@ -158,7 +159,9 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
             coordinate = mesh.get_coordinate()[0]
             piece = tensor.to_local()
             if placement.is_replicate():
-                owner = index % mesh.size()  # one rank writes a replicated tensor; spread them
+                # One rank writes a replicated tensor, the same on every rank whatever the
+                # order of its other keys; spread over the ranks by the key's CRC-32.
+                owner = zlib.crc32(key.encode()) % mesh.size()
                 if coordinate != owner:
                     piece = piece[:0]
                 coordinate = 0 if coordinate == owner else 1
@@ -312,6 +315,8 @@ def write_data_files(
             as they lie, other placements are first redistributed to
             ``Shard(0)`` with DTensor's ``redistribute``).
         folder: existing folder on a file system every rank sees.
+        group: the process group (gloo or NCCL; with NCCL, set each rank's CUDA
+            device first: the plan travels by object collectives).
         external_tag: the tag of every key, or ``key -> tag``.
         alignment: bytes, of every entry (upstream's ``add_named_data`` alignment).
         segment_alignment: bytes (the ``FlatTensorSerializer``'s, 128).
