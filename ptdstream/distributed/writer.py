@@ -139,7 +139,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     from executorch.exir.tensor import dim_order_from_stride, scalar_type_enum
 
     try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor, Shard
     except ImportError:  # pragma: no cover - torch without DTensor
         DTensor = ()
     infos: List[PieceInfo] = []
