@@ -27,12 +27,14 @@ external tensors by FQN and does not read that index, so the old ``.pte`` runs
 the new weights right; :class:`WeightsReport` names such keys.
 
 Which exports qualify: programs whose every external weight is a plain
-constant under its FQN and which hold no delegate. A delegate (XNNPACK, ...)
-keeps its weights inside its blob or as named data under keys derived from
-the bytes it packed (XNNPACK 1.5.1: the SHA-256 hex digest of each constant
-after its transforms, named in the blob inside the ``.pte``), so new weights
-change the ``.pte`` too: such programs are refused, naming each delegate and,
-with ``like=``, each key of a delegate.
+constant under its FQN and which hold no delegate. A delegate keeps its
+weights inside its blob or as named data under keys derived from the bytes it
+packed, so new weights change the ``.pte`` too: such programs are refused,
+naming each delegate and, with ``like=``, each key of a delegate. One
+exception: XNNPACK with tagged external weights (keys: the SHA-256 of the
+bytes it stores), given the old ``.ptd`` files and the old weights, where it
+stored the weights untransformed (:mod:`ptdstream.weights_xnnpack`): then the
+new ``.pte`` is written too, byte-identical to a re-export's.
 """
 
 from __future__ import annotations
@@ -129,13 +131,16 @@ def _mapper(key_map: KeyMap) -> Callable[[str], Optional[str]]:
     return rename
 
 
-def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag, problems: List[str]) -> Dict[str, List[str]]:
-    """``{tag: [fqn, ...]}`` in upstream's order."""
+def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag,
+                    problems: List[str]) -> Tuple[Dict[str, List[str]], List[str]]:
+    """``{tag: [key, ...]}`` in upstream's order, and the keys of ``like`` files
+    that are no program FQN (a delegate's named data), in file order."""
     from .format.reader import read_artifact
 
     if like:
         out: Dict[str, List[str]] = {}
         owner: Dict[str, str] = {}
+        foreign: List[str] = []
         for ptd in like:
             art = read_artifact(os.fspath(ptd))
             if art.kind != "ptd":
@@ -150,17 +155,12 @@ def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag, problems:
                     continue
                 owner[entry.key] = str(ptd)
                 if entry.key not in program.keys:
-                    problems.append(
-                        f"key {entry.key!r} of {ptd} is not an external weight of {program.path}: "
-                        "named data of a delegate or backend (XNNPACK names what it packs by the "
-                        "SHA-256 of the packed bytes), which a checkpoint cannot recreate"
-                    )
-                    continue
+                    foreign.append(entry.key)
                 keys.append(entry.key)
         for fqn in program.keys:
             if fqn not in owner:
                 problems.append(f"key {fqn!r} of {program.path} is in none of the like= files")
-        return out
+        return out, foreign
     if tag is None:
         tag = DEFAULT_TAG
     out = {}
@@ -170,7 +170,7 @@ def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag, problems:
             problems.append(f"key {fqn!r}: no tag for it (tag= gave {t!r})")
             continue
         out.setdefault(t, []).append(fqn)
-    return out
+    return out, []
 
 
 def _describe_layout(layout) -> str:
@@ -184,7 +184,7 @@ def _describe_layout(layout) -> str:
 
 
 def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_extra: bool,
-           problems: List[str]) -> Dict[str, str]:
+           problems: List[str], also_used=frozenset()) -> Dict[str, str]:
     """``{fqn: checkpoint key}``; every problem appended to ``problems``."""
     from executorch.exir.scalar_type import ScalarType
     from executorch.exir.tensor import scalar_type_enum
@@ -214,7 +214,7 @@ def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_ext
         elif list(entry.dim_order) != [int(d) for d in layout.dim_order]:
             problems.append(f"dim order: {named} is {list(entry.dim_order)} in the checkpoint, the program "
                             f"expects {[int(d) for d in layout.dim_order]}")
-    used = set(chosen.values())
+    used = set(chosen.values()) | set(also_used)
     # A key whose tensor is the very memory of a used key's (tied weights saved twice) is no extra.
     used_roots = {ckpt.aliases[k] for k in used if k in ckpt.aliases}
     extra = [k for k in ckpt.entries if k not in used and not (k in ckpt.aliases and ckpt.aliases[k] in used_roots)]
@@ -260,45 +260,72 @@ class WeightsReport(Report):
 
 def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Sequence[str] = (),
                    tag=None, key_map: KeyMap = None, allow_extra: bool = False,
-                   segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT):
+                   segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT, old_checkpoint: Optional[Checkpoint] = None):
     """Check ``checkpoint`` against ``program`` and plan every ``.ptd`` (nothing written).
 
     Returns ``(SavePlan, keys, pte_classes_changed)``: the plan of the ``.ptd``
-    files only, the number of keys, and the keys whose equal-content class
-    changed (:class:`WeightsReport`). Arguments and errors: see :func:`write_ptd`.
+    files (and of the new ``.pte`` for XNNPACK), the number of keys, and the keys
+    whose equal-content class changed (:class:`WeightsReport`). Arguments and
+    errors: see :func:`write_ptd`.
     """
-    from .format.plan import SavePlan
+    from . import weights_xnnpack as xnn
+    from .format.plan import FileRole, PlannedFile, SavePlan
     from .format.ptd import plan_data_files, ptd_file_name
     from .format.pte import PteOptions
     from .store import StreamingNamedDataStore
 
     weights = program if isinstance(program, ProgramWeights) else read_program_weights(program)
     problems: List[str] = []
-    for method, backend in weights.delegates:
-        problems.append(
-            f"delegate: method {method!r} holds a {backend} delegate; its weights live in its blob or "
-            "under keys derived from the bytes it packed, so new weights need a new .pte (re-export)"
-        )
-    order = _tags_and_order(weights, like, tag, problems)
+    xnnpack = bool(like) and old_checkpoint is not None and xnn.delegates_all_xnnpack(list(weights.delegates))
+    if not xnnpack:
+        for method, backend in weights.delegates:
+            problems.append(
+                f"delegate: method {method!r} holds a {backend} delegate; its weights live in its blob or "
+                "under keys derived from the bytes it packed, so new weights need a new .pte (re-export"
+                + (", or for XNNPACK: like= the old .ptd files and old_checkpoint= the exported weights)"
+                   if backend == xnn.XNNPACK_ID else ")")
+            )
+    order, foreign = _tags_and_order(weights, like, tag, problems)
+    matches: Dict[str, Tuple[str, str]] = {}
+    if foreign and not xnnpack:
+        for key in foreign:
+            problems.append(f"key {key!r} of a like= file is not an external weight of {weights.path}: named data "
+                            "of a delegate or backend (XNNPACK names what it packs by the SHA-256 of the packed "
+                            "bytes), which a checkpoint alone cannot recreate")
+    elif foreign:
+        matches = xnn.match_keys(foreign, old_checkpoint, checkpoint, problems)
     for t in order:
         try:
             ptd_file_name(t)  # a tag must name a file in out_dir
         except ValueError as e:
             problems.append(str(e))
-    chosen = _check(weights, checkpoint, key_map, allow_extra, problems)
+    chosen = _check(weights, checkpoint, key_map, allow_extra, problems,
+                    also_used={name for name, _ in matches.values()})
+    places = xnn.find_once(weights.path, list(matches), problems) if matches else {}
     if problems:
         raise CheckpointMismatchError(weights.path, checkpoint.path, problems)
     store = StreamingNamedDataStore()
-    for t, fqns in order.items():
-        for fqn in fqns:
-            store.add_named_data(fqn, checkpoint.source(chosen[fqn]), external_tag=t,
-                                 tensor_layout=weights.keys[fqn])
+    for t, keys in order.items():
+        for key in keys:
+            if key in matches:  # XNNPACK's named data: its new bytes under their SHA-256
+                name, new_key = matches[key]
+                store.add_named_data(new_key, checkpoint.source(name), alignment=xnn.XNNPACK_ALIGNMENT,
+                                     external_tag=t)
+            else:
+                store.add_named_data(key, checkpoint.source(chosen[key]), external_tag=t,
+                                     tensor_layout=weights.keys[key])
     output = store.get_named_data_store_output()
     files = plan_data_files(output.buffers, output.external_data, out_dir, segment_alignment=segment_alignment,
                             fingerprints=output.fingerprints)
     after = {key: entry.buffer_index for entries in output.external_data.values() for key, entry in entries.items()}
     changed = _changed_classes(weights.keys, weights.buffer_index, after)
-    plan = SavePlan(files, None, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
+    program_file = None
+    if matches:
+        name = os.path.basename(weights.path)
+        replacements = {places[k]: (k, new_key) for k, (_, new_key) in matches.items()}
+        program_file = PlannedFile(os.path.join(out_dir, name), FileRole.PROGRAM,
+                                   xnn.rewritten_program_plan(weights.path, replacements, name))
+    plan = SavePlan(files, program_file, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
     return plan, len(chosen), changed
 
 
@@ -307,8 +334,9 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
               key_map: KeyMap = None, allow_extra: bool = False,
               segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT,
               chunk_nbytes: int = CHUNK_NBYTES, window_nbytes: int = WINDOW_NBYTES,
-              progress: Any = False) -> WeightsReport:
-    """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors.
+              progress: Any = False, old_checkpoint: Union[None, str, Checkpoint] = None) -> WeightsReport:
+    """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors
+    (and, for XNNPACK with ``old_checkpoint``, the new ``.pte``).
 
     The files are byte-identical to the ``.ptd`` files executorch 1.5.1 writes for
     the same program exported with the checkpoint's weights (same code, same
@@ -335,6 +363,14 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
         segment_alignment: bytes; the ``FlatTensorSerializer``'s (128 by default).
         chunk_nbytes: piece size in bytes; window_nbytes: bytes between page drops.
         progress: ``True`` for a tqdm bar, a callable taking byte counts, or False.
+        old_checkpoint: for a program with XNNPACK delegates and tagged external
+            weights (with ``like``): the weights it was exported with, same key
+            names as ``checkpoint``. Each XNNPACK key whose bytes are exactly one
+            old tensor (stored untransformed) gets the new tensor's bytes under
+            its SHA-256, and a new ``.pte`` is written to ``out_dir`` too: the old
+            one with those keys replaced (:mod:`ptdstream.weights_xnnpack`);
+            transformed weights are refused by key. Both checkpoints are read
+            once more to take SHA-256 digests.
 
     Memory: about two pieces plus metadata for safetensors and ``torch.save``
     checkpoints (mapped, paged out as read); DCP adds the tensor being written.
@@ -357,9 +393,12 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
         raise FileNotFoundError(f"{out_dir}: output folder does not exist")
     owned = not isinstance(checkpoint, Checkpoint)
     ckpt = open_checkpoint(checkpoint) if owned else checkpoint
+    old_owned = old_checkpoint is not None and not isinstance(old_checkpoint, Checkpoint)
+    old = open_checkpoint(old_checkpoint) if old_owned else old_checkpoint
     try:
         plan, nkeys, changed = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
-                                              allow_extra=allow_extra, segment_alignment=segment_alignment)
+                                              allow_extra=allow_extra, segment_alignment=segment_alignment,
+                                              old_checkpoint=old)
         with contextlib.ExitStack() as stack:
             callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
             reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
@@ -367,6 +406,8 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
     finally:
         if owned:
             ckpt.close()
+        if old_owned:
+            old.close()
     seconds = time.perf_counter() - start
     nbytes = sum(r.nbytes for r in reports)
     return WeightsReport(tuple(reports), nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,

@@ -24,7 +24,7 @@ LAYERS = {
     "store": 2,
     "write": 3,
     "manager": 4, "check": 4, "pack": 4,
-    "save": 5, "weights": 5, "distributed": 5,
+    "save": 5, "weights": 5, "weights_xnnpack": 5, "distributed": 5,
     "executorch": 6,
     "cli": 7, "demo": 7, "__main__": 7,
     "": 8,  # ptdstream/__init__.py: the public API re-exports every layer

@@ -21,13 +21,16 @@ def register(subparsers) -> None:
         description="Write every .ptd that PROGRAM (a .pte exported with external constants) loads, from the "
                     "tensors of CHECKPOINT: byte-identical to the .ptd files a re-export with those weights "
                     "writes. Every key is checked (dtype, shape, dim order) first; missing, extra and mismatched "
-                    "keys are all reported and nothing is written. Programs with delegates (XNNPACK...) are "
-                    "refused: their weights are inside the .pte.",
+                    "keys are all reported and nothing is written. Programs with delegates are refused (their "
+                    "weights are inside the .pte), except XNNPACK with tagged external weights given --like and "
+                    "--old, where its weights are stored untransformed: then a new .pte is written too.",
         epilog="checkpoints: a .safetensors file, a Hugging Face folder or model.safetensors.index.json, a "
                "torch.save state dict, a torch.distributed.checkpoint folder\n"
                "examples:\n  ptdstream weights model.pte --from finetuned.safetensors -o out/\n"
                "  ptdstream weights model.pte --from hf_folder/ --map lm_head.=model.lm_head. -o out/\n"
-               "  ptdstream weights model.pte --from dcp_ckpt/ --like old/weights.ptd -o out/\n" + EXIT_LINE,
+               "  ptdstream weights model.pte --from dcp_ckpt/ --like old/weights.ptd -o out/\n"
+               "  ptdstream weights model.pte --from new.safetensors --old old.safetensors \\\n"
+               "      --like old/model.ptd --like old/_default_external_constant.ptd -o out/   # XNNPACK\n" + EXIT_LINE,
         run=run, inputs=lambda a: [a.program] + list(a.like), imports_torch=True)
     p.add_argument("program", help="the .pte (only its metadata is read)")
     p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")
@@ -37,6 +40,9 @@ def register(subparsers) -> None:
     p.add_argument("--tag", help="tag of every key without --like (default _default_external_constant)")
     p.add_argument("--map", action="append", default=[], type=_mapping, metavar="PROGRAM_PREFIX=CKPT_PREFIX",
                    help="look a program key starting with PROGRAM_PREFIX up with CKPT_PREFIX instead; repeat")
+    p.add_argument("--old", dest="old_checkpoint", metavar="CHECKPOINT",
+                   help="XNNPACK with tagged external weights (with --like): the weights the program was exported "
+                        "with; untransformed XNNPACK weights are rewritten and a new .pte is written to OUT")
     p.add_argument("--allow-extra", action="store_true", help="ignore checkpoint keys the program does not use")
     p.add_argument("--segment-alignment", type=int, default=128, help="bytes (default %(default)s)")
     p.add_argument("--progress", action="store_true", help="progress bar on stderr")
@@ -48,6 +54,7 @@ def run(args) -> int:
 
     report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
                        key_map=dict(args.map) or None, allow_extra=args.allow_extra,
-                       segment_alignment=args.segment_alignment, progress=args.progress)
+                       segment_alignment=args.segment_alignment, progress=args.progress,
+                       old_checkpoint=args.old_checkpoint)
     print_report(args, report)
     return EXIT_OK
