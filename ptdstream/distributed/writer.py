@@ -27,6 +27,7 @@ and so on (DTensor keys are on every rank, so their order is rank 0's).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import zlib
@@ -107,13 +108,25 @@ def _dist():
     return dist
 
 
+@contextlib.contextmanager
+def _group_failures():
+    """A collective that fails (a rank killed, a timeout) as :class:`DistributedWriteError`."""
+    try:
+        yield
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DistributedWriteError(f"the group failed (a rank was killed, timed out or left): "
+                                    f"{type(e).__name__}: {first}; nothing was published") from e
+
+
 def _exchange(value: Any, error: Optional[BaseException], group) -> List[Any]:
     """``all_gather_object`` of ``value``, or of this rank's error: raises
     :class:`DistributedWriteError` on every rank when any rank failed."""
     dist = _dist()
     mine = ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", value)
     gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    with _group_failures():
+        dist.all_gather_object(gathered, mine, group=group)
     failed = [(r, g[1]) for r, g in enumerate(gathered) if g[0] == "error"]
     if failed:
         raise DistributedWriteError(
@@ -126,7 +139,8 @@ def _broadcast(value: Any, error: Optional[BaseException], group) -> Any:
     """Rank 0's ``value`` (or its error, raised on every rank)."""
     dist = _dist()
     box = [("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", value)]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    with _group_failures():
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     status, payload = box[0]
     if status == "error":
         raise DistributedWriteError(f"rank 0: {payload}; nothing was published") from error
