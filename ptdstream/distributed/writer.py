@@ -32,38 +32,18 @@ import os
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import IntegrityError, LayoutError, PtdstreamError
 from ..sources import BufferRing, Source, as_source
-from ..sources.fingerprint import Fingerprint
 from .fingerprint import combine, digest_piece
-
-PREFIX_NBYTES = 32
+from .plan import PREFIX_NBYTES, PieceInfo, collate, dedup_candidates, plan_files, wire_plan
 
 
 class DistributedWriteError(PtdstreamError):
     """A rank failed; raised on every rank, naming each failed rank and its error.
     Nothing was published and the temp files are removed."""
-
-
-@dataclass(frozen=True)
-class PieceInfo:
-    """One rank's piece of one key (sent to every rank)."""
-
-    key: str
-    tag: str
-    alignment: int
-    scalar_type: int
-    sizes: Tuple[int, ...]
-    dim_order: Tuple[int, ...]
-    total_nbytes: int
-    coordinate: int  # order of the piece among the key's pieces
-    sharded: bool  # a DTensor shard (the key is on every rank)
-    nbytes: int
-    head: bytes  # first min(32, nbytes) bytes of the piece
-    rank: int
 
 
 @dataclass(frozen=True)
@@ -75,31 +55,6 @@ class DistributedReport:
     rank_nbytes: int
     seconds: float
     dedup_saved_nbytes: int
-
-
-class PlannedSource(Source):
-    """A buffer known to the planner by size, first bytes and fingerprint only;
-    its bytes stay on the ranks that hold them."""
-
-    def __init__(self, key: str, nbytes: int, head: bytes, fingerprint: Optional[Fingerprint]) -> None:
-        self.key = key
-        self.nbytes = nbytes
-        self._head = head
-        self.fingerprint = fingerprint
-
-    def describe(self) -> str:
-        return f"key {self.key!r} (held by the ranks)"
-
-    def prefix(self, nbytes: int = 32) -> bytes:
-        return self._head[:nbytes]
-
-    def same_content(self, other: Source) -> Optional[bool]:
-        if isinstance(other, PlannedSource) and self.fingerprint is not None and other.fingerprint is not None:
-            return self.fingerprint == other.fingerprint
-        return None
-
-    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
-        raise LayoutError(f"{self.describe()}: its bytes are written by the ranks, not read here")
 
 
 def _dist():
@@ -201,82 +156,6 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     return infos, local
 
 
-def _collate(all_infos: List[List[PieceInfo]]):
-    """Global key order and ``{key: [pieces in order]}`` with their offsets.
-
-    Raises:
-        LayoutError: a plain tensor key on two ranks, pieces that do not add up.
-    """
-    order: List[str] = []
-    pieces: Dict[str, List[PieceInfo]] = {}
-    for infos in all_infos:
-        for info in infos:
-            if info.key not in pieces:
-                order.append(info.key)
-                pieces[info.key] = []
-            pieces[info.key].append(info)
-    offsets: Dict[Tuple[str, int], int] = {}
-    for key, group in pieces.items():
-        if len(group) > 1 and not all(p.sharded for p in group):
-            raise LayoutError(f"key {key!r} is held by ranks {[p.rank for p in group]}; a key that is not a "
-                              "DTensor must be on one rank")
-        group.sort(key=lambda p: (p.coordinate, p.rank))
-        end = 0
-        for p in group:
-            offsets[(key, p.rank)] = end
-            end += p.nbytes
-        if end != group[0].total_nbytes:
-            raise LayoutError(f"key {key!r}: the pieces hold {end} bytes, the tensor {group[0].total_nbytes}")
-    return order, pieces, offsets
-
-
-def _candidates(order: List[str], pieces: Dict[str, List[PieceInfo]]):
-    """``({key: first 32 bytes}, {keys whose (size, first bytes) another key shares})``."""
-    heads = {}
-    seen: Dict[Tuple[int, bytes], int] = {}
-    for key in order:
-        head = b"".join(p.head for p in pieces[key])[:PREFIX_NBYTES]
-        heads[key] = head
-        ckey = (pieces[key][0].total_nbytes, head)
-        seen[ckey] = seen.get(ckey, 0) + 1
-    return heads, {k for k in order if seen[(pieces[k][0].total_nbytes, heads[k])] > 1}
-
-
-def _plan(order, pieces, heads, fingerprints, segment_alignment, folder):
-    """Rank 0: the ``.ptd`` plans, as ``[(target, FilePlan)]`` and the dedup savings."""
-    from executorch.exir.scalar_type import ScalarType
-    from executorch.exir.tensor_layout import TensorLayout
-
-    from ..format.ptd import plan_data_files
-    from ..store import StreamingNamedDataStore
-
-    store = StreamingNamedDataStore()
-    for key in order:
-        first = pieces[key][0]
-        source = PlannedSource(key, first.total_nbytes, heads[key], fingerprints.get(key))
-        layout = TensorLayout(ScalarType(first.scalar_type), list(first.sizes), list(first.dim_order))
-        store.add_named_data(key, source, first.alignment, external_tag=first.tag, tensor_layout=layout)
-    out = store.get_named_data_store_output()
-    files = plan_data_files(out.buffers, out.external_data, folder, segment_alignment=segment_alignment,
-                            fingerprints=out.fingerprints)
-    return [(f.path, f.plan) for f in files], store.dedup_saved_nbytes
-
-
-def _wire(files, sinks) -> List[Tuple[str, str, int, List[Tuple[str, int, int]]]]:
-    """``[(target, temp path, size, [(key, file offset, bytes)])]`` for every rank."""
-    from ..format.plan import ExtentKind
-
-    out = []
-    for (target, plan), sink in zip(files, sinks):
-        writes, offset = [], 0
-        for extent in plan.extents:
-            if extent.kind is ExtentKind.SOURCE:
-                writes.append((extent.source.key, offset, extent.nbytes))
-            offset += extent.nbytes
-        out.append((target, sink.temp_path, plan.nbytes, writes))
-    return out
-
-
 def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
     """pwrite this rank's pieces into the temp files; fsync; drop their pages."""
     from ..system.pagecache import drop_pages
@@ -358,8 +237,8 @@ def write_data_files(
     all_infos = _exchange(infos, error, group)
     error, order = None, None
     try:
-        order, pieces, offsets = _collate(all_infos)
-        heads, candidates = _candidates(order, pieces)
+        order, pieces, offsets = collate(all_infos)
+        heads, candidates = dedup_candidates(order, pieces)
         partial = {key: digest_piece(local[key][0].pieces(BufferRing(chunk_nbytes, count=1)), offsets[(key, rank)])
                    for key in order if key in candidates and key in local}
     except Exception as e:
@@ -370,9 +249,9 @@ def write_data_files(
         try:
             fingerprints = {key: combine(pieces[key][0].total_nbytes, [p[key] for p in all_partials if key in p])
                             for key in candidates}
-            files, dedup = _plan(order, pieces, heads, fingerprints, segment_alignment, folder)
+            files, dedup = plan_files(order, pieces, heads, fingerprints, segment_alignment, folder)
             sinks = _create_temp_files(files)
-            wire = _wire(files, sinks)
+            wire = wire_plan(files, sinks)
         except Exception as e:
             error = e
     try:

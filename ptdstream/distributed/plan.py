@@ -1,0 +1,135 @@
+"""The plan of a distributed write, from what every rank sent: the global key order,
+each key's pieces and their offsets, the dedup candidates, the ``.ptd`` plans
+(rank 0, with ptdstream's store and planner over :class:`PlannedSource`\ s that
+know only sizes, first bytes and fingerprints) and the write list each rank
+receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from ..errors import LayoutError
+from ..sources import BufferRing, Source
+from ..sources.fingerprint import Fingerprint
+
+PREFIX_NBYTES = 32
+
+
+@dataclass(frozen=True)
+class PieceInfo:
+    """One rank's piece of one key (sent to every rank)."""
+
+    key: str
+    tag: str
+    alignment: int
+    scalar_type: int
+    sizes: Tuple[int, ...]
+    dim_order: Tuple[int, ...]
+    total_nbytes: int
+    coordinate: int  # order of the piece among the key's pieces
+    sharded: bool  # a DTensor shard (the key is on every rank)
+    nbytes: int
+    head: bytes  # first min(32, nbytes) bytes of the piece
+    rank: int
+
+
+class PlannedSource(Source):
+    """A buffer known to the planner by size, first bytes and fingerprint only;
+    its bytes stay on the ranks that hold them."""
+
+    def __init__(self, key: str, nbytes: int, head: bytes, fingerprint: Optional[Fingerprint]) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self._head = head
+        self.fingerprint = fingerprint
+
+    def describe(self) -> str:
+        return f"key {self.key!r} (held by the ranks)"
+
+    def prefix(self, nbytes: int = 32) -> bytes:
+        return self._head[:nbytes]
+
+    def same_content(self, other: Source) -> Optional[bool]:
+        if isinstance(other, PlannedSource) and self.fingerprint is not None and other.fingerprint is not None:
+            return self.fingerprint == other.fingerprint
+        return None
+
+    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+        raise LayoutError(f"{self.describe()}: its bytes are written by the ranks, not read here")
+
+
+def collate(all_infos: List[List[PieceInfo]]):
+    """Global key order and ``{key: [pieces in order]}`` with their offsets.
+
+    Raises:
+        LayoutError: a plain tensor key on two ranks, pieces that do not add up.
+    """
+    order: List[str] = []
+    pieces: Dict[str, List[PieceInfo]] = {}
+    for infos in all_infos:
+        for info in infos:
+            if info.key not in pieces:
+                order.append(info.key)
+                pieces[info.key] = []
+            pieces[info.key].append(info)
+    offsets: Dict[Tuple[str, int], int] = {}
+    for key, group in pieces.items():
+        if len(group) > 1 and not all(p.sharded for p in group):
+            raise LayoutError(f"key {key!r} is held by ranks {[p.rank for p in group]}; a key that is not a "
+                              "DTensor must be on one rank")
+        group.sort(key=lambda p: (p.coordinate, p.rank))
+        end = 0
+        for p in group:
+            offsets[(key, p.rank)] = end
+            end += p.nbytes
+        if end != group[0].total_nbytes:
+            raise LayoutError(f"key {key!r}: the pieces hold {end} bytes, the tensor {group[0].total_nbytes}")
+    return order, pieces, offsets
+
+
+def dedup_candidates(order: List[str], pieces: Dict[str, List[PieceInfo]]):
+    """``({key: first 32 bytes}, {keys whose (size, first bytes) another key shares})``."""
+    heads = {}
+    seen: Dict[Tuple[int, bytes], int] = {}
+    for key in order:
+        head = b"".join(p.head for p in pieces[key])[:PREFIX_NBYTES]
+        heads[key] = head
+        ckey = (pieces[key][0].total_nbytes, head)
+        seen[ckey] = seen.get(ckey, 0) + 1
+    return heads, {k for k in order if seen[(pieces[k][0].total_nbytes, heads[k])] > 1}
+
+
+def plan_files(order, pieces, heads, fingerprints, segment_alignment, folder):
+    """Rank 0: the ``.ptd`` plans, as ``[(target, FilePlan)]`` and the dedup savings."""
+    from executorch.exir.scalar_type import ScalarType
+    from executorch.exir.tensor_layout import TensorLayout
+
+    from ..format.ptd import plan_data_files
+    from ..store import StreamingNamedDataStore
+
+    store = StreamingNamedDataStore()
+    for key in order:
+        first = pieces[key][0]
+        source = PlannedSource(key, first.total_nbytes, heads[key], fingerprints.get(key))
+        layout = TensorLayout(ScalarType(first.scalar_type), list(first.sizes), list(first.dim_order))
+        store.add_named_data(key, source, first.alignment, external_tag=first.tag, tensor_layout=layout)
+    out = store.get_named_data_store_output()
+    files = plan_data_files(out.buffers, out.external_data, folder, segment_alignment=segment_alignment,
+                            fingerprints=out.fingerprints)
+    return [(f.path, f.plan) for f in files], store.dedup_saved_nbytes
+
+
+def wire_plan(files, sinks) -> List[Tuple[str, str, int, List[Tuple[str, int, int]]]]:
+    """``[(target, temp path, size, [(key, file offset, bytes)])]`` for every rank."""
+    from ..format.plan import ExtentKind
+
+    out = []
+    for (target, plan), sink in zip(files, sinks):
+        writes, offset = [], 0
+        for extent in plan.extents:
+            if extent.kind is ExtentKind.SOURCE:
+                writes.append((extent.source.key, offset, extent.nbytes))
+            offset += extent.nbytes
+        out.append((target, sink.temp_path, plan.nbytes, writes))
+    return out
