@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(ptdstream.__file__).parent
 #: own layer or lower ones. Longest prefix wins.
 LAYERS = {
     "errors": 0, "defaults": 0, "reports": 0, "progress": 0, "timeline": 0, "system": 0,
-    "executorch.names": 0, "executorch.patching": 0, "executorch.adapter": 0, "executorch.untrusted": 0,
+    "executorch.names": 0, "executorch.patching": 0, "executorch.adapter": 0,
     "format": 1, "sources": 1,
     "store": 2,
     "write": 3,
@@ -116,16 +116,15 @@ def test_no_import_cycles():
 def test_the_layer_test_sees_function_level_and_relative_imports():
     graph = _imports(_modules())
     assert "sources.cuda" in graph["sources"]  # a function-level relative import in as_source
-    assert "executorch.untrusted" in graph["format.pte_reader"]
+    assert "format.verifier" in graph["format.pte_reader"]
     assert "save" in graph["executorch.install"]
 
 
 def _upstream_state():
     """Every class attribute and module global ptdstream may patch, by identity."""
-    from ptdstream.executorch import adapter, untrusted
+    from ptdstream.executorch import adapter
 
-    owners = list(untrusted._generated_classes())
-    owners += [adapter.emitter_module(), adapter.emitter_class(), adapter.export_verifier_module(),
+    owners = [adapter.emitter_module(), adapter.emitter_class(), adapter.export_verifier_module(),
                adapter.manager_class()]
     return {(id(o), k): id(v) for o in owners for k, v in vars(o).items()}
 
@@ -145,8 +144,8 @@ def test_read_commands_leave_executorch_unpatched(tmp_path):
     assert _upstream_state() == before
 
 
-def test_untrusted_parses_are_thread_safe(tmp_path):
-    """Parses run at once from several threads each get their own budget and result."""
+def test_parses_are_thread_safe(tmp_path):
+    """Parses run at once from several threads each get their own result."""
     from conftest import Mlp, TiedLM, export, reference_files
 
     from ptdstream.format.reader import read_artifact

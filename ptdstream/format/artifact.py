@@ -14,8 +14,6 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 from ..errors import FormatError
 from .identity import HEADER_OFFSET, ExtendedHeader, FlatTensorHeader
 
-_EXTERNAL_LOCATION = 1  # schema.TensorDataLocation.EXTERNAL
-
 #: ``read_at(offset, nbytes) -> bytes``: random access to a file being read.
 ReadAt = Callable[[int, int], bytes]
 
@@ -158,19 +156,6 @@ def label(labels: Dict[int, List], index: int, label: str, key: Optional[str] = 
     entry = labels.setdefault(index, [label, []])
     if key is not None and entry[0] == label:
         entry[1].append(key)
-
-
-def external_tensors(program) -> Tuple[ExternalTensor, ...]:
-    found: Dict[str, ExternalTensor] = {}
-    for plan in program.execution_plan or []:
-        for value in plan.values or []:
-            info = getattr(value.val, "extra_tensor_info", None)
-            if info is None or int(info.location) != _EXTERNAL_LOCATION or not info.fully_qualified_name:
-                continue
-            t = value.val
-            layout = TensorMeta(int(t.scalar_type), tuple(int(s) for s in t.sizes), tuple(int(d) for d in t.dim_order))
-            found.setdefault(str(info.fully_qualified_name), ExternalTensor(str(info.fully_qualified_name), layout))
-    return tuple(found.values())
 
 
 def segments_of(name, base, spans, labels, limit, has_header) -> Tuple[Segment, ...]:

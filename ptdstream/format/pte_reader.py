@@ -1,32 +1,36 @@
 """Read a .pte's metadata: the extended header and the program flatbuffer.
 
-The program flatbuffer is parsed by executorch's own object API through
-:mod:`ptdstream.executorch.untrusted` (bounded work, scoped patches); every
-segment, constant offset, delegate reference and named-data entry is checked
-against the header and the file size. Segment payload is never read.
+The program flatbuffer is first checked by :mod:`ptdstream.format.verifier` (the
+C++ ``flatbuffers::Verifier`` rules the runtime applies, work linear in its size),
+then read with the ``flatc --python`` code of ``program_fb/`` (torch and executorch
+are not imported); every segment, constant offset, delegate reference and
+named-data entry is checked against the header and the file size. Segment payload
+is never read.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-from ..errors import FormatError
-from ..executorch.untrusted import parse_program
 from .artifact import (
     Artifact,
+    ExternalTensor,
     NamedEntry,
     ReadAt,
+    TensorMeta,
     check_index,
-    external_tensors,
     fail,
     label,
-    one_line,
     segments_of,
     subsegments,
 )
+from .fb_roots import program_root, text, union_tensor
 from .identity import HEADER_OFFSET, ExtendedHeader
+from .verifier import FlatbufferError
 
 _SEGMENT_LOCATION = 1  # schema.DataLocation.SEGMENT
+_EXTERNAL_LOCATION = 1  # schema.TensorDataLocation.EXTERNAL
+_TENSOR_TYPE = 5  # schema.KernelTypes.Tensor
 
 
 def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
@@ -49,38 +53,36 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
         raise fail(name, 16 if header else nbytes, f"program flatbuffer is {program_size} bytes, not a "
                     "multiple of 4 (truncated?)")
     try:
-        program = parse_program(read_at(0, program_size))
-    except FormatError:
-        raise
-    except Exception as e:  # any parse failure of a corrupt flatbuffer
-        raise fail(name, 0, f"program flatbuffer ({program_size} bytes) does not parse: {one_line(e)}") from None
-    try:
-        spans = [(int(s.offset), int(s.size)) for s in program.segments or []]
-        limit = base + data_nbytes if header is not None and header.length >= ExtendedHeader.LENGTH else nbytes
-        labels: Dict[int, List] = {}
-        const_index, const_offsets = None, ()
-        cs = program.constant_segment
-        if cs is not None and len(cs.offsets) > 0:
-            const_index = int(cs.segment_index)
-            const_offsets = subsegments(name, base, spans, const_index, cs.offsets, "constant")
-            label(labels, const_index, "constant segment")
-        for sub in program.mutable_data_segments or []:
-            subsegments(name, base, spans, int(sub.segment_index), sub.offsets, "mutable data")
-            label(labels, int(sub.segment_index), "mutable data")
-        for plan in program.execution_plan or []:
-            for d in plan.delegates or []:
-                if int(d.processed.location) == _SEGMENT_LOCATION:
-                    check_index(name, base, spans, int(d.processed.index), f"delegate {d.id!r}")
-                    label(labels, int(d.processed.index), f"delegate blob {d.id}")
-        named = []
-        for entry in program.named_data or []:
-            check_index(name, base, spans, int(entry.segment_index), f"named data {entry.key!r}")
-            named.append(NamedEntry(str(entry.key), int(entry.segment_index)))
-            label(labels, int(entry.segment_index), "named data", str(entry.key))
-        external = external_tensors(program)
-        version = int(program.version)
-    except (AttributeError, TypeError, ValueError) as e:
-        raise fail(name, 0, f"program flatbuffer holds invalid values: {one_line(e)}") from None
+        program = program_root(read_at(0, program_size))
+    except FlatbufferError as e:
+        raise fail(name, e.offset, f"program flatbuffer ({program_size} bytes) fails the runtime's "
+                   f"flatbuffer verification: {e.what}") from None
+    spans = [(s.Offset(), s.Size()) for s in map(program.Segments, range(program.SegmentsLength()))]
+    limit = base + data_nbytes if header is not None and header.length >= ExtendedHeader.LENGTH else nbytes
+    labels: Dict[int, List] = {}
+    const_index, const_offsets = None, ()
+    cs = program.ConstantSegment()
+    if cs is not None and cs.OffsetsLength() > 0:
+        const_index = cs.SegmentIndex()
+        const_offsets = subsegments(name, base, spans, const_index, _offsets(cs), "constant")
+        label(labels, const_index, "constant segment")
+    for sub in map(program.MutableDataSegments, range(program.MutableDataSegmentsLength())):
+        subsegments(name, base, spans, sub.SegmentIndex(), _offsets(sub), "mutable data")
+        label(labels, sub.SegmentIndex(), "mutable data")
+    for plan in map(program.ExecutionPlan, range(program.ExecutionPlanLength())):
+        for d in map(plan.Delegates, range(plan.DelegatesLength())):
+            ref = d.Processed()
+            if ref is not None and ref.Location() == _SEGMENT_LOCATION:
+                check_index(name, base, spans, ref.Index(), f"delegate {text(d.Id())!r}")
+                label(labels, ref.Index(), f"delegate blob {text(d.Id())}")
+    named = []
+    for entry in map(program.NamedData, range(program.NamedDataLength())):
+        key = text(entry.Key())
+        check_index(name, base, spans, entry.SegmentIndex(), f"named data {key!r}")
+        named.append(NamedEntry(key, entry.SegmentIndex()))
+        label(labels, entry.SegmentIndex(), "named data", key)
+    external = _external_tensors(program)
+    version = program.Version()
     segments = segments_of(name, base, spans, labels, limit, header is not None)
     return Artifact(
         path=name, kind="pte", file_nbytes=nbytes, identifier=head[4:8].decode("ascii"), header=header,
@@ -88,3 +90,25 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
         segments=segments, named=tuple(named), constant_segment_index=const_index,
         constant_offsets=tuple(const_offsets), external_tensors=tuple(external), version=version,
     )
+
+
+def _offsets(sub) -> Tuple[int, ...]:
+    return tuple(sub.Offsets(j) for j in range(sub.OffsetsLength()))
+
+
+def _external_tensors(program) -> Tuple[ExternalTensor, ...]:
+    """Tensors the program marks EXTERNAL, by fully qualified name (first one wins)."""
+    found: Dict[str, ExternalTensor] = {}
+    for plan in map(program.ExecutionPlan, range(program.ExecutionPlanLength())):
+        for value in map(plan.Values, range(plan.ValuesLength())):
+            if value.ValType() != _TENSOR_TYPE or value.Val() is None:
+                continue
+            t = union_tensor(value)
+            info = t.ExtraTensorInfo()
+            if info is None or info.Location() != _EXTERNAL_LOCATION or not info.FullyQualifiedName():
+                continue
+            fqn = text(info.FullyQualifiedName())
+            layout = TensorMeta(t.ScalarType(), tuple(t.Sizes(j) for j in range(t.SizesLength())),
+                                tuple(t.DimOrder(j) for j in range(t.DimOrderLength())))
+            found.setdefault(fqn, ExternalTensor(fqn, layout))
+    return tuple(found.values())

@@ -239,7 +239,7 @@ def test_structure_of_corrupt_wrong_kind_and_repeated_files(tmp_path):
     bad = patched(files["model.pte"], 0, struct.pack("<I", 0xFFFFFF00), out=tmp_path / "bad.pte")
     report = check_structure(bad, [ptd])
     assert [(c.path, c.name) for c in report.problems] == [(bad, "parse")]
-    assert report.problems[0].detail.startswith(f"{bad}: at offset 0: program flatbuffer (2216 bytes) does not parse")
+    assert report.problems[0].detail.startswith(f"{bad}: at offset 0: program flatbuffer (2216 bytes) fails the runtime's flatbuffer verification: root table offset 4294967040 is 0 or >= 2**31")
     with pytest.raises(FileNotFoundError):
         check_structure(tmp_path / "absent.pte", [ptd])
     assert_only(tmp_path, ["model.pte", EXT_PTD, "copy.ptd", "bad.pte"])

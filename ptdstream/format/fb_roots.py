@@ -1,0 +1,59 @@
+"""Verified roots of a .pte program flatbuffer and a .ptd FlatTensor flatbuffer (flatc code).
+
+:func:`program_root` and :func:`flat_tensor_root` run the bounds-checked verifier
+(:mod:`ptdstream.format.verifier`, the C++ ``flatbuffers::Verifier`` rules) over the
+bytes first and only then hand them to the ``flatc --python`` classes, which read
+without checks. Neither imports torch nor executorch.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from .flat_tensor_fb.FlatTensor import FlatTensor
+from .program_fb.Program import Program
+from .program_fb.Tensor import Tensor
+from .verifier import verify_buffer
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+def program_root(buf: Buffer) -> Program:
+    """The verified ``Program`` root of ``buf`` (the .pte from byte 0 to ``program_size``).
+
+    Mirrors ``runtime/executor/program.cpp::Program::load``: identifier ``ET12`` at
+    bytes 4..8 and ``VerifyProgramBuffer`` (InternalConsistency verification).
+
+    Raises:
+        FlatbufferError: the runtime's verifier would refuse ``buf`` (offset, reason).
+    """
+    buf = bytes(buf)
+    verify_buffer(buf, "program")
+    return Program.GetRootAs(buf, 0)
+
+
+def flat_tensor_root(buf: Buffer) -> FlatTensor:
+    """The verified ``FlatTensor`` root of ``buf`` (the .ptd from byte 0 to the end of its
+    flatbuffer). The runtime does not verify this flatbuffer
+    (``extension/flat_tensor/flat_tensor_data_map.cpp::FlatTensorDataMap::load`` only
+    checks the ``FT01`` identifier), so a corrupt one can crash it; this refuses it.
+
+    Raises:
+        FlatbufferError: ``buf`` is not a valid FlatTensor flatbuffer.
+    """
+    buf = bytes(buf)
+    verify_buffer(buf, "flat_tensor")
+    return FlatTensor.GetRootAs(buf, 0)
+
+
+def union_tensor(value) -> Tensor:
+    """The ``Tensor`` table an ``EValue`` whose ``ValType()`` is Tensor (5) holds."""
+    tab = value.Val()
+    t = Tensor()
+    t.Init(tab.Bytes, tab.Pos)
+    return t
+
+
+def text(raw) -> str:
+    """A flatbuffer string (bytes) as str; undecodable bytes kept as surrogates."""
+    return raw.decode("utf-8", "surrogateescape") if raw is not None else ""
