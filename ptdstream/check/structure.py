@@ -4,19 +4,22 @@
 which already refuses headers, bounds, constant offsets and segment references
 that the runtime would refuse) and adds cross-file checks: every tensor the
 program marks EXTERNAL is a key of a given .ptd with the same layout, and no key
-is in two .ptd files. Nothing is written; only metadata is read.
+is in two .ptd files. Then every check the runtime makes when it loads the program
+and each method (:mod:`ptdstream.check.runtime_rules`). Nothing is written; only
+metadata (and XNNPACK delegate blobs) is read.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import FormatError
 from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identifier
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
+from .runtime_load import runtime_load_checks
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,17 @@ def _names(keys: Sequence[str], limit: int = 5) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_structure(pte_path: str, ptd_paths: Sequence[str] = ()) -> StructureReport:
+def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *, operators: Optional[AbstractSet[str]] = None,
+                    backends: Optional[AbstractSet[str]] = None,
+                    max_planned_nbytes: Optional[int] = None) -> StructureReport:
     """Check a .pte and its .ptd files the way the runtime would load them.
+
+    When every file check passes, the runtime's own load rules follow
+    (:mod:`ptdstream.check.runtime_load`): what ``Program::load`` and ``Method::init``
+    check, so an OK report means ``executorch.runtime`` loads the program and every
+    method with these .ptd files. ``operators``/``backends`` (the runtime's registered
+    operator names and backend ids) add the registration checks; ``max_planned_nbytes``
+    caps the planned buffers the runtime allocates at load (default: physical memory).
 
     Per file: kind and identifier, header, flatbuffer parse, segments within the
     file, constant offsets within the constant segment, named keys resolving to
@@ -129,6 +141,10 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = ()) -> StructureRe
                             f"in several files: {_names(shared)}" if shared else f"{len(owners)} keys"))
     if pte is not None and pte.kind == "pte":
         checks.extend(_external_checks(pte_path, pte, ptds))
+        if all(c.ok for c in checks):
+            results = runtime_load_checks(pte_path, pte, [(a.path, a) for a in ptds], operators, backends,
+                                          max_planned_nbytes)
+            checks.extend(Check(pte_path, name, ok, detail) for name, ok, detail in results)
     return StructureReport(pte_path, ptd_paths, tuple(checks))
 
 

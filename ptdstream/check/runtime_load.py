@@ -1,0 +1,77 @@
+"""Judge a .pte (and its .ptd files) by the runtime's load rules, without the runtime.
+
+:func:`runtime_load_checks` applies :mod:`ptdstream.check.runtime_rules` (program load)
+and :mod:`ptdstream.check.runtime_method` (each method's load) to files the reader
+(:func:`ptdstream.reader.read_artifact`) already parsed, and returns one result per
+stage: ``("runtime: program load", ok, detail)`` then ``("runtime: method 'name'", ok,
+detail)`` for each method. A failed detail names the rule's upstream function.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import AbstractSet, List, Optional, Sequence, Tuple
+
+from ..format.fb_roots import flat_tensor_root, program_root
+from .runtime_method import check_method
+from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program
+
+
+def default_planned_limit() -> int:
+    """Bytes of physical memory: the runtime's binding allocates (and zeroes) every planned
+    buffer at load, so more than this cannot load here."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def _read(path: str, nbytes: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(nbytes)
+
+
+def runtime_load_checks(pte_path: str, pte_art, ptds: Sequence[Tuple[str, object]] = (),
+                        operators: Optional[AbstractSet[str]] = None, backends: Optional[AbstractSet[str]] = None,
+                        max_planned_nbytes: Optional[int] = None) -> List[Tuple[str, bool, str]]:
+    """Results of the runtime's program and method load rules.
+
+    Args:
+        pte_path, pte_art: the .pte and its :class:`~ptdstream.reader.Artifact`.
+        ptds: (path, Artifact) of each .ptd given (kind "ptd" only).
+        operators, backends: the runtime's registered operator names / backend ids, or
+            None to leave registration unchecked (said in the detail).
+        max_planned_nbytes: bytes the planned buffers may take in all (default: physical
+            memory, :func:`default_planned_limit`).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    limit = default_planned_limit() if max_planned_nbytes is None else max_planned_nbytes
+    out: List[Tuple[str, bool, str]] = []
+    pte = ProgramFile(pte_path, program_root(_read(pte_path, pte_art.flatbuffer_end)),
+                      pte_art.segment_base_offset if pte_art.header is not None else 0, pte_art.file_nbytes)
+    maps = []
+    for path, art in ptds:
+        if art.file_nbytes < HEAD_NBYTES:
+            out.append(("runtime: program load", False, f"{path}: {art.file_nbytes} bytes; the runtime loads "
+                        f"the first {HEAD_NBYTES} [FlatTensorDataMap::load]"))
+            return out
+        maps.append(PtdMap(path, flat_tensor_root(_read(path, art.flatbuffer_end)), art.segment_base_offset,
+                           art.segment_data_nbytes, art.file_nbytes))
+    try:
+        meta = check_program(pte, limit)
+    except RuleError as e:
+        return out + [("runtime: program load", False, str(e))]
+    unchecked = [what for what, given in (("operators", operators), ("backends", backends)) if given is None]
+    note = f" (registered {' and '.join(unchecked)} not checked)" if unchecked else ""
+    out.append(("runtime: program load", True, f"{len(meta['methods'])} methods; planned buffers "
+                f"{sum(meta['planned']):,} bytes"))
+    for name, index in meta["methods"].items():
+        try:
+            check_method(pte, index, name, maps, meta["planned"], operators, backends)
+        except RuleError as e:
+            out.append((f"runtime: method {name!r}", False, str(e)))
+            return out
+        out.append((f"runtime: method {name!r}", True, "loads" + note))
+    return out

@@ -1,0 +1,317 @@
+"""What the ExecuTorch runtime checks when it loads a program and its methods.
+
+``verify`` promises: exit 0 means ``Runtime.get().load_program(pte, data_path=ptd)``
+and ``load_method`` of every method succeed. Each rule below names the upstream
+function it mirrors (executorch 1.5.1 C++ runtime; read at pytorch/executorch
+``cff6f4dd32``, the newest snapshot available, version.txt 1.5.0+). Where the runtime
+would read through a null pointer or abort (``ET_CHECK``, ``Result::get()`` of an
+error), the rule refuses too: a crash is not a load.
+
+Program load (``runtime/executor/program.cpp::Program::load``), in order (the installed
+1.5.1 runtime also refuses a Program ``version`` above 0, and is built with
+``ET_ENABLE_DEPRECATED_CONSTANT_BUFFER=0``, so a program without constant segment
+offsets is refused; both found by the differential test, newer than the snapshot read):
+
+1. the first 64 bytes load (``ExtendedHeader::kNumHeadBytes``; ``MmapDataLoader::load``
+   refuses a range past the end), ``schema/extended_header.cpp::ExtendedHeader::Parse``
+   (magic ``eh00``, length >= 24), file size >= ``segment_base_offset +
+   segment_data_size`` (or ``program_size``), identifier ``ET12``, program size >= 8;
+2. ``flatbuffers::Verifier`` (``VerifyProgramBuffer``, depth 64, 1,000,000 tables):
+   :mod:`ptdstream.format.verifier`;
+3. ``program_validation.cpp::validate_program``: ``execution_plan`` and every plan's
+   ``values`` present; every Tensor value passes ``validate_tensor`` (sizes present and
+   >= 0, valid ScalarType (0..29 except 30 Undefined), numel and nbytes without
+   overflow) unless it is a dynamic-shape input; every TensorList has items, each an
+   in-range index of a Tensor value;
+4. ``pte_data_map.cpp::PteDataMap::create``: ``named_data`` needs ``segments``;
+5. constant segment (``offsets`` longer than 1): no ``constant_buffer`` items, ``segments``
+   present, ``segment_index`` in range, the segment inside the file (loaded here).
+
+Python binding (``extension/pybindings/pybindings.cpp::PyProgram``): every plan has a
+name (``Program::get_method_name``) and a ``method_meta`` (``Program::method_meta``:
+name, ``non_const_buffer_sizes``, ``inputs``, ``outputs`` present), planned buffer sizes
+>= 0 (``MethodMeta::memory_planned_buffer_size``); buffer ``j`` is allocated once with
+the largest size any method asks (here: at most ``max_planned_nbytes`` in all).
+
+Method load (``runtime/executor/method.cpp::Method::init``) of each method name (the first
+plan of that name, ``get_execution_plan``), in order:
+
+6. ``get_num_external_constants``: a value is Null or has its union table;
+7. ``parse_external_constants``: an EXTERNAL tensor without ``allocation_info`` has a
+   ``fully_qualified_name``; a .ptd is given; the key is in it
+   (``flat_tensor_data_map.cpp::get_named_data``: first entry of that key, segment index
+   in range, segment ``offset + size <= segment_base_offset + segment_data_size``), its
+   ``tensor_layout`` is present (read unchecked upstream) and valid
+   (``tensor_layout.cpp::TensorLayout::create``), it equals the program tensor's
+   (``tensor_parser_exec_aten.cpp::validateTensorLayout``) and its data lies in the file;
+8. ``parse_values``: IntList items in range; Bool/Double lists and String present;
+   Tensor (``tensor_parser_portable.cpp::parseTensor``): storage_offset 0, valid
+   ScalarType, not DYNAMIC_UNBOUND, sizes and dim_order present, rank <= 16,
+   ``len(dim_order) == rank``, sizes >= 0, dim_order a permutation
+   (``dim_order_util.h::validate_dim_order``); its data (``getTensorDataPtr``): EXTERNAL
+   mutable tensors through the .ptd, constants through ``get_constant_buffer_data``
+   (index < number of constant offsets and ``offset + nbytes <= segment size``, or the
+   deprecated ``constant_buffer`` storage), memory-planned tensors through
+   ``HierarchicalAllocator::get_offset_address`` (``memory_id - 1`` < buffers,
+   ``offset + nbytes <=`` buffer size) and, with initial data,
+   ``Program::load_mutable_subsegment_into`` (segments, ``mutable_data_segments[0]``,
+   offset index, ``offset + nbytes <=`` segment size, inside the file); TensorList /
+   OptionalTensorList items index Tensors (or Null, or -1) parsed earlier; other union
+   types refused;
+9. delegates present; each (``BackendDelegate::Init``): ``id`` present and, when a backend
+   list is given, registered; ``processed`` present, INLINE data index in range or
+   SEGMENT index in range of a program with segments and inside the file; every compile
+   spec has key and value;
+10. chains present and non-empty; every chain has instructions; each instruction's
+    arguments are present and of a known type; KernelCall/DelegateCall args in range;
+    JumpFalse/Move/Free value indices in range; ``resolve_operator``: operator index in
+    range, name present, ``name[.overload]`` shorter than 100 bytes and, when an operator
+    list is given, registered.
+
+XNNPACK delegates (``backends/xnnpack/runtime/XNNCompiler.cpp::compileModel``,
+``XNNHeader.cpp::XNNHeader::Parse``): :mod:`ptdstream.check.xnnpack_blob`.
+
+Deliberately stricter than the runtime (refused here, loaded there): a KernelCall whose
+operator index or name is invalid when a later KernelCall resolves (``Method::init``
+keeps only the last ``resolve_operator`` error, so an earlier one is lost); a .ptd
+``dim_order`` longer or shorter than its ``sizes`` (``create_tensor_layout`` reads
+``len(sizes)`` entries whatever the vector holds).
+
+Not mirrored: what a backend's ``init`` checks inside its own blob (XNNPACK builds its
+graph there), and kernels registered for some dtypes only (``get_op_function_from_registry``
+matches by name here). Pass ``operators``/``backends`` (the runtime's registries) to check
+registration; without them those rules are reported as not checked.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from ..format.fb_roots import union_tensor
+
+HEAD_NBYTES = 64
+#: ``Program::load`` of executorch 1.5.1 refuses a Program.version above this.
+MAX_PROGRAM_VERSION = 0
+TENSOR_DIMENSION_LIMIT = 16
+OPERATOR_NAME_LIMIT = 100  # kTempBufferSizeForName, including the NUL
+#: ``elementSize`` of ScalarType 0..29 (``runtime/core/portable_type/scalar_type.h``).
+ELEMENT_SIZE = (1, 1, 2, 4, 8, 2, 4, 8, 4, 8, 16, 1, 1, 1, 4, 2, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 2, 4, 8)
+_U64 = (1 << 64) - 1
+_SSIZE_MAX = (1 << 63) - 1
+# KernelTypes
+_NULL, _INT, _BOOL, _DOUBLE, _TENSOR, _STRING, _INT_LIST, _DOUBLE_LIST, _BOOL_LIST, _TENSOR_LIST, _OPT_LIST = range(1, 12)
+# InstructionArguments
+_KERNEL, _DELEGATE, _MOVE, _JUMP_FALSE, _FREE = range(1, 6)
+
+
+class RuleError(Exception):
+    """A load the runtime would refuse. ``rule`` names the upstream function."""
+
+    def __init__(self, rule: str, detail: str) -> None:
+        super().__init__(f"{detail} [{rule}]")
+        self.rule, self.detail = rule, detail
+
+
+@dataclass(frozen=True)
+class PtdMap:
+    """A .ptd as the runtime's ``FlatTensorDataMap`` sees it: its FlatTensor root (verified),
+    ``segment_base_offset``/``segment_data_size`` from its header, and its size in bytes."""
+
+    path: str
+    root: object
+    segment_base_offset: int
+    segment_data_nbytes: int
+    file_nbytes: int
+
+
+@dataclass(frozen=True)
+class ProgramFile:
+    """A .pte as ``Program::load`` sees it: the verified Program root, the extended header's
+    ``segment_base_offset`` (0 without header) and the file size in bytes."""
+
+    path: str
+    root: object
+    segment_base_offset: int
+    file_nbytes: int
+
+
+def _need(ok: bool, rule: str, detail: str) -> None:
+    if not ok:
+        raise RuleError(rule, detail)
+
+
+def _items(length: int, get) -> Iterator:
+    for i in range(length):
+        yield get(i)
+
+
+def _numbers(obj, name: str) -> Optional[Tuple[int, ...]]:
+    if getattr(obj, f"{name}IsNone")():
+        return None
+    get = getattr(obj, name)
+    return tuple(get(j) for j in range(getattr(obj, f"{name}Length")()))
+
+
+def tensor_nbytes(scalar_type: int, sizes: Sequence[int]) -> Optional[int]:
+    """numel * elementSize, None when it overflows size_t (``validate_tensor``)."""
+    n = 1
+    for s in sizes:
+        n *= s
+        if n > _SSIZE_MAX:
+            return None
+    nbytes = n * ELEMENT_SIZE[scalar_type]
+    return nbytes if nbytes <= _U64 else None
+
+
+def _valid_type(t: int) -> bool:
+    return 0 <= t < len(ELEMENT_SIZE)
+
+
+# -- program load ---------------------------------------------------------------------------
+
+def check_program(pte: ProgramFile, max_planned_nbytes: int) -> Dict[str, List[int]]:
+    """Program::load + validate_program + the Python binding's method metas.
+
+    Returns {method name: plan index} (first plan of each name) after all checks pass.
+
+    Raises:
+        RuleError: the first rule the program breaks.
+    """
+    p = pte.root
+    _need(pte.file_nbytes >= HEAD_NBYTES, "Program::load (ExtendedHeader::kNumHeadBytes)",
+          f"file is {pte.file_nbytes} bytes; the runtime loads the first {HEAD_NBYTES}")
+    _need(p.Version() <= MAX_PROGRAM_VERSION, "Program::load (schema version)",
+          f"Program schema version {p.Version()} is newer than the highest the runtime supports "
+          f"({MAX_PROGRAM_VERSION})")
+    _need(not p.ExecutionPlanIsNone(), "program_validation.cpp::validate_program", "Program has null execution_plan")
+    plans = list(_items(p.ExecutionPlanLength(), p.ExecutionPlan))
+    for i, plan in enumerate(plans):
+        _validate_plan(i, plan)
+    _need(p.NamedDataIsNone() or not p.SegmentsIsNone(), "PteDataMap::create", "named_data without segments")
+    cs = p.ConstantSegment()
+    _need(cs is not None and cs.OffsetsLength() > 0, "Program::load (ET_ENABLE_DEPRECATED_CONSTANT_BUFFER=0)",
+          "no constant_segment offsets: the deprecated constant_buffer path is disabled in the runtime")
+    if cs.OffsetsLength() > 1:
+        _need(p.ConstantBufferLength() == 0, "Program::load",
+              f"constant_buffer has {p.ConstantBufferLength()} items and constant_segment.offsets "
+              f"{cs.OffsetsLength()}; only one may be used")
+        _need(not p.SegmentsIsNone(), "Program::load", "constant segment but no segments in program")
+        _need(cs.SegmentIndex() < p.SegmentsLength(), "Program::load",
+              f"constant segment index {cs.SegmentIndex()} >= {p.SegmentsLength()} segments")
+        seg = p.Segments(cs.SegmentIndex())
+        _in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, "Program::load",
+                 f"constant segment {cs.SegmentIndex()}")
+    methods: Dict[str, int] = {}
+    planned: Dict[int, int] = {}
+    for i, plan in enumerate(plans):
+        _need(plan.Name() is not None, "Program::get_method_name", f"execution plan {i} has null name")
+        name = plan.Name().split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        if name in methods:
+            continue
+        methods[name] = i
+        for field in ("NonConstBufferSizes", "Inputs", "Outputs"):
+            _need(not getattr(plan, f"{field}IsNone")(), "Program::method_meta",
+                  f"method {name!r}: missing {_snake(field)} field")
+        sizes = _numbers(plan, "NonConstBufferSizes")
+        for j, size in enumerate(sizes[1:]):
+            _need(size >= 0, "MethodMeta::memory_planned_buffer_size",
+                  f"method {name!r}: planned buffer {j} has negative size {size}")
+            planned[j] = max(planned.get(j, 0), size)
+    total = sum(planned.values())
+    _need(total <= max_planned_nbytes, "PyProgram (planned buffer allocation)",
+          f"planned buffers need {total:,} bytes, more than the limit {max_planned_nbytes:,}")
+    return {"methods": methods, "planned": [planned[j] for j in sorted(planned)]}
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def _in_file(offset: int, nbytes: int, file_nbytes: int, rule: str, what: str) -> None:
+    _need(offset <= _U64 and offset + nbytes <= file_nbytes, rule,
+          f"{what} [{offset}, {offset + nbytes}) runs past the end of the file ({file_nbytes} bytes)")
+
+
+def _validate_plan(i: int, plan) -> None:
+    rule = "program_validation.cpp::validate_program"
+    _need(not plan.ValuesIsNone(), rule, f"execution plan {i} has null values table")
+    n = plan.ValuesLength()
+    inputs = set(_numbers(plan, "Inputs") or ())
+    for k in range(n):
+        v = plan.Values(k)
+        kind = v.ValType()
+        if kind == _TENSOR:
+            _need(v.Val() is not None, rule, f"plan {i} value {k}: Tensor is null")
+            t = union_tensor(v)
+            problem = _tensor_problem(t)
+            if problem and not (k in inputs and t.ShapeDynamism() != 0):
+                raise RuleError(rule, f"plan {i} value {k}: {problem}")
+        elif kind == _TENSOR_LIST:
+            _need(v.Val() is not None, rule, f"plan {i} value {k}: TensorList is null")
+            items = _list_items(v)
+            _need(items is not None, rule, f"plan {i} value {k}: TensorList items is null")
+            for j, idx in enumerate(items):
+                _need(0 <= idx < n, rule, f"plan {i} value {k}: TensorList item {j} index {idx} out of range ({n} values)")
+                _need(plan.Values(idx).ValType() == _TENSOR, rule,
+                      f"plan {i} value {k}: TensorList item {j} references a non-Tensor value {idx}")
+
+
+def _tensor_problem(t) -> Optional[str]:
+    sizes = _numbers(t, "Sizes")
+    if sizes is None:
+        return "Tensor has null sizes"
+    if any(s < 0 for s in sizes):
+        return f"negative size in {list(sizes)}"
+    if not _valid_type(t.ScalarType()):
+        return f"invalid ScalarType {t.ScalarType()}"
+    if tensor_nbytes(t.ScalarType(), sizes) is None:
+        return f"sizes {list(sizes)} overflow"
+    return None
+
+
+def _list_items(value) -> Optional[Tuple[int, ...]]:
+    from ..format.program_fb.IntList import IntList  # same layout for every *List table: items at slot 4
+
+    tab = value.Val()
+    lst = IntList()
+    lst.Init(tab.Bytes, tab.Pos)
+    if lst.ItemsIsNone():
+        return None
+    width = {_INT_LIST: 8, _DOUBLE_LIST: 8, _BOOL_LIST: 1}.get(value.ValType(), 4)
+    o = lst._tab.Offset(4)
+    start, count = lst._tab.Vector(o), lst._tab.VectorLen(o)
+    fmt = {8: "q", 1: "B", 4: "i"}[width]
+    return struct.unpack_from(f"<{count}{fmt}", tab.Bytes, start)
+
+
+def ptd_entry(ptds: Sequence[PtdMap], key: bytes, where: str):
+    """``get_named_data``: (.ptd, entry) of the first entry of ``key``, its segment checked."""
+    for ptd in ptds:
+        entry = ptd_key(ptd, key)
+        if entry is not None:
+            return ptd, entry
+    names = ", ".join(p.path for p in ptds)
+    raise RuleError("flat_tensor_data_map.cpp::get_named_data",
+                    f"{where}: key {key.decode(errors='replace')!r} is not in {names}")
+
+
+def ptd_key(ptd: PtdMap, key: bytes):
+    rule = "flat_tensor_data_map.cpp::get_named_data"
+    root = ptd.root
+    for i in range(root.NamedDataLength()):
+        e = root.NamedData(i)
+        if e.Key() != key:
+            continue
+        idx = e.SegmentIndex()
+        _need(idx < root.SegmentsLength(), rule, f"{ptd.path}: key {key.decode(errors='replace')!r} names "
+              f"segment {idx} of {root.SegmentsLength()}")
+        seg = root.Segments(idx)
+        end = seg.Offset() + seg.Size()
+        _need(end <= _U64 and end <= ptd.segment_base_offset + ptd.segment_data_nbytes, rule,
+              f"{ptd.path}: key {key.decode(errors='replace')!r}: segment end {end} beyond segment data")
+        _need(e.TensorLayout() is not None, rule,
+              f"{ptd.path}: key {key.decode(errors='replace')!r} has no tensor_layout")
+        return e
+    return None
