@@ -8,7 +8,9 @@ Its bytes depend only on the files it describes: files are listed in the order
 given, sections in file order, keys in the file's key order.
 
 ``write_manifest`` reads each file once. :func:`verify_manifest` reads each file
-once and names the first bad piece, with the section and key it falls in.
+once and names the first bad piece, the 4 KiB block and section where the first
+difference lies, and every section and key whose bytes differ
+(:mod:`ptdstream.check.manifest_narrow`; version 2 manifests).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from ..format.reader import read_artifact
 from ..reports import Report
 from ..sources import BufferRing, FileRangeSource
 from ..write.sink import ChunkedFileSink
+from .manifest_narrow import (
+    BLOCK_NBYTES, RangeDigester, bad_keys_of, differing_sections, key_ranges as manifest_key_ranges, locate,
+)
 
 ALGORITHM = "xxh3-128"
 IDENTIFIER = b"PSM1"
@@ -41,10 +46,14 @@ def manifest_path_for(path: str) -> str:
 
 @dataclass(frozen=True)
 class SectionEntry:
+    """A section: name, first key (or None), offset and size in bytes, and (version >= 2)
+    the xxh3-128 digest of its bytes."""
+
     name: str
     key: Optional[str]
     offset: int
     nbytes: int
+    digest: Optional[bytes] = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class FileManifest:
     pieces: Tuple[bytes, ...]
     sections: Tuple[SectionEntry, ...]
     keys: Tuple[Tuple[str, int, bytes], ...]
+    block_nbytes: int = 0
+    blocks: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class IntegrityManifest:
 
     files: Tuple[FileManifest, ...]
     algorithm: str = ALGORITHM
-    version: int = 1
+    version: int = 2
 
 
 def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES) -> FileManifest:
@@ -90,21 +101,18 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES) -> FileManifest:
     except FormatError:
         kind, sections, key_ranges = "file", (), []
     source = FileRangeSource(path)  # reads in pieces, drops the pages behind it
+    digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in sections]
+                             + [(start, end) for _, start, end in key_ranges])
     pieces: List[bytes] = []
-    key_hashes = [xxhash.xxh3_128() for _ in key_ranges]
-    offset = 0
     for piece in source.pieces(BufferRing(piece_nbytes, count=1)):
-        n = len(piece)
         pieces.append(xxhash.xxh3_128(piece).digest())
-        for h, (_, start, end) in zip(key_hashes, key_ranges):
-            lo, hi = max(start, offset), min(end, offset + n)
-            if lo < hi:
-                h.update(piece[lo - offset : hi - offset])
-        offset += n
-    keys = tuple(
-        (key, end - start, h.digest()) for h, (key, start, end) in zip(key_hashes, key_ranges)
-    )
-    return FileManifest(os.path.basename(path), kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys)
+        digester.update(piece)
+    digester.finish()
+    keys = tuple((key, end - start, digester.digest(start, end)) for key, start, end in key_ranges)
+    sections = tuple(SectionEntry(s.name, s.key, s.offset, s.nbytes, digester.digest(s.offset, s.offset + s.nbytes))
+                     for s in sections)
+    return FileManifest(os.path.basename(path), kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys,
+                        BLOCK_NBYTES, tuple(digester.blocks))
 
 
 def to_bytes(manifest: IntegrityManifest) -> bytes:
@@ -141,6 +149,9 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
                 S.SectionAddKey(b, key)
             S.SectionAddOffset(b, s.offset)
             S.SectionAddSize(b, s.nbytes)
+            if s.digest is not None:
+                S.SectionAddDigest(b, CreateDigest128(b, int.from_bytes(s.digest[:8], "little"),
+                                                      int.from_bytes(s.digest[8:], "little")))
             sections.append(S.SectionEnd(b))
         keys = []
         for key, nbytes, digest in fm.keys:
@@ -156,6 +167,12 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
         pieces = digest_vector(FE.FileEntryStartPiecesVector, fm.pieces)
         section_vec = table_vector(FE.FileEntryStartSectionsVector, sections)
         key_vec = table_vector(FE.FileEntryStartKeysVector, keys)
+        blocks = None
+        if fm.block_nbytes:
+            FE.FileEntryStartBlocksVector(b, len(fm.blocks))
+            for check in reversed(fm.blocks):
+                b.PrependUint32(check)
+            blocks = b.EndVector()
         name = b.CreateString(fm.name)
         kind = b.CreateString(fm.kind)
         FE.FileEntryStart(b)
@@ -166,6 +183,9 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
         FE.FileEntryAddPieces(b, pieces)
         FE.FileEntryAddSections(b, section_vec)
         FE.FileEntryAddKeys(b, key_vec)
+        if blocks is not None:
+            FE.FileEntryAddBlockSize(b, fm.block_nbytes)
+            FE.FileEntryAddBlocks(b, blocks)
         file_offsets.append(FE.FileEntryEnd(b))
     files = table_vector(M.ManifestStartFilesVector, file_offsets)
     algorithm = b.CreateString(manifest.algorithm)
@@ -200,9 +220,11 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
                     _str(fe.Sections(j).Key()) if fe.Sections(j).Key() is not None else None,
                     fe.Sections(j).Offset(),
                     fe.Sections(j).Size(),
+                    _digest(fe.Sections(j).Digest()) if fe.Sections(j).Digest() is not None else None,
                 )
                 for j in range(fe.SectionsLength())
             )
+            blocks = tuple(fe.Blocks(j) for j in range(fe.BlocksLength()))
             keys = tuple(
                 (_str(fe.Keys(j).Key()), fe.Keys(j).Size(), _digest(fe.Keys(j).Digest()))
                 for j in range(fe.KeysLength())
@@ -210,7 +232,8 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
             if fe.PieceSize() <= 0:
                 raise ValueError(f"piece size {fe.PieceSize()}")
             files.append(
-                FileManifest(_str(fe.Name()), _str(fe.Kind()), fe.Size(), fe.PieceSize(), pieces, sections, keys)
+                FileManifest(_str(fe.Name()), _str(fe.Kind()), fe.Size(), fe.PieceSize(), pieces, sections, keys,
+                             fe.BlockSize(), blocks)
             )
         return IntegrityManifest(tuple(files), _str(root.Algorithm()), root.Version())
     except FormatError:
@@ -239,9 +262,13 @@ def write_manifest(paths: Sequence[str], out_path: str, piece_nbytes: int = CHUN
 class ManifestCheck(Report):
     """Result of checking one file against its manifest entry.
 
-    ``first_bad_offset`` is the file offset of the first bad piece (or where the
-    size differs), with its piece index, section and key; ``bad_keys`` lists keys
-    whose bytes differ.
+    ``first_bad_piece`` is the index of the first bad piece; ``first_bad_offset`` the
+    file offset (bytes) the first difference was narrowed to (``bad_nbytes`` long):
+    inside the first differing 4 KiB block and section (version >= 2 manifests), else
+    the bad piece, or where the size differs. ``section``/``key`` name the manifest
+    section there; ``bad_sections`` lists every section whose bytes differ as ``(name,
+    key, offset, nbytes)``; ``bad_keys`` every key whose bytes differ. The ranges are
+    the ones the manifest recorded, so a cut file reports only what it lost.
     """
 
     path: str
@@ -252,6 +279,8 @@ class ManifestCheck(Report):
     section: Optional[str] = None
     key: Optional[str] = None
     bad_keys: Tuple[str, ...] = field(default=())
+    bad_sections: Tuple[Tuple[str, Optional[str], int, int], ...] = field(default=())
+    bad_nbytes: Optional[int] = None
 
     def summary(self) -> str:
         return ("OK " if self.ok else "BAD ") + self.message
@@ -309,55 +338,54 @@ def verify_files(paths: Sequence[str], manifest_path: str) -> ManifestReport:
 def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
     """Check ``path`` against the entry of the same name in ``manifest``.
 
-    Reads the file once, in the manifest's piece size (bounded memory).
+    Reads the file once, in the manifest's piece size (bounded memory), digesting the
+    sections and keys at the offsets the manifest recorded
+    (:mod:`ptdstream.check.manifest_narrow`).
+
+    Raises:
+        OSError: the file cannot be read.
     """
     name = os.path.basename(path)
     entry = next((f for f in manifest.files if f.name == name), None)
     if entry is None:
         return ManifestCheck(path, False, f"{path}: the manifest has no entry named {name!r}")
-    actual = describe_file(path, entry.piece_nbytes)
-    bad = None
-    for i, (want, got) in enumerate(zip(entry.pieces, actual.pieces)):
-        if want != got:
-            bad = i
-            break
-    if bad is None and len(entry.pieces) != len(actual.pieces):
-        bad = min(len(entry.pieces), len(actual.pieces))
-    want_keys = {k: (n, d) for k, n, d in entry.keys}
-    got_keys = {k: (n, d) for k, n, d in actual.keys}
-    bad_keys = tuple(k for k in want_keys if got_keys.get(k) != want_keys[k])
-    if bad is None and actual.nbytes == entry.nbytes and not bad_keys:
+    ranges = manifest_key_ranges(entry.sections, entry.keys)
+    digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in entry.sections] + list(ranges.values()),
+                             entry.block_nbytes)
+    source = FileRangeSource(path)
+    pieces: List[bytes] = []
+    for piece in source.pieces(BufferRing(entry.piece_nbytes, count=1)):
+        pieces.append(xxhash.xxh3_128(piece).digest())
+        digester.update(piece)
+    digester.finish()
+    bad = next((i for i, (w, g) in enumerate(zip(entry.pieces, pieces)) if w != g), None)
+    if bad is None and len(entry.pieces) != len(pieces):
+        bad = min(len(entry.pieces), len(pieces))
+    bad_keys = bad_keys_of(path, entry, ranges, digester)
+    bad_sections = differing_sections(entry.sections, digester)
+    if bad is None and source.nbytes == entry.nbytes and not bad_keys and not bad_sections:
         return ManifestCheck(path, True, f"{path}: matches the manifest ({entry.nbytes:,} bytes, {len(entry.pieces)} "
             f"piece{'s' if len(entry.pieces) != 1 else ''})")
-    offset = (bad if bad is not None else 0) * entry.piece_nbytes
-    section = _first_bad_section(entry, offset, bad_keys)
-    where = f"piece {bad} at offset {offset}" if bad is not None else "keys"
-    sec = f", section {section.name!r}" if section else ""
-    key = f", key {section.key!r}" if section and section.key else ""
-    size = f"; size {actual.nbytes} != {entry.nbytes}" if actual.nbytes != entry.nbytes else ""
-    keys = f"; keys differing: {', '.join(repr(k) for k in bad_keys[:5])}" if bad_keys else ""
+    offset, span, section = locate(entry, bad, digester, source.nbytes, bad_sections, bad_keys)
+    parts = [f"{path}: first bad piece {bad} at offset {(bad or 0) * entry.piece_nbytes}" if bad is not None
+             else f"{path}: keys"]
+    if offset is not None and span is not None:
+        parts.append(f"differs in bytes [{offset:,}, {offset + span:,})")
+    if section is not None:
+        parts.append(f"section {section.name!r} at {section.offset:,} ({section.nbytes:,} bytes)"
+                     + (f", key {section.key!r}" if section.key else ""))
+    if bad_sections:
+        parts.append("sections differing: " + ", ".join(f"{s.name!r}@{s.offset}" for s in bad_sections[:5])
+                     + (f" and {len(bad_sections) - 5} more" if len(bad_sections) > 5 else ""))
+    if source.nbytes != entry.nbytes:
+        parts.append(f"size {source.nbytes} != {entry.nbytes}")
+    if bad_keys:
+        parts.append(f"keys differing: {', '.join(repr(k) for k in bad_keys[:5])}"
+                     + (f" and {len(bad_keys) - 5} more" if len(bad_keys) > 5 else ""))
     return ManifestCheck(
-        path,
-        False,
-        f"{path}: first bad {where}{sec}{key}{size}{keys}",
-        bad,
-        offset if bad is not None else None,
-        section.name if section else None,
-        section.key if section else None,
-        bad_keys,
-    )
-
-
-def _first_bad_section(entry: FileManifest, piece_offset: int, bad_keys) -> Optional[SectionEntry]:
-    """The section to blame: the first differing key's section inside the bad
-    piece when a key fingerprint pins it down, else the section at the piece start."""
-    piece_end = piece_offset + entry.piece_nbytes
-    for s in entry.sections:
-        if s.key is not None and s.offset < piece_end and s.offset + s.nbytes > piece_offset:
-            if any(k in bad_keys for k in s.key.split(", ")):
-                return s
-    return next(
-        (s for s in entry.sections if s.offset <= piece_offset < s.offset + s.nbytes), None
+        path, False, "; ".join(parts), bad, offset, section.name if section else None,
+        section.key if section else None, bad_keys,
+        tuple((s.name, s.key, s.offset, s.nbytes) for s in bad_sections), span,
     )
 
 

@@ -19,6 +19,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import xxhash
 
+from ..errors import FormatError
+from ..format.reader import read_artifact
+
 BLOCK_NBYTES = 4096
 
 
@@ -127,3 +130,68 @@ def section_at(sections, offset: int):
 def differing_sections(sections, digester: RangeDigester) -> List:
     """Sections whose recorded digest differs from the file's (or that the file cuts)."""
     return [s for s in sections if s.digest is not None and digester.digest(s.offset, s.offset + s.nbytes) != s.digest]
+
+
+def bad_keys_of(path: str, entry, ranges: Dict[str, Tuple[int, int]], digester: RangeDigester) -> Tuple[str, ...]:
+    """Keys of manifest ``entry`` whose bytes, at the range the manifest gives them, differ
+    from their fingerprint. A key whose range the manifest does not record (none in
+    practice) is looked up in the file as it parses now."""
+    located: Dict[str, Tuple[int, int]] = {}
+    if any(k not in ranges for k, _, _ in entry.keys):
+        try:
+            art = read_artifact(path)
+            located = {e.key: (art.segments[e.segment_index].start, art.segments[e.segment_index].end)
+                       for e in art.named}
+        except FormatError:
+            pass
+    bad = []
+    for key, nbytes, digest in entry.keys:
+        if key in ranges:
+            got = digester.digest(*ranges[key])
+        elif key in located and located[key][1] - located[key][0] == nbytes:
+            with open(path, "rb") as f:
+                f.seek(located[key][0])
+                got = xxhash.xxh3_128(f.read(nbytes)).digest()
+        else:
+            got = None
+        if got != digest:
+            bad.append(key)
+    return tuple(bad)
+
+
+def locate(entry, bad_piece: Optional[int], digester: RangeDigester, nbytes: int, bad_sections, bad_keys):
+    """(offset, nbytes, section) of the first difference: the first differing block cut to
+    the first differing section inside it (version >= 2), else the bad piece (with the
+    section of its first differing key, version 1), else where the size changes."""
+    offset = span = None
+    if entry.block_nbytes:
+        i = first_bad_block(entry.blocks, digester.blocks)
+        if i is not None:
+            offset = i * entry.block_nbytes
+            span = max(min(entry.block_nbytes, max(entry.nbytes, nbytes) - offset), 0)
+    if offset is None and bad_piece is not None:
+        offset = bad_piece * entry.piece_nbytes
+        span = max(min(entry.piece_nbytes, max(entry.nbytes, nbytes) - offset), 0)
+        if not entry.block_nbytes:
+            return offset, span, _v1_section(entry, offset, bad_keys)
+    if offset is None and nbytes != entry.nbytes:
+        offset, span = min(nbytes, entry.nbytes), abs(nbytes - entry.nbytes)
+    if offset is None:
+        return None, None, (bad_sections[0] if bad_sections else None)
+    inside = [s for s in bad_sections if s.offset < offset + span and s.offset + s.nbytes > offset]
+    if inside:
+        s = inside[0]
+        lo, hi = max(offset, s.offset), min(offset + span, s.offset + s.nbytes)
+        return lo, hi - lo, s
+    return offset, span, section_at(entry.sections, offset) or (bad_sections[0] if bad_sections else None)
+
+
+def _v1_section(entry, piece_offset: int, bad_keys):
+    """Without finer digests: the first differing key's section inside the bad piece,
+    else the section at the piece start."""
+    piece_end = piece_offset + entry.piece_nbytes
+    for s in entry.sections:
+        if s.key is not None and s.offset < piece_end and s.offset + s.nbytes > piece_offset:
+            if any(k in bad_keys for k in s.key.split(", ")):
+                return s
+    return section_at(entry.sections, piece_offset)

@@ -130,8 +130,42 @@ class FileEntry(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
         return o == 0
 
+    # FileEntry
+    def BlockSize(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # FileEntry
+    def Blocks(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # FileEntry
+    def BlocksAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint32Flags, o)
+        return 0
+
+    # FileEntry
+    def BlocksLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # FileEntry
+    def BlocksIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        return o == 0
+
 def FileEntryStart(builder):
-    builder.StartObject(7)
+    builder.StartObject(9)
 
 def Start(builder):
     FileEntryStart(builder)
@@ -196,6 +230,24 @@ def FileEntryStartKeysVector(builder, numElems):
 def StartKeysVector(builder, numElems):
     return FileEntryStartKeysVector(builder, numElems)
 
+def FileEntryAddBlockSize(builder, blockSize):
+    builder.PrependUint64Slot(7, blockSize, 0)
+
+def AddBlockSize(builder, blockSize):
+    FileEntryAddBlockSize(builder, blockSize)
+
+def FileEntryAddBlocks(builder, blocks):
+    builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(blocks), 0)
+
+def AddBlocks(builder, blocks):
+    FileEntryAddBlocks(builder, blocks)
+
+def FileEntryStartBlocksVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def StartBlocksVector(builder, numElems):
+    return FileEntryStartBlocksVector(builder, numElems)
+
 def FileEntryEnd(builder):
     return builder.EndObject()
 
@@ -221,6 +273,8 @@ class FileEntryT(object):
         self.pieces = None  # type: List[ptdstream.check.manifest_fb.Digest128.Digest128T]
         self.sections = None  # type: List[ptdstream.check.manifest_fb.Section.SectionT]
         self.keys = None  # type: List[ptdstream.check.manifest_fb.KeyFingerprint.KeyFingerprintT]
+        self.blockSize = 0  # type: int
+        self.blocks = None  # type: List[int]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -271,6 +325,14 @@ class FileEntryT(object):
                 else:
                     keyFingerprint_ = ptdstream.check.manifest_fb.KeyFingerprint.KeyFingerprintT.InitFromObj(fileEntry.Keys(i))
                     self.keys.append(keyFingerprint_)
+        self.blockSize = fileEntry.BlockSize()
+        if not fileEntry.BlocksIsNone():
+            if np is None:
+                self.blocks = []
+                for i in range(fileEntry.BlocksLength()):
+                    self.blocks.append(fileEntry.Blocks(i))
+            else:
+                self.blocks = fileEntry.BlocksAsNumpy()
 
     # FileEntryT
     def Pack(self, builder):
@@ -299,6 +361,14 @@ class FileEntryT(object):
             for i in reversed(range(len(self.keys))):
                 builder.PrependUOffsetTRelative(keyslist[i])
             keys = builder.EndVector()
+        if self.blocks is not None:
+            if np is not None and type(self.blocks) is np.ndarray:
+                blocks = builder.CreateNumpyVector(self.blocks)
+            else:
+                FileEntryStartBlocksVector(builder, len(self.blocks))
+                for i in reversed(range(len(self.blocks))):
+                    builder.PrependUint32(self.blocks[i])
+                blocks = builder.EndVector()
         FileEntryStart(builder)
         if self.name is not None:
             FileEntryAddName(builder, name)
@@ -312,5 +382,8 @@ class FileEntryT(object):
             FileEntryAddSections(builder, sections)
         if self.keys is not None:
             FileEntryAddKeys(builder, keys)
+        FileEntryAddBlockSize(builder, self.blockSize)
+        if self.blocks is not None:
+            FileEntryAddBlocks(builder, blocks)
         fileEntry = FileEntryEnd(builder)
         return fileEntry

@@ -56,8 +56,19 @@ class Section(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
+    # Section
+    def Digest(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            from ptdstream.check.manifest_fb.Digest128 import Digest128
+            obj = Digest128()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def SectionStart(builder):
-    builder.StartObject(4)
+    builder.StartObject(5)
 
 def Start(builder):
     SectionStart(builder)
@@ -86,12 +97,23 @@ def SectionAddSize(builder, size):
 def AddSize(builder, size):
     SectionAddSize(builder, size)
 
+def SectionAddDigest(builder, digest):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(digest), 0)
+
+def AddDigest(builder, digest):
+    SectionAddDigest(builder, digest)
+
 def SectionEnd(builder):
     return builder.EndObject()
 
 def End(builder):
     return SectionEnd(builder)
 
+import ptdstream.check.manifest_fb.Digest128
+try:
+    from typing import Optional
+except:
+    pass
 
 class SectionT(object):
 
@@ -101,6 +123,7 @@ class SectionT(object):
         self.key = None  # type: str
         self.offset = 0  # type: int
         self.size = 0  # type: int
+        self.digest = None  # type: Optional[ptdstream.check.manifest_fb.Digest128.Digest128T]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -127,6 +150,8 @@ class SectionT(object):
         self.key = section.Key()
         self.offset = section.Offset()
         self.size = section.Size()
+        if section.Digest() is not None:
+            self.digest = ptdstream.check.manifest_fb.Digest128.Digest128T.InitFromObj(section.Digest())
 
     # SectionT
     def Pack(self, builder):
@@ -141,5 +166,8 @@ class SectionT(object):
             SectionAddKey(builder, key)
         SectionAddOffset(builder, self.offset)
         SectionAddSize(builder, self.size)
+        if self.digest is not None:
+            digest = self.digest.Pack(builder)
+            SectionAddDigest(builder, digest)
         section = SectionEnd(builder)
         return section
