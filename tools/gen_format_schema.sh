@@ -17,11 +17,12 @@ OUT=${1:-ptdstream/format}
 ET=$("$PY" -c "import importlib.util as u; print(u.find_spec('executorch').submodule_search_locations[0])")
 FLATC="$ET/data/bin/flatc"
 PROGRAM="$ET/schema/program.fbs"
+SCALAR_TYPE="$ET/schema/scalar_type.fbs"
 FLAT_TENSOR="$ET/extension/flat_tensor/serialize/flat_tensor.fbs"
 XNNPACK="$ET/backends/xnnpack/serialization/runtime_schema.fbs"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$FLATC" --python -o "$tmp/py" "$PROGRAM" "$FLAT_TENSOR"
+"$FLATC" --python -o "$tmp/py" "$PROGRAM" "$SCALAR_TYPE" "$FLAT_TENSOR"
 "$FLATC" -b --schema -o "$tmp/bfbs" "$PROGRAM" "$FLAT_TENSOR" "$XNNPACK"
 mkdir -p "$OUT"
 for pair in executorch_flatbuffer:program_fb flat_tensor_flatbuffer:flat_tensor_fb; do

@@ -250,9 +250,7 @@ def inspect_files(paths: Sequence[str], chunk_nbytes: int = CHUNK_NBYTES) -> Ins
 
 def _dtype_name(scalar_type: int) -> str:
     """ExecuTorch ``ScalarType`` number -> its name ("FLOAT", "BFLOAT16"), or the number."""
-    try:
-        from executorch.exir.scalar_type import ScalarType
+    from ..format.program_fb.ScalarType import ScalarType  # flatc's enum of scalar_type.fbs
 
-        return ScalarType(scalar_type).name
-    except (ImportError, ValueError):
-        return f"scalar_type {scalar_type}"
+    names = {v: k for k, v in vars(ScalarType).items() if not k.startswith("_") and isinstance(v, int)}
+    return names.get(scalar_type, f"scalar_type {scalar_type}")
