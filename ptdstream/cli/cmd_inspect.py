@@ -11,7 +11,7 @@ def register(subparsers) -> None:
         subparsers, "inspect", help="sections, keys, sizes, alignments and duplicated content",
         description="Show each file's section map, segments with their alignment, keys, a size breakdown "
                     "(metadata + padding + payload = file size) and content stored more than once.",
-        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=True)
+        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=False)
     i.add_argument("files", nargs="+", metavar="FILE")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
 

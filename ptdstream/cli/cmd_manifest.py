@@ -14,7 +14,7 @@ def register(subparsers) -> None:
         description="Describe FILEs in a manifest (ptdstream's flatbuffer schema, schema/manifest.fbs): each "
                     "file's size, sections, the xxh3-128 digest of every piece and each key's fingerprint. "
                     "Check copies later with `ptdstream verify FILE --manifest M`.",
-        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=True)
+        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=False)
     m.add_argument("files", nargs="+", metavar="FILE")
     m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
     m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES", help="piece size (default 8 MiB)")

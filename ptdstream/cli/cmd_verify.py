@@ -13,7 +13,7 @@ def register(subparsers) -> None:
         description="With --against: compare FILE with REF byte for byte (streamed) and name the first "
                     "difference. Without: check FILE (a .pte) and the .ptd files after it the way the "
                     "runtime loads them, including that every external tensor is in a given .ptd.",
-        epilog=EPILOG, run=run, imports_torch=True,
+        epilog=EPILOG, run=run, imports_torch=False,
         inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p])
     v.add_argument("files", nargs="+", metavar="FILE", help="OUT (with --against), or OUT.pte [DATA.ptd ...]")
     v.add_argument("--against", metavar="REF", help="reference file to compare the single FILE with")
