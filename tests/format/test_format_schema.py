@@ -45,3 +45,15 @@ def test_reading_imports_neither_torch_nor_executorch(tmp_path):
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_read_commands_import_neither_torch_nor_executorch(tmp_path):
+    from conftest import Mlp, export, reference_files
+
+    reference_files(export(Mlp()), str(tmp_path))
+    pte = str(tmp_path / "model.pte")
+    code = ("import sys; from ptdstream.cli import main; "
+            "codes = [main([c, sys.argv[1]]) for c in ('verify', 'inspect')]; "
+            "print(codes, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'executorch'}))")
+    out = subprocess.run([sys.executable, "-c", code, pte], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "[0, 0] []"
