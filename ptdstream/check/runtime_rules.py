@@ -28,7 +28,8 @@ offsets is refused; both found by the differential test, newer than the snapshot
    present, ``segment_index`` in range, the segment inside the file (loaded here).
 
 Python binding (``extension/pybindings/pybindings.cpp::PyProgram``): every plan has a
-name (``Program::get_method_name``) and a ``method_meta`` (``Program::method_meta``:
+name (``Program::get_method_name``) valid as UTF-8 (pybind11 turns it into a ``str``)
+and a ``method_meta`` (``Program::method_meta``:
 name, ``non_const_buffer_sizes``, ``inputs``, ``outputs`` present), planned buffer sizes
 >= 0 (``MethodMeta::memory_planned_buffer_size``); buffer ``j`` is allocated once with
 the largest size any method asks (here: at most ``max_planned_nbytes`` in all).
@@ -207,7 +208,11 @@ def check_program(pte: ProgramFile, max_planned_nbytes: int) -> Dict[str, List[i
     planned: Dict[int, int] = {}
     for i, plan in enumerate(plans):
         _need(plan.Name() is not None, "Program::get_method_name", f"execution plan {i} has null name")
-        name = plan.Name().split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        raw = plan.Name().split(b"\0", 1)[0]
+        try:  # the Python binding returns method names as str (pybind11 decodes UTF-8 strictly)
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RuleError("PyProgram::get_method_name (UTF-8)", f"execution plan {i} name {raw!r} is not UTF-8") from None
         if name in methods:
             continue
         methods[name] = i

@@ -218,29 +218,96 @@ def _mutate(data: bytes, lo: int, hi: int, avoid: List[Tuple[int, int]], rng: ra
         return bytes(out)
 
 
+_WIDTH = {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 4, 8: 4, 9: 8, 10: 8, 11: 4, 12: 8}
+
+
+def scalar_fields(buf: bytes, schema: str, limit: int = 20000) -> List[Tuple[int, int, bool]]:
+    """(position, width, signed) of every scalar field and scalar vector element of a
+    valid flatbuffer, from the schema tables: the values a field mutation can change."""
+    from ptdstream.format.fb_tables import SCHEMAS
+
+    objects, unions = SCHEMAS[schema]["objects"], SCHEMAS[schema]["unions"]
+    out, seen = [], set()
+
+    def u32(p):
+        return struct.unpack_from("<I", buf, p)[0]
+
+    def table(pos, name):
+        if (pos, name) in seen or len(out) > limit:
+            return
+        seen.add((pos, name))
+        vt = pos - struct.unpack_from("<i", buf, pos)[0]
+        vsize = struct.unpack_from("<H", buf, vt)[0]
+        for fname, slot, base, element, ref, esize, _ in objects[name][3]:
+            off = struct.unpack_from("<H", buf, vt + slot)[0] if slot < vsize else 0
+            if not off:
+                continue
+            f = pos + off
+            if base in _WIDTH:
+                out.append((f, _WIDTH[base], base in (3, 5, 7, 9)))
+            elif base == 15 and not objects[ref][0]:
+                table(f + u32(f), ref)
+            elif base == 14:
+                v = f + u32(f)
+                n = u32(v)
+                if element in _WIDTH:
+                    out.extend((v + 4 + i * _WIDTH[element], _WIDTH[element], element in (3, 5, 7, 9))
+                               for i in range(min(n, 64)))
+                elif element == 15 and not objects[ref][0]:
+                    for i in range(n):
+                        e = v + 4 + 4 * i
+                        table(e + u32(e), ref)
+            elif base == 16:
+                tfield = next(x for x in objects[name][3] if x[0] == fname + "_type")
+                toff = struct.unpack_from("<H", buf, vt + tfield[1])[0] if tfield[1] < vsize else 0
+                member = unions[ref].get(buf[pos + toff]) if toff else None
+                if member:
+                    table(f + u32(f), member)
+
+    table(u32(0), SCHEMAS[schema]["root"])
+    return out
+
+
+def _field_mutation(data: bytes, fields, rng: random.Random) -> bytes:
+    pos, width, signed = rng.choice(fields)
+    out = bytearray(data)
+    old = int.from_bytes(out[pos : pos + width], "little", signed=signed)
+    lo, hi = (-(1 << (8 * width - 1)), (1 << (8 * width - 1)) - 1) if signed else (0, (1 << (8 * width)) - 1)
+    new = rng.choice((0, 1, 2, 7, -1, lo, hi, old + 1, old - 1, old * 2, old * 100, old + 1000, old + 4096))
+    new = min(max(new, lo), hi)
+    out[pos : pos + width] = new.to_bytes(width, "little", signed=signed)
+    return bytes(out)
+
+
 def _mutants(bases, folder, per_base: int, seed: int = 14):
+    """``per_base`` mutants of each base: a third change one scalar field of the program
+    (or FlatTensor) flatbuffer to a boundary value, the rest flip bits, overwrite aligned
+    u32/u64 words or truncate, mostly in the metadata (header + flatbuffer)."""
     rng = random.Random(seed)
     jobs = []
     for name, (pte, ptd) in sorted(bases.items()):
         art = read_artifact(pte)
         data = open(pte, "rb").read()
         blobs = [(s.start, s.end) for s in art.segments if s.label.startswith("delegate blob")]
-        targets = [("pte", pte, data, art.flatbuffer_end, blobs)]
+        targets = [("pte", pte, data, art.flatbuffer_end, blobs, scalar_fields(data[: art.flatbuffer_end], "program"))]
         if ptd:
             pdata = open(ptd, "rb").read()
-            targets.append(("ptd", ptd, pdata, read_artifact(ptd).flatbuffer_end, []))
+            pend = read_artifact(ptd).flatbuffer_end
+            targets.append(("ptd", ptd, pdata, pend, [], scalar_fields(pdata[:pend], "flat_tensor")))
         for i in range(per_base):
-            kind, path, raw, fb_end, avoid = targets[i % len(targets)]
-            # mostly the metadata (header + flatbuffer), some segment bytes
-            hi = fb_end if rng.random() < 0.9 else len(raw)
-            mutated = _mutate(raw, 0, hi, avoid, rng)
+            kind, path, raw, fb_end, avoid, fields = targets[i % len(targets)]
+            if i % 3 == 2:
+                mutated = _field_mutation(raw, fields, rng)
+            else:
+                hi = fb_end if rng.random() < 0.9 else len(raw)
+                mutated = _mutate(raw, 0, hi, avoid, rng)
             out = _write(folder, f"{name}_{i}.{kind}", mutated)
             jobs.append((out, ptd) if kind == "pte" else (pte, out))
     return jobs
 
 
 def test_verify_never_accepts_what_the_runtime_refuses(bases, registries, tmp_path):
-    jobs = _mutants(bases, tmp_path, per_base=450)
+    jobs = _mutants(bases, tmp_path, per_base=600)
     runtime = judge(jobs)
     ours = [verdict(pte, ptd, registries) for pte, ptd in jobs]
     false_accepts = [(job, r, why) for job, r, (ok, why) in zip(jobs, runtime, ours) if ok and r[0] != "ok"]
@@ -251,5 +318,5 @@ def test_verify_never_accepts_what_the_runtime_refuses(bases, registries, tmp_pa
     print(json.dumps(counts))
     for job, why in false_refusals[:20]:
         print("stricter:", job, why)
-    assert len(jobs) >= 2000
+    assert len(jobs) >= 3000
     assert false_accepts == [], false_accepts[:5]
