@@ -11,13 +11,11 @@ from __future__ import annotations
 from typing import AbstractSet, Dict, List, Optional, Sequence
 
 from ..format.fb_roots import union_tensor
+from ..format.program_fb.InstructionArguments import InstructionArguments as IA
+from ..format.program_fb.KernelTypes import KernelTypes as KT
 from .runtime_rules import (
-    ELEMENT_SIZE, OPERATOR_NAME_LIMIT, ptd_entry as _ptd_entry, TENSOR_DIMENSION_LIMIT, PtdMap, ProgramFile, RuleError,
-    _in_file, _list_items, _need, _numbers, _valid_type, tensor_nbytes,
-)
-from .runtime_rules import (
-    _BOOL_LIST, _DELEGATE, _DOUBLE_LIST, _FREE, _INT_LIST, _JUMP_FALSE, _KERNEL, _MOVE, _NULL,
-    _OPT_LIST, _STRING, _TENSOR, _TENSOR_LIST, _INT, _BOOL, _DOUBLE,
+    OPERATOR_NAME_LIMIT, ptd_entry as _ptd_entry, TENSOR_DIMENSION_LIMIT, PtdMap, ProgramFile, RuleError,
+    in_file, list_items, need, numbers, valid_type, tensor_nbytes,
 )
 
 _EXTERNAL = 1
@@ -49,28 +47,28 @@ def check_method(pte: ProgramFile, plan_index: int, name: str, ptds: Sequence[Pt
     n = plan.ValuesLength()
     values = [plan.Values(k) for k in range(n)]
     for k, v in enumerate(values):
-        _need(v.ValType() == _NULL or v.Val() is not None, "Method::get_num_external_constants",
+        need(v.ValType() == KT.Null or v.Val() is not None, "Method::get_num_external_constants",
               f"{where}: null value at index {k}")
     resolved: Dict[bytes, bool] = {}
     for k, v in enumerate(values):
-        if v.ValType() != _TENSOR:
+        if v.ValType() != KT.Tensor:
             continue
         t = union_tensor(v)
         info = t.ExtraTensorInfo()
         if info is None or info.Location() != _EXTERNAL or t.AllocationInfo() is not None:
             continue
         fqn = info.FullyQualifiedName()
-        _need(fqn is not None, "Method::parse_external_constants",
+        need(fqn is not None, "Method::parse_external_constants",
               f"{where}: value {k}: fully qualified name of external tensor is null")
         key = fqn.split(b"\0", 1)[0]
         if key in resolved:
             continue
-        _need(bool(ptds), "Method::parse_external_constants",
+        need(bool(ptds), "Method::parse_external_constants",
               f"{where}: value {k} needs external data {key.decode(errors='replace')!r} and no .ptd is given")
         ptd, entry = _ptd_entry(ptds, key, where)
         _check_layout(t, entry, where, key)
         seg = ptd.root.Segments(entry.SegmentIndex())
-        _in_file(ptd.segment_base_offset + seg.Offset(), seg.Size(), ptd.file_nbytes,
+        in_file(ptd.segment_base_offset + seg.Offset(), seg.Size(), ptd.file_nbytes,
                  "FlatTensorDataMap::get_data", f"{ptd.path}: data of key {key.decode(errors='replace')!r}")
         resolved[key] = True
     kinds: List[Optional[int]] = [None] * n
@@ -85,18 +83,18 @@ def _check_layout(t, entry, where: str, key: bytes) -> None:
     """TensorLayout::create of the .ptd entry, then validateTensorLayout against ``t``."""
     lt = entry.TensorLayout()
     what = f"{where}: external tensor {key.decode(errors='replace')!r}"
-    sizes, order = _numbers(lt, "Sizes"), _numbers(lt, "DimOrder")
+    sizes, order = numbers(lt, "Sizes"), numbers(lt, "DimOrder")
     rule = "tensor_layout.cpp::TensorLayout::create"
-    _need(sizes is not None and order is not None and len(order) == len(sizes), rule,
+    need(sizes is not None and order is not None and len(order) == len(sizes), rule,
           f"{what}: .ptd layout sizes/dim_order missing or of different lengths")
-    _need(_valid_type(lt.ScalarType()) and all(s >= 0 for s in sizes)
+    need(valid_type(lt.ScalarType()) and all(s >= 0 for s in sizes)
           and tensor_nbytes(lt.ScalarType(), sizes) is not None and all(d < len(sizes) for d in order), rule,
           f"{what}: .ptd layout {lt.ScalarType()} {list(sizes)} {list(order)} is invalid")
     rule = "tensor_parser_exec_aten.cpp::validateTensorLayout"
-    _need(t.ScalarType() == lt.ScalarType(), rule, f"{what}: scalar type {t.ScalarType()} != .ptd {lt.ScalarType()}")
-    mine, my_order = _numbers(t, "Sizes"), _numbers(t, "DimOrder")
-    _need(mine is not None and my_order is not None, rule, f"{what}: missing sizes or dim_order")
-    _need(mine == sizes and my_order == order, rule,
+    need(t.ScalarType() == lt.ScalarType(), rule, f"{what}: scalar type {t.ScalarType()} != .ptd {lt.ScalarType()}")
+    mine, my_order = numbers(t, "Sizes"), numbers(t, "DimOrder")
+    need(mine is not None and my_order is not None, rule, f"{what}: missing sizes or dim_order")
+    need(mine == sizes and my_order == order, rule,
           f"{what}: sizes {list(mine)} dim_order {list(my_order)} != .ptd {list(sizes)} {list(order)}")
 
 
@@ -105,50 +103,50 @@ def _parse_value(pte, plan, ptds, planned, k, v, kinds, where) -> None:
     kind = v.ValType()
     what = f"{where}: value {k}"
     n = len(kinds)
-    if kind in (_NULL, _INT, _BOOL, _DOUBLE):
+    if kind in (KT.Null, KT.Int, KT.Bool, KT.Double):
         return
-    if kind == _STRING:
+    if kind == KT.String:
         from ..format.program_fb.String import String
 
         s = String()
         s.Init(v.Val().Bytes, v.Val().Pos)
-        _need(s.StringVal() is not None, rule, f"{what}: missing string")
+        need(s.StringVal() is not None, rule, f"{what}: missing string")
         return
-    if kind in (_INT_LIST, _DOUBLE_LIST, _BOOL_LIST, _TENSOR_LIST, _OPT_LIST):
-        items = _list_items(v)
-        _need(items is not None, rule, f"{what}: missing list")
-        if kind == _INT_LIST:
+    if kind in (KT.IntList, KT.DoubleList, KT.BoolList, KT.TensorList, KT.OptionalTensorList):
+        items = list_items(v)
+        need(items is not None, rule, f"{what}: missing list")
+        if kind == KT.IntList:
             for j, idx in enumerate(items):
-                _need(0 <= idx < n, rule, f"{what}: IntList item {j} index {idx} out of range ({n} values)")
-        elif kind == _TENSOR_LIST:
+                need(0 <= idx < n, rule, f"{what}: IntList item {j} index {idx} out of range ({n} values)")
+        elif kind == KT.TensorList:
             for j, idx in enumerate(items):
-                _need(0 <= idx < n and kinds[idx] == _TENSOR, "tensor_parser_exec_aten.cpp::parseTensorList",
+                need(0 <= idx < n and kinds[idx] == KT.Tensor, "tensor_parser_exec_aten.cpp::parseTensorList",
                       f"{what}: TensorList item {j} = {idx} is not a Tensor parsed before it")
-        elif kind == _OPT_LIST:
+        elif kind == KT.OptionalTensorList:
             for j, idx in enumerate(items):
-                _need(idx == -1 or (0 <= idx < n and kinds[idx] in (_TENSOR, _NULL)),
+                need(idx == -1 or (0 <= idx < n and kinds[idx] in (KT.Tensor, KT.Null)),
                       "tensor_parser.h::parseListOptionalType",
                       f"{what}: OptionalTensorList item {j} = {idx} is not a Tensor or None parsed before it")
         return
-    if kind != _TENSOR:
+    if kind != KT.Tensor:
         raise RuleError(rule, f"{what}: unknown KernelTypes value {kind}")
     _parse_tensor(pte, plan, ptds, planned, union_tensor(v), what)
 
 
 def _parse_tensor(pte, plan, ptds, planned, t, what) -> None:
     rule = "tensor_parser_portable.cpp::parseTensor"
-    _need(t.StorageOffset() == 0, rule, f"{what}: non-zero storage offset {t.StorageOffset()}")
-    _need(_valid_type(t.ScalarType()), rule, f"{what}: invalid ScalarType {t.ScalarType()}")
-    _need(t.ShapeDynamism() != _DYNAMIC_UNBOUND, rule, f"{what}: fully dynamic shapes are not supported")
-    sizes, order = _numbers(t, "Sizes"), _numbers(t, "DimOrder")
-    _need(sizes is not None, rule, f"{what}: missing sizes")
-    _need(len(sizes) <= TENSOR_DIMENSION_LIMIT, rule, f"{what}: rank {len(sizes)} > {TENSOR_DIMENSION_LIMIT}")
-    _need(order is not None and len(order) == len(sizes), rule, f"{what}: dim_order missing or of rank != {len(sizes)}")
-    _need(all(s >= 0 for s in sizes), rule, f"{what}: negative size in {list(sizes)}")
-    _need(not sizes or sorted(order) == list(range(len(sizes))), "dim_order_util.h::validate_dim_order",
+    need(t.StorageOffset() == 0, rule, f"{what}: non-zero storage offset {t.StorageOffset()}")
+    need(valid_type(t.ScalarType()), rule, f"{what}: invalid ScalarType {t.ScalarType()}")
+    need(t.ShapeDynamism() != _DYNAMIC_UNBOUND, rule, f"{what}: fully dynamic shapes are not supported")
+    sizes, order = numbers(t, "Sizes"), numbers(t, "DimOrder")
+    need(sizes is not None, rule, f"{what}: missing sizes")
+    need(len(sizes) <= TENSOR_DIMENSION_LIMIT, rule, f"{what}: rank {len(sizes)} > {TENSOR_DIMENSION_LIMIT}")
+    need(order is not None and len(order) == len(sizes), rule, f"{what}: dim_order missing or of rank != {len(sizes)}")
+    need(all(s >= 0 for s in sizes), rule, f"{what}: negative size in {list(sizes)}")
+    need(not sizes or sorted(order) == list(range(len(sizes))), "dim_order_util.h::validate_dim_order",
           f"{what}: dim_order {list(order)} is not a permutation of 0..{len(sizes) - 1}")
     nbytes = tensor_nbytes(t.ScalarType(), sizes)
-    _need(nbytes is not None, rule, f"{what}: sizes {list(sizes)} overflow")
+    need(nbytes is not None, rule, f"{what}: sizes {list(sizes)} overflow")
     _tensor_data(pte, ptds, planned, t, nbytes, what)
 
 
@@ -156,9 +154,9 @@ def _planned(planned: Sequence[int], alloc, nbytes: int, what: str) -> None:
     rule = "HierarchicalAllocator::get_offset_address"
     memory_id = (alloc.MemoryId() - 1) & 0xFFFFFFFF
     offset = alloc.MemoryOffsetLow() | (alloc.MemoryOffsetHigh() << 32)
-    _need(memory_id < len(planned), rule, f"{what}: memory id {alloc.MemoryId()} names no planned buffer "
+    need(memory_id < len(planned), rule, f"{what}: memory id {alloc.MemoryId()} names no planned buffer "
           f"({len(planned)} buffers)")
-    _need(offset + nbytes <= min(planned[memory_id], _U64), rule,
+    need(offset + nbytes <= min(planned[memory_id], _U64), rule,
           f"{what}: [{offset}, {offset + nbytes}) is outside planned buffer {memory_id} ({planned[memory_id]} bytes)")
 
 
@@ -168,88 +166,88 @@ def _tensor_data(pte: ProgramFile, ptds, planned, t, nbytes: int, what: str) -> 
     p = pte.root
     idx, alloc, info = t.DataBufferIdx(), t.AllocationInfo(), t.ExtraTensorInfo()
     if info is not None and info.Location() == _EXTERNAL:
-        _need(info.FullyQualifiedName() is not None, rule, f"{what}: external tensor without name")
+        need(info.FullyQualifiedName() is not None, rule, f"{what}: external tensor without name")
         if alloc is None:
             return  # resolved in parse_external_constants
         key = info.FullyQualifiedName().split(b"\0", 1)[0]
-        _need(bool(ptds), rule, f"{what}: mutable external tensor {key!r} and no .ptd is given")
+        need(bool(ptds), rule, f"{what}: mutable external tensor {key!r} and no .ptd is given")
         ptd, entry = _ptd_entry(ptds, key, what)
         _check_layout(t, entry, what, key)
         _planned(planned, alloc, nbytes, what)
         lt = entry.TensorLayout()
-        layout_nbytes = tensor_nbytes(lt.ScalarType(), _numbers(lt, "Sizes"))
-        _need(nbytes <= layout_nbytes, "FlatTensorDataMap::load_data_into", f"{what}: {nbytes} > layout {layout_nbytes}")
+        layout_nbytes = tensor_nbytes(lt.ScalarType(), numbers(lt, "Sizes"))
+        need(nbytes <= layout_nbytes, "FlatTensorDataMap::load_data_into", f"{what}: {nbytes} > layout {layout_nbytes}")
         seg = ptd.root.Segments(entry.SegmentIndex())
-        _in_file(ptd.segment_base_offset + seg.Offset(), layout_nbytes, ptd.file_nbytes,
+        in_file(ptd.segment_base_offset + seg.Offset(), layout_nbytes, ptd.file_nbytes,
                  "FlatTensorDataMap::load_data_into", f"{ptd.path}: data of {key!r}")
         return
     if idx > 0 and alloc is None:
         cs = p.ConstantSegment()
         if cs is not None and cs.OffsetsLength() > 1:
             rule = "Program::get_constant_buffer_data"
-            _need(idx < cs.OffsetsLength(), rule,
+            need(idx < cs.OffsetsLength(), rule,
                   f"{what}: constant index {idx} out of range of {cs.OffsetsLength()} constant offsets")
             size = p.Segments(cs.SegmentIndex()).Size()
             offset = cs.Offsets(idx)
-            _need(offset <= size and nbytes <= size - offset, rule,
+            need(offset <= size and nbytes <= size - offset, rule,
                   f"{what}: constant {idx} [{offset}, {offset + nbytes}) runs past the constant segment ({size} bytes)")
             return
         rule = "Program::get_constant_buffer_data (constant_buffer)"
-        _need(idx < p.ConstantBufferLength(), rule,
+        need(idx < p.ConstantBufferLength(), rule,
               f"{what}: constant buffer index {idx} out of range of {p.ConstantBufferLength()}")
         storage = p.ConstantBuffer(idx).StorageLength()
-        _need(nbytes <= storage, rule, f"{what}: {nbytes} bytes > constant buffer storage {storage}")
+        need(nbytes <= storage, rule, f"{what}: {nbytes} bytes > constant buffer storage {storage}")
         return
     if alloc is not None:
         _planned(planned, alloc, nbytes, what)
     if idx > 0 and alloc is not None:
         rule = "Program::load_mutable_subsegment_into"
-        _need(pte.segment_base_offset != 0 and not p.SegmentsIsNone(), rule, f"{what}: no segments in program")
-        _need(p.MutableDataSegmentsLength() > 0, rule, f"{what}: no mutable data segments in program")
+        need(pte.segment_base_offset != 0 and not p.SegmentsIsNone(), rule, f"{what}: no segments in program")
+        need(p.MutableDataSegmentsLength() > 0, rule, f"{what}: no mutable data segments in program")
         sub = p.MutableDataSegments(0)
-        _need(not sub.OffsetsIsNone() and idx < sub.OffsetsLength(), rule,
+        need(not sub.OffsetsIsNone() and idx < sub.OffsetsLength(), rule,
               f"{what}: mutable data offset index {idx} out of range of {sub.OffsetsLength()}")
-        _need(sub.SegmentIndex() < p.SegmentsLength(), rule,
+        need(sub.SegmentIndex() < p.SegmentsLength(), rule,
               f"{what}: mutable data segment index {sub.SegmentIndex()} >= {p.SegmentsLength()} segments")
         seg = p.Segments(sub.SegmentIndex())
         offset = sub.Offsets(idx)
-        _need(offset + nbytes <= seg.Size(), rule,
+        need(offset + nbytes <= seg.Size(), rule,
               f"{what}: mutable data [{offset}, {offset + nbytes}) runs past its segment ({seg.Size()} bytes)")
-        _in_file(pte.segment_base_offset + seg.Offset() + offset, nbytes, pte.file_nbytes, rule, f"{what}: mutable data")
+        in_file(pte.segment_base_offset + seg.Offset() + offset, nbytes, pte.file_nbytes, rule, f"{what}: mutable data")
 
 
 def _check_delegates(pte: ProgramFile, plan, where: str, backends, ptds: Sequence[PtdMap]) -> None:
     from .xnnpack_blob import check_xnnpack_blob
 
     rule = "BackendDelegate::Init"
-    _need(not plan.DelegatesIsNone(), "Method::init", f"{where}: missing delegates field")
+    need(not plan.DelegatesIsNone(), "Method::init", f"{where}: missing delegates field")
     p = pte.root
     for i in range(plan.DelegatesLength()):
         d = plan.Delegates(i)
         what = f"{where}: delegate {i}"
-        _need(d.Id() is not None, rule, f"{what}: missing backend id")
+        need(d.Id() is not None, rule, f"{what}: missing backend id")
         backend = d.Id().split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        _need(backends is None or backend in backends, rule, f"{what}: backend {backend!r} is not registered")
+        need(backends is None or backend in backends, rule, f"{what}: backend {backend!r} is not registered")
         ref = d.Processed()
-        _need(ref is not None, rule, f"{what}: missing processed data reference")
+        need(ref is not None, rule, f"{what}: missing processed data reference")
         if ref.Location() == _INLINE:
-            _need(not p.BackendDelegateDataIsNone() and ref.Index() < p.BackendDelegateDataLength(),
+            need(not p.BackendDelegateDataIsNone() and ref.Index() < p.BackendDelegateDataLength(),
                   "Program::get_backend_delegate_data", f"{what}: inline data index {ref.Index()} out of range")
             inline = p.BackendDelegateData(ref.Index())
             blob = _vector_bytes(inline, 4)
         elif ref.Location() == _SEGMENT:
             rule2 = "Program::LoadSegment"
-            _need(pte.segment_base_offset != 0, rule2, f"{what}: the program has no segments")
-            _need(not p.SegmentsIsNone() and ref.Index() < p.SegmentsLength(), rule2,
+            need(pte.segment_base_offset != 0, rule2, f"{what}: the program has no segments")
+            need(not p.SegmentsIsNone() and ref.Index() < p.SegmentsLength(), rule2,
                   f"{what}: segment index {ref.Index()} out of range")
             seg = p.Segments(ref.Index())
-            _in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, rule2, f"{what}: blob")
+            in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, rule2, f"{what}: blob")
             blob = _read_range(pte.path, pte.segment_base_offset + seg.Offset(), seg.Size())
         else:
             raise RuleError(rule, f"{what}: unknown data location {ref.Location()}")
         for j in range(d.CompileSpecsLength()):
             spec = d.CompileSpecs(j)
-            _need(spec.Key() is not None and not spec.ValueIsNone(), "BackendDelegate::PopulateCompileSpecs",
+            need(spec.Key() is not None and not spec.ValueIsNone(), "BackendDelegate::PopulateCompileSpecs",
                   f"{what}: compile spec {j} lacks key or value")
         if backend == "XnnpackBackend":
             check_xnnpack_blob(blob, f"{what} ({backend})", pte, ptds)
@@ -268,52 +266,52 @@ def _check_chains(plan, n: int, where: str, operators) -> None:
     from ..format.program_fb.MoveCall import MoveCall
 
     rule = "Method::init (chains)"
-    _need(not plan.ChainsIsNone() and plan.ChainsLength() > 0, rule, f"{where}: no chains")
+    need(not plan.ChainsIsNone() and plan.ChainsLength() > 0, rule, f"{where}: no chains")
     for c in range(plan.ChainsLength()):
         chain = plan.Chains(c)
-        _need(not chain.InstructionsIsNone(), rule, f"{where}: missing instructions in chain {c}")
+        need(not chain.InstructionsIsNone(), rule, f"{where}: missing instructions in chain {c}")
         for i in range(chain.InstructionsLength()):
             ins = chain.Instructions(i)
             what = f"{where}: chain {c} instruction {i}"
             args = ins.InstrArgs()
-            _need(args is not None, rule, f"{what}: null instruction")
+            need(args is not None, rule, f"{what}: null instruction")
             kind = ins.InstrArgsType()
-            if kind in (_KERNEL, _DELEGATE):
+            if kind in (IA.KernelCall, IA.DelegateCall):
                 call = KernelCall()  # DelegateCall has the same layout: index at slot 4, args at 6
                 call.Init(args.Bytes, args.Pos)
-                _need(not call.ArgsIsNone(), rule, f"{what}: call args missing")
+                need(not call.ArgsIsNone(), rule, f"{what}: call args missing")
                 for j in range(call.ArgsLength()):
                     a = call.Args(j)
-                    _need(0 <= a < n, "gen_instruction_arguments", f"{what}: arg {j} index {a} >= {n} values")
-                if kind == _KERNEL:
+                    need(0 <= a < n, "gen_instruction_arguments", f"{what}: arg {j} index {a} >= {n} values")
+                if kind == IA.KernelCall:
                     _check_operator(plan, call.OpIndex(), what, operators)
                 continue
-            cls = {_MOVE: MoveCall, _JUMP_FALSE: JumpFalseCall, _FREE: FreeCall}.get(kind)
-            _need(cls is not None, rule, f"{what}: invalid instruction type {kind}")
+            cls = {IA.MoveCall: MoveCall, IA.JumpFalseCall: JumpFalseCall, IA.FreeCall: FreeCall}.get(kind)
+            need(cls is not None, rule, f"{what}: invalid instruction type {kind}")
             call = cls()
             call.Init(args.Bytes, args.Pos)
-            if kind == _MOVE:
+            if kind == IA.MoveCall:
                 indices = (call.MoveFrom(), call.MoveTo())
-            elif kind == _JUMP_FALSE:
+            elif kind == IA.JumpFalseCall:
                 indices = (call.CondValueIndex(),)
             else:
                 indices = (call.ValueIndex(),)
             for a in indices:
-                _need(0 <= a < n, rule, f"{what}: value index {a} negative or >= {n}")
+                need(0 <= a < n, rule, f"{what}: value index {a} negative or >= {n}")
 
 
 def _check_operator(plan, op_index: int, what: str, operators) -> None:
     rule = "Method::resolve_operator"
-    _need(not plan.OperatorsIsNone() and (op_index & 0xFFFFFFFF) < plan.OperatorsLength(), rule,
+    need(not plan.OperatorsIsNone() and (op_index & 0xFFFFFFFF) < plan.OperatorsLength(), rule,
           f"{what}: operator index {op_index} out of range")
     op = plan.Operators(op_index)
-    _need(op.Name() is not None, rule, f"{what}: missing operator name")
+    need(op.Name() is not None, rule, f"{what}: missing operator name")
     name = op.Name().split(b"\0", 1)[0]
     overload = op.Overload().split(b"\0", 1)[0] if op.Overload() is not None else b""
     full = name + (b"." + overload if op.Overload() is not None and len(op.Overload()) > 0 else b"")
-    _need(len(full) < OPERATOR_NAME_LIMIT, rule, f"{what}: operator name {full[:40]!r}... is {len(full)} bytes")
+    need(len(full) < OPERATOR_NAME_LIMIT, rule, f"{what}: operator name {full[:40]!r}... is {len(full)} bytes")
     text = full.decode("utf-8", "surrogateescape")
-    _need(operators is None or text in operators, rule, f"{what}: operator {text!r} is not registered")
+    need(operators is None or text in operators, rule, f"{what}: operator {text!r} is not registered")
 
 
 def _vector_bytes(table, slot: int) -> bytes:

@@ -88,9 +88,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 from ..format.fb_roots import union_tensor
+from ..format.program_fb.KernelTypes import KernelTypes as KT
 
 HEAD_NBYTES = 64
 #: ``Program::load`` of executorch 1.5.1 refuses a Program.version above this.
@@ -101,10 +102,6 @@ OPERATOR_NAME_LIMIT = 100  # kTempBufferSizeForName, including the NUL
 ELEMENT_SIZE = (1, 1, 2, 4, 8, 2, 4, 8, 4, 8, 16, 1, 1, 1, 4, 2, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 2, 4, 8)
 _U64 = (1 << 64) - 1
 _SSIZE_MAX = (1 << 63) - 1
-# KernelTypes
-_NULL, _INT, _BOOL, _DOUBLE, _TENSOR, _STRING, _INT_LIST, _DOUBLE_LIST, _BOOL_LIST, _TENSOR_LIST, _OPT_LIST = range(1, 12)
-# InstructionArguments
-_KERNEL, _DELEGATE, _MOVE, _JUMP_FALSE, _FREE = range(1, 6)
 
 
 class RuleError(Exception):
@@ -138,7 +135,7 @@ class ProgramFile:
     file_nbytes: int
 
 
-def _need(ok: bool, rule: str, detail: str) -> None:
+def need(ok: bool, rule: str, detail: str) -> None:
     if not ok:
         raise RuleError(rule, detail)
 
@@ -148,7 +145,7 @@ def _items(length: int, get) -> Iterator:
         yield get(i)
 
 
-def _numbers(obj, name: str) -> Optional[Tuple[int, ...]]:
+def numbers(obj, name: str) -> Optional[Tuple[int, ...]]:
     if getattr(obj, f"{name}IsNone")():
         return None
     get = getattr(obj, name)
@@ -166,48 +163,49 @@ def tensor_nbytes(scalar_type: int, sizes: Sequence[int]) -> Optional[int]:
     return nbytes if nbytes <= _U64 else None
 
 
-def _valid_type(t: int) -> bool:
+def valid_type(t: int) -> bool:
     return 0 <= t < len(ELEMENT_SIZE)
 
 
 # -- program load ---------------------------------------------------------------------------
 
-def check_program(pte: ProgramFile, max_planned_nbytes: int) -> Dict[str, List[int]]:
+def check_program(pte: ProgramFile, max_planned_nbytes: int) -> dict:
     """Program::load + validate_program + the Python binding's method metas.
 
-    Returns {method name: plan index} (first plan of each name) after all checks pass.
+    Returns ``{"methods": {method name: index of its first plan}, "planned": [bytes of
+    each planned buffer the binding allocates]}`` once every check passed.
 
     Raises:
         RuleError: the first rule the program breaks.
     """
     p = pte.root
-    _need(pte.file_nbytes >= HEAD_NBYTES, "Program::load (ExtendedHeader::kNumHeadBytes)",
+    need(pte.file_nbytes >= HEAD_NBYTES, "Program::load (ExtendedHeader::kNumHeadBytes)",
           f"file is {pte.file_nbytes} bytes; the runtime loads the first {HEAD_NBYTES}")
-    _need(p.Version() <= MAX_PROGRAM_VERSION, "Program::load (schema version)",
+    need(p.Version() <= MAX_PROGRAM_VERSION, "Program::load (schema version)",
           f"Program schema version {p.Version()} is newer than the highest the runtime supports "
           f"({MAX_PROGRAM_VERSION})")
-    _need(not p.ExecutionPlanIsNone(), "program_validation.cpp::validate_program", "Program has null execution_plan")
+    need(not p.ExecutionPlanIsNone(), "program_validation.cpp::validate_program", "Program has null execution_plan")
     plans = list(_items(p.ExecutionPlanLength(), p.ExecutionPlan))
     for i, plan in enumerate(plans):
         _validate_plan(i, plan)
-    _need(p.NamedDataIsNone() or not p.SegmentsIsNone(), "PteDataMap::create", "named_data without segments")
+    need(p.NamedDataIsNone() or not p.SegmentsIsNone(), "PteDataMap::create", "named_data without segments")
     cs = p.ConstantSegment()
-    _need(cs is not None and cs.OffsetsLength() > 0, "Program::load (ET_ENABLE_DEPRECATED_CONSTANT_BUFFER=0)",
+    need(cs is not None and cs.OffsetsLength() > 0, "Program::load (ET_ENABLE_DEPRECATED_CONSTANT_BUFFER=0)",
           "no constant_segment offsets: the deprecated constant_buffer path is disabled in the runtime")
     if cs.OffsetsLength() > 1:
-        _need(p.ConstantBufferLength() == 0, "Program::load",
+        need(p.ConstantBufferLength() == 0, "Program::load",
               f"constant_buffer has {p.ConstantBufferLength()} items and constant_segment.offsets "
               f"{cs.OffsetsLength()}; only one may be used")
-        _need(not p.SegmentsIsNone(), "Program::load", "constant segment but no segments in program")
-        _need(cs.SegmentIndex() < p.SegmentsLength(), "Program::load",
+        need(not p.SegmentsIsNone(), "Program::load", "constant segment but no segments in program")
+        need(cs.SegmentIndex() < p.SegmentsLength(), "Program::load",
               f"constant segment index {cs.SegmentIndex()} >= {p.SegmentsLength()} segments")
         seg = p.Segments(cs.SegmentIndex())
-        _in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, "Program::load",
+        in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, "Program::load",
                  f"constant segment {cs.SegmentIndex()}")
     methods: Dict[str, int] = {}
     planned: Dict[int, int] = {}
     for i, plan in enumerate(plans):
-        _need(plan.Name() is not None, "Program::get_method_name", f"execution plan {i} has null name")
+        need(plan.Name() is not None, "Program::get_method_name", f"execution plan {i} has null name")
         raw = plan.Name().split(b"\0", 1)[0]
         try:  # the Python binding returns method names as str (pybind11 decodes UTF-8 strictly)
             name = raw.decode("utf-8")
@@ -217,15 +215,15 @@ def check_program(pte: ProgramFile, max_planned_nbytes: int) -> Dict[str, List[i
             continue
         methods[name] = i
         for field in ("NonConstBufferSizes", "Inputs", "Outputs"):
-            _need(not getattr(plan, f"{field}IsNone")(), "Program::method_meta",
+            need(not getattr(plan, f"{field}IsNone")(), "Program::method_meta",
                   f"method {name!r}: missing {_snake(field)} field")
-        sizes = _numbers(plan, "NonConstBufferSizes")
+        sizes = numbers(plan, "NonConstBufferSizes")
         for j, size in enumerate(sizes[1:]):
-            _need(size >= 0, "MethodMeta::memory_planned_buffer_size",
+            need(size >= 0, "MethodMeta::memory_planned_buffer_size",
                   f"method {name!r}: planned buffer {j} has negative size {size}")
             planned[j] = max(planned.get(j, 0), size)
     total = sum(planned.values())
-    _need(total <= max_planned_nbytes, "PyProgram (planned buffer allocation)",
+    need(total <= max_planned_nbytes, "PyProgram (planned buffer allocation)",
           f"planned buffers need {total:,} bytes, more than the limit {max_planned_nbytes:,}")
     return {"methods": methods, "planned": [planned[j] for j in sorted(planned)]}
 
@@ -234,49 +232,49 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
-def _in_file(offset: int, nbytes: int, file_nbytes: int, rule: str, what: str) -> None:
-    _need(offset <= _U64 and offset + nbytes <= file_nbytes, rule,
+def in_file(offset: int, nbytes: int, file_nbytes: int, rule: str, what: str) -> None:
+    need(offset <= _U64 and offset + nbytes <= file_nbytes, rule,
           f"{what} [{offset}, {offset + nbytes}) runs past the end of the file ({file_nbytes} bytes)")
 
 
 def _validate_plan(i: int, plan) -> None:
     rule = "program_validation.cpp::validate_program"
-    _need(not plan.ValuesIsNone(), rule, f"execution plan {i} has null values table")
+    need(not plan.ValuesIsNone(), rule, f"execution plan {i} has null values table")
     n = plan.ValuesLength()
-    inputs = set(_numbers(plan, "Inputs") or ())
+    inputs = set(numbers(plan, "Inputs") or ())
     for k in range(n):
         v = plan.Values(k)
         kind = v.ValType()
-        if kind == _TENSOR:
-            _need(v.Val() is not None, rule, f"plan {i} value {k}: Tensor is null")
+        if kind == KT.Tensor:
+            need(v.Val() is not None, rule, f"plan {i} value {k}: Tensor is null")
             t = union_tensor(v)
             problem = _tensor_problem(t)
             if problem and not (k in inputs and t.ShapeDynamism() != 0):
                 raise RuleError(rule, f"plan {i} value {k}: {problem}")
-        elif kind == _TENSOR_LIST:
-            _need(v.Val() is not None, rule, f"plan {i} value {k}: TensorList is null")
-            items = _list_items(v)
-            _need(items is not None, rule, f"plan {i} value {k}: TensorList items is null")
+        elif kind == KT.TensorList:
+            need(v.Val() is not None, rule, f"plan {i} value {k}: TensorList is null")
+            items = list_items(v)
+            need(items is not None, rule, f"plan {i} value {k}: TensorList items is null")
             for j, idx in enumerate(items):
-                _need(0 <= idx < n, rule, f"plan {i} value {k}: TensorList item {j} index {idx} out of range ({n} values)")
-                _need(plan.Values(idx).ValType() == _TENSOR, rule,
+                need(0 <= idx < n, rule, f"plan {i} value {k}: TensorList item {j} index {idx} out of range ({n} values)")
+                need(plan.Values(idx).ValType() == KT.Tensor, rule,
                       f"plan {i} value {k}: TensorList item {j} references a non-Tensor value {idx}")
 
 
 def _tensor_problem(t) -> Optional[str]:
-    sizes = _numbers(t, "Sizes")
+    sizes = numbers(t, "Sizes")
     if sizes is None:
         return "Tensor has null sizes"
     if any(s < 0 for s in sizes):
         return f"negative size in {list(sizes)}"
-    if not _valid_type(t.ScalarType()):
+    if not valid_type(t.ScalarType()):
         return f"invalid ScalarType {t.ScalarType()}"
     if tensor_nbytes(t.ScalarType(), sizes) is None:
         return f"sizes {list(sizes)} overflow"
     return None
 
 
-def _list_items(value) -> Optional[Tuple[int, ...]]:
+def list_items(value) -> Optional[Tuple[int, ...]]:
     from ..format.program_fb.IntList import IntList  # same layout for every *List table: items at slot 4
 
     tab = value.Val()
@@ -284,7 +282,7 @@ def _list_items(value) -> Optional[Tuple[int, ...]]:
     lst.Init(tab.Bytes, tab.Pos)
     if lst.ItemsIsNone():
         return None
-    width = {_INT_LIST: 8, _DOUBLE_LIST: 8, _BOOL_LIST: 1}.get(value.ValType(), 4)
+    width = {KT.IntList: 8, KT.DoubleList: 8, KT.BoolList: 1}.get(value.ValType(), 4)
     o = lst._tab.Offset(4)
     start, count = lst._tab.Vector(o), lst._tab.VectorLen(o)
     fmt = {8: "q", 1: "B", 4: "i"}[width]
@@ -310,13 +308,13 @@ def ptd_key(ptd: PtdMap, key: bytes):
         if e.Key() != key:
             continue
         idx = e.SegmentIndex()
-        _need(idx < root.SegmentsLength(), rule, f"{ptd.path}: key {key.decode(errors='replace')!r} names "
+        need(idx < root.SegmentsLength(), rule, f"{ptd.path}: key {key.decode(errors='replace')!r} names "
               f"segment {idx} of {root.SegmentsLength()}")
         seg = root.Segments(idx)
         end = seg.Offset() + seg.Size()
-        _need(end <= _U64 and end <= ptd.segment_base_offset + ptd.segment_data_nbytes, rule,
+        need(end <= _U64 and end <= ptd.segment_base_offset + ptd.segment_data_nbytes, rule,
               f"{ptd.path}: key {key.decode(errors='replace')!r}: segment end {end} beyond segment data")
-        _need(e.TensorLayout() is not None, rule,
+        need(e.TensorLayout() is not None, rule,
               f"{ptd.path}: key {key.decode(errors='replace')!r} has no tensor_layout")
         return e
     return None

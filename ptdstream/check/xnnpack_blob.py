@@ -28,7 +28,7 @@ from typing import Sequence
 
 from ..format.fb_tables import SCHEMAS
 from ..format.verifier import FlatbufferError, verify_buffer
-from .runtime_rules import PtdMap, ProgramFile, RuleError, _in_file, _need, ptd_key
+from .runtime_rules import PtdMap, ProgramFile, RuleError, in_file, need, ptd_key
 
 MIN_SIZE = 30
 MAX_EXTERNS = 4096
@@ -61,18 +61,18 @@ def check_xnnpack_blob(blob: bytes, what: str, pte: ProgramFile, ptds: Sequence[
         RuleError: the first check the blob fails (rule names the upstream function).
     """
     rule = "XNNHeader::Parse"
-    _need(len(blob) >= MIN_SIZE, rule, f"{what}: blob of {len(blob)} bytes is below {MIN_SIZE}")
+    need(len(blob) >= MIN_SIZE, rule, f"{what}: blob of {len(blob)} bytes is below {MIN_SIZE}")
     fb, fb_size = blob, len(blob)
     if blob[4:8] == b"XH00":
         fb_off, fb_size, cd_off = struct.unpack_from("<III", blob, 10)
         cd_size = struct.unpack_from("<Q", blob, 22)[0]
-        _need(fb_size >= 8, rule, f"{what}: flatbuffer_size {fb_size} is too small")
-        _need(fb_off <= len(blob) and fb_size <= len(blob) - fb_off, rule,
+        need(fb_size >= 8, rule, f"{what}: flatbuffer_size {fb_size} is too small")
+        need(fb_off <= len(blob) and fb_size <= len(blob) - fb_off, rule,
               f"{what}: flatbuffer [{fb_off}, +{fb_size}) outside the {len(blob)}-byte blob")
-        _need(cd_off <= len(blob) and cd_size <= len(blob) - cd_off, rule,
+        need(cd_off <= len(blob) and cd_size <= len(blob) - cd_off, rule,
               f"{what}: constant data [{cd_off}, +{cd_size}) outside the {len(blob)}-byte blob")
         fb = blob[fb_off : fb_off + fb_size]
-    _need(fb[4:8] in (b"XN00", b"XN01"), _RULE, f"{what}: identifier {bytes(fb[4:8])!r} is not XN00 or XN01")
+    need(fb[4:8] in (b"XN00", b"XN01"), _RULE, f"{what}: identifier {bytes(fb[4:8])!r} is not XN00 or XN01")
     try:
         verify_buffer(fb, "xnnpack", identifier=b"")
     except FlatbufferError as e:
@@ -80,10 +80,10 @@ def check_xnnpack_blob(blob: bytes, what: str, pte: ProgramFile, ptds: Sequence[
     root = _deref(fb, 0)
     graph = "fb_xnnpack.XNNGraph"
     for field in ("xvalues", "xnodes"):
-        _need(_table(fb, root, _slot(graph, field)) is not None, _RULE, f"{what}: XNNPACK graph has no {field}")
+        need(_table(fb, root, _slot(graph, field)) is not None, _RULE, f"{what}: XNNPACK graph has no {field}")
     pos = _table(fb, root, _slot(graph, "num_externs"))
     externs = struct.unpack_from("<I", fb, pos)[0] if pos is not None else 0
-    _need(externs <= MAX_EXTERNS, _RULE, f"{what}: num_externs {externs} > {MAX_EXTERNS}")
+    need(externs <= MAX_EXTERNS, _RULE, f"{what}: num_externs {externs} > {MAX_EXTERNS}")
     pos = _table(fb, root, _slot(graph, "constant_data"))
     if pos is None:
         return
@@ -105,15 +105,15 @@ def _resolve(key: bytes, what: str, pte: ProgramFile, ptds: Sequence[PtdMap]) ->
             return
     p = pte.root
     rule = "PteDataMap::get_data"
-    _need(not p.NamedDataIsNone() or ptds, "Method::init", f"{what}: no named data map for key {key!r}")
+    need(not p.NamedDataIsNone() or ptds, "Method::init", f"{what}: no named data map for key {key!r}")
     for i in range(p.NamedDataLength()):
         entry = p.NamedData(i)
-        _need(entry.Key() is not None, rule, f"{what}: searching for {key!r}: named data {i} has no key")
+        need(entry.Key() is not None, rule, f"{what}: searching for {key!r}: named data {i} has no key")
         if entry.Key() != key:
             continue
         idx = entry.SegmentIndex()
-        _need(idx < p.SegmentsLength(), rule, f"{what}: key {key!r} names segment {idx} of {p.SegmentsLength()}")
+        need(idx < p.SegmentsLength(), rule, f"{what}: key {key!r} names segment {idx} of {p.SegmentsLength()}")
         seg = p.Segments(idx)
-        _in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, rule, f"{what}: data of {key!r}")
+        in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, rule, f"{what}: data of {key!r}")
         return
     raise RuleError(rule, f"{what}: key {key!r} is not in the program's or the .ptd files' named data")
