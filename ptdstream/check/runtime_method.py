@@ -234,7 +234,8 @@ def _check_delegates(pte: ProgramFile, plan, where: str, backends, ptds: Sequenc
             need(not p.BackendDelegateDataIsNone() and ref.Index() < p.BackendDelegateDataLength(),
                   "Program::get_backend_delegate_data", f"{what}: inline data index {ref.Index()} out of range")
             inline = p.BackendDelegateData(ref.Index())
-            blob = _vector_bytes(inline, 4)
+            data = _vector_bytes(inline, 4)
+            blob = (lambda off, n, data=data: data[off : off + n]), len(data)
         elif ref.Location() == _SEGMENT:
             rule2 = "Program::LoadSegment"
             need(pte.segment_base_offset != 0, rule2, f"{what}: the program has no segments")
@@ -242,7 +243,8 @@ def _check_delegates(pte: ProgramFile, plan, where: str, backends, ptds: Sequenc
                   f"{what}: segment index {ref.Index()} out of range")
             seg = p.Segments(ref.Index())
             in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, rule2, f"{what}: blob")
-            blob = _read_range(pte.path, pte.segment_base_offset + seg.Offset(), seg.Size())
+            start = pte.segment_base_offset + seg.Offset()
+            blob = (lambda off, n, start=start: _read_range(pte.path, start + off, n)), seg.Size()
         else:
             raise RuleError(rule, f"{what}: unknown data location {ref.Location()}")
         for j in range(d.CompileSpecsLength()):
@@ -250,7 +252,7 @@ def _check_delegates(pte: ProgramFile, plan, where: str, backends, ptds: Sequenc
             need(spec.Key() is not None and not spec.ValueIsNone(), "BackendDelegate::PopulateCompileSpecs",
                   f"{what}: compile spec {j} lacks key or value")
         if backend == "XnnpackBackend":
-            check_xnnpack_blob(blob, f"{what} ({backend})", pte, ptds)
+            check_xnnpack_blob(*blob, f"{what} ({backend})", pte, ptds)
 
 
 def _read_range(path: str, offset: int, nbytes: int) -> bytes:

@@ -24,7 +24,7 @@ defines the subgraph).
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..format.fb_tables import SCHEMAS
 from ..format.verifier import FlatbufferError, verify_buffer
@@ -54,24 +54,29 @@ def _deref(buf: bytes, pos: int) -> int:
     return pos + struct.unpack_from("<I", buf, pos)[0]
 
 
-def check_xnnpack_blob(blob: bytes, what: str, pte: ProgramFile, ptds: Sequence[PtdMap]) -> None:
-    """Refuse ``blob`` (an XnnpackBackend delegate's processed data) as XNNPACK's init would.
+def check_xnnpack_blob(read_blob: Callable[[int, int], bytes], nbytes: int, what: str, pte: ProgramFile,
+                       ptds: Sequence[PtdMap]) -> None:
+    """Refuse an XnnpackBackend delegate's processed data as XNNPACK's init would.
+
+    ``read_blob(offset, count)`` reads ``count`` bytes at ``offset`` of the ``nbytes``-byte
+    blob; only the 30-byte header and the flatbuffer are read, never the constant data.
 
     Raises:
         RuleError: the first check the blob fails (rule names the upstream function).
     """
     rule = "XNNHeader::Parse"
-    need(len(blob) >= MIN_SIZE, rule, f"{what}: blob of {len(blob)} bytes is below {MIN_SIZE}")
-    fb, fb_size = blob, len(blob)
-    if blob[4:8] == b"XH00":
-        fb_off, fb_size, cd_off = struct.unpack_from("<III", blob, 10)
-        cd_size = struct.unpack_from("<Q", blob, 22)[0]
+    need(nbytes >= MIN_SIZE, rule, f"{what}: blob of {nbytes} bytes is below {MIN_SIZE}")
+    head = read_blob(0, MIN_SIZE)
+    fb_off, fb_size = 0, nbytes
+    if head[4:8] == b"XH00":
+        fb_off, fb_size, cd_off = struct.unpack_from("<III", head, 10)
+        cd_size = struct.unpack_from("<Q", head, 22)[0]
         need(fb_size >= 8, rule, f"{what}: flatbuffer_size {fb_size} is too small")
-        need(fb_off <= len(blob) and fb_size <= len(blob) - fb_off, rule,
-              f"{what}: flatbuffer [{fb_off}, +{fb_size}) outside the {len(blob)}-byte blob")
-        need(cd_off <= len(blob) and cd_size <= len(blob) - cd_off, rule,
-              f"{what}: constant data [{cd_off}, +{cd_size}) outside the {len(blob)}-byte blob")
-        fb = blob[fb_off : fb_off + fb_size]
+        need(fb_off <= nbytes and fb_size <= nbytes - fb_off, rule,
+             f"{what}: flatbuffer [{fb_off}, +{fb_size}) outside the {nbytes}-byte blob")
+        need(cd_off <= nbytes and cd_size <= nbytes - cd_off, rule,
+             f"{what}: constant data [{cd_off}, +{cd_size}) outside the {nbytes}-byte blob")
+    fb = read_blob(fb_off, fb_size)
     need(fb[4:8] in (b"XN00", b"XN01"), _RULE, f"{what}: identifier {bytes(fb[4:8])!r} is not XN00 or XN01")
     try:
         verify_buffer(fb, "xnnpack", identifier=b"")
