@@ -99,3 +99,27 @@ def test_a_flip_in_every_section_is_placed_in_that_section(files, tmp_path, name
         assert {"extended header", "flatbuffer", "delegate blob XnnpackBackend", "named data"} <= kinds
     if name.endswith(".ptd"):
         assert {"flat tensor header", "flatbuffer", "named data"} <= kinds
+
+
+def test_a_version_1_manifest_still_checks_and_names_the_key(files, tmp_path):
+    """A manifest written before section digests and blocks (version 1) is read and used
+    at piece granularity; key ranges still come from the manifest's own sections."""
+    import dataclasses
+
+    from ptdstream.check.manifest import from_bytes, to_bytes
+
+    ptd = files["_default_external_constant.ptd"]
+    v2 = write_manifest([ptd], str(tmp_path / "m.manifest"))
+    old = dataclasses.replace(v2, version=1, files=tuple(
+        dataclasses.replace(f, block_nbytes=0, blocks=(),
+                            sections=tuple(dataclasses.replace(s, digest=None) for s in f.sections))
+        for f in v2.files))
+    v1 = from_bytes(to_bytes(old))
+    assert v1.version == 1 and v1.files[0].block_nbytes == 0
+    target = next(s for s in v1.files[0].sections if s.key == "small.weight")
+    with open(ptd, "rb") as f:
+        data = bytearray(f.read())
+    data[target.offset + 7] ^= 1
+    check = verify_manifest(_copy(ptd, tmp_path, bytes(data)), v1)
+    assert not check.ok and check.bad_keys == ("small.weight",)
+    assert (check.first_bad_piece, check.first_bad_offset, check.key) == (0, 0, "small.weight")
