@@ -112,7 +112,8 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *, operators: 
     segments and unique, .ptd version. Across files: every tensor the program
     marks EXTERNAL is a key of some .ptd (layouts equal where the .ptd records
     one), and no key is in two .ptd files. Keys that only a backend's blob
-    references (XNNPACK weights in a .ptd) cannot be checked.
+    references are checked by the runtime rules for XNNPACK blobs
+    (:mod:`ptdstream.check.xnnpack_blob`); other backends' blobs are opaque.
 
     Raises:
         OSError: a file cannot be opened or read (an invalid file is a failed check).
@@ -150,8 +151,8 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *, operators: 
 
 def _external_checks(pte_path: str, pte: Artifact, ptds: List[Artifact]) -> List[Check]:
     if not pte.external_tensors:
-        return [Check(pte_path, "external data", True, "the program marks no tensor EXTERNAL (keys only a backend blob "
-                      "references cannot be checked)")]
+        return [Check(pte_path, "external data", True, "the program marks no tensor EXTERNAL (keys that only a backend "
+                      "blob references are checked below for XNNPACK blobs)")]
     layouts = {}
     for art in ptds:
         for e in art.named:
