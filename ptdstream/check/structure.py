@@ -19,6 +19,7 @@ from ..errors import FormatError
 from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identifier
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
+from . import runtime_registry
 from .runtime_load import runtime_load_checks
 
 
@@ -95,17 +96,20 @@ def _names(keys: Sequence[str], limit: int = 5) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *, operators: Optional[AbstractSet[str]] = None,
-                    backends: Optional[AbstractSet[str]] = None,
+def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
+                    operators: Optional[AbstractSet[str]] = runtime_registry.OPERATORS,
+                    backends: Optional[AbstractSet[str]] = runtime_registry.BACKENDS,
                     max_planned_nbytes: Optional[int] = None) -> StructureReport:
     """Check a .pte and its .ptd files the way the runtime would load them.
 
     When every file check passes, the runtime's own load rules follow
     (:mod:`ptdstream.check.runtime_load`): what ``Program::load`` and ``Method::init``
     check, so an OK report means ``executorch.runtime`` loads the program and every
-    method with these .ptd files. ``operators``/``backends`` (the runtime's registered
-    operator names and backend ids) add the registration checks; ``max_planned_nbytes``
-    caps the planned buffers the runtime allocates at load (default: physical memory).
+    method with these .ptd files. ``operators``/``backends`` are the operator names
+    (``name.overload``) and backend ids the runtime has registered; the defaults are those of
+    executorch's Python runtime (:mod:`ptdstream.check.runtime_registry`), None skips that
+    check (a runtime built with other kernels). ``max_planned_nbytes`` caps the planned
+    buffers the runtime allocates at load (default: physical memory).
 
     Per file: kind and identifier, header, flatbuffer parse, segments within the
     file, constant offsets within the constant segment, named keys resolving to

@@ -72,7 +72,16 @@ def registries(bases):
     from executorch.runtime import Runtime
 
     rt = Runtime.get()
-    return set(rt.operator_registry.operator_names), set(rt.backend_registry.registered_backend_names)
+    backends = {b for b in rt.backend_registry.registered_backend_names if rt.backend_registry.is_available(b)}
+    return set(rt.operator_registry.operator_names), backends
+
+
+def test_the_committed_registry_is_the_installed_runtimes(registries):
+    """verify's default operators and backends (tools/gen_runtime_registry.py) are the
+    installed runtime's."""
+    from ptdstream.check import runtime_registry
+
+    assert (set(runtime_registry.OPERATORS), set(runtime_registry.BACKENDS)) == registries
 
 
 def judge(jobs: List[Tuple[str, Optional[str]]]) -> List[Tuple[str, str]]:
@@ -155,6 +164,14 @@ def _named_cases(bases, folder) -> Dict[str, Tuple[str, Optional[str]]]:
     n = root.MutableDataSegments(0).OffsetsLength()
     data[_field(t, 14) : _field(t, 14) + 4] = struct.pack("<I", n + 5)
     cases["mutable_buffer_index_out_of_range"] = (_write(folder, "mutable.pte", bytes(data)), None)
+    # 6. an operator the runtime has no kernel for: the last letter of the first operator name
+    data, root = _program(bases["portable"][0])
+    op = root.ExecutionPlan(0).Operators(0)
+    at = _field(op, 4)
+    text = at + struct.unpack_from("<I", data, at)[0]
+    last = text + 4 + struct.unpack_from("<I", data, text)[0] - 1
+    data[last] = ord("q") if data[last] != ord("q") else ord("z")
+    cases["unregistered_operator"] = (_write(folder, "operator.pte", bytes(data)), None)
     return cases
 
 
@@ -170,6 +187,7 @@ EXPECTED = {
     "constant_index_out_of_range": "out of range of 5 constant offsets [Program::get_constant_buffer_data]",
     "sizes_times_100": "runs past the constant segment",
     "mutable_buffer_index_out_of_range": "[Program::load_mutable_subsegment_into]",
+    "unregistered_operator": "is not registered [Method::resolve_operator]",
 }
 
 
