@@ -80,8 +80,9 @@ keeps only the last ``resolve_operator`` error, so an earlier one is lost); a .p
 
 Not mirrored: what a backend's ``init`` checks inside its own blob (XNNPACK builds its
 graph there), and kernels registered for some dtypes only (``get_op_function_from_registry``
-matches by name here). Pass ``operators``/``backends`` (the runtime's registries) to check
-registration; without them those rules are reported as not checked.
+matches by name here). Registration is checked against ``operators``/``backends``;
+``check_structure`` passes those of executorch's Python runtime by default
+(:mod:`ptdstream.check.runtime_registry`); None leaves it unchecked, and the report says so.
 """
 
 from __future__ import annotations
