@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(ptdstream.__file__).parent
 #: own layer or lower ones. Longest prefix wins.
 LAYERS = {
     "errors": 0, "defaults": 0, "reports": 0, "progress": 0, "timeline": 0, "system": 0,
-    "executorch.names": 0, "executorch.patching": 0, "executorch.adapter": 0,
+    "executorch.names": 0, "executorch.patching": 0, "executorch.adapter": 0, "executorch.untrusted": 0,
     "format": 1, "sources": 1,
     "store": 2,
     "write": 3,
@@ -122,9 +122,10 @@ def test_the_layer_test_sees_function_level_and_relative_imports():
 
 def _upstream_state():
     """Every class attribute and module global ptdstream may patch, by identity."""
-    from ptdstream.executorch import adapter
+    from ptdstream.executorch import adapter, untrusted
 
-    owners = [adapter.emitter_module(), adapter.emitter_class(), adapter.export_verifier_module(),
+    owners = list(untrusted._generated_classes())
+    owners += [adapter.emitter_module(), adapter.emitter_class(), adapter.export_verifier_module(),
                adapter.manager_class()]
     return {(id(o), k): id(v) for o in owners for k, v in vars(o).items()}
 

@@ -2,9 +2,10 @@
 
 Two halves. The door, imported by every layer, imports nothing of ptdstream:
 ``names`` (the registry of private names, checked against each release),
-``adapter`` (one accessor per private name) and ``patching`` (the one scoped,
-thread-safe patching mechanism). Files are read without executorch
-(:mod:`ptdstream.format`). The integrations, which sit on top of ``save``: ``interop``
+``adapter`` (one accessor per private name), ``patching`` (the one scoped,
+thread-safe patching mechanism) and ``untrusted`` (bounded parsing of untrusted
+program flatbuffers into executorch's dataclasses, for ``weights``; the readers of
+:mod:`ptdstream.format` need no executorch). The integrations, which sit on top of ``save``: ``interop``
 (``FileBackedData`` over any source), ``emitter`` (constants by reference),
 ``blobs`` (delegate blobs that stay in files), ``cuda_backend`` (the CUDA
 backend's weights) and ``install`` (the drop-in for executorch's save methods).
