@@ -4,7 +4,6 @@ references to their storages, not bytes copies; the files do not change."""
 from __future__ import annotations
 
 import hashlib
-import os
 
 import torch
 
