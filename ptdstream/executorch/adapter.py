@@ -215,6 +215,12 @@ def tensor_spec_fqn(spec) -> Optional[str]:
     return getattr(getattr(spec, "extra_tensor_info", None), "fully_qualified_name", None)
 
 
+def xnnpack_node_visitor_module():
+    """XNNPACK's node visitor module (``backends/xnnpack/operators/node_visitor.py``):
+    ``NodeVisitor.get_serialized_buffer_index`` copies each constant with ``bytes``."""
+    return resolve("executorch.backends.xnnpack.operators.node_visitor")
+
+
 def export_verifier_module():
     """torch's export verifier module (``torch/_export/verifier.py``)."""
     return resolve("torch._export.verifier")
