@@ -81,8 +81,9 @@ class IntegrityManifest:
     version: int = 2
 
 
-def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES) -> FileManifest:
-    """Read ``path`` once and describe it. Non-ExecuTorch files get pieces only.
+def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[str] = None) -> FileManifest:
+    """Read ``path`` once and describe it under ``name`` (default: its base name; a
+    save describes its synced temp files under their targets' names). Non-ExecuTorch files get pieces only.
 
     Raises:
         OSError: the file cannot be read.
@@ -111,7 +112,7 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES) -> FileManifest:
     keys = tuple((key, end - start, digester.digest(start, end)) for key, start, end in key_ranges)
     sections = tuple(SectionEntry(s.name, s.key, s.offset, s.nbytes, digester.digest(s.offset, s.offset + s.nbytes))
                      for s in sections)
-    return FileManifest(os.path.basename(path), kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys,
+    return FileManifest(os.path.basename(path) if name is None else name, kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys,
                         BLOCK_NBYTES, tuple(digester.blocks))
 
 
@@ -248,6 +249,26 @@ def _str(value) -> str:
 
 def _digest(d) -> bytes:
     return d.Lo().to_bytes(8, "little") + d.Hi().to_bytes(8, "little")
+
+
+def manifest_sink(files: Sequence[Tuple[str, str]], out_path: str,
+                  piece_nbytes: int = CHUNK_NBYTES) -> ChunkedFileSink:
+    """A synced, unpublished sink for ``out_path`` holding the manifest of
+    ``[(path to read, name to record)]``: a save describes its synced temp files
+    under their targets' names and publishes the manifest in the same set.
+
+    Raises:
+        OSError, IntegrityError: as :func:`describe_file` (the sink is aborted).
+    """
+    sink = ChunkedFileSink(out_path)
+    try:
+        manifest = IntegrityManifest(tuple(describe_file(p, piece_nbytes, name) for p, name in files))
+        sink.write(to_bytes(manifest))
+        sink.sync()
+    except BaseException:
+        sink.abort()
+        raise
+    return sink
 
 
 def write_manifest(paths: Sequence[str], out_path: str, piece_nbytes: int = CHUNK_NBYTES) -> IntegrityManifest:

@@ -41,3 +41,27 @@ def check_regular_inputs(paths: Iterable[str]) -> None:
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
+
+
+def case_insensitive(folder: str) -> bool:
+    """Whether ``folder``'s file system ignores case in names (vfat, exFAT,
+    macOS defaults, casefolded ext4): a probe file
+    ``.case-probe.ptdstream-<pid>-<hex>.tmp`` is created, looked up upper-cased,
+    and removed (a killed probe's file is an ordinary stale temp file). A folder
+    that is missing or not writable counts as case-sensitive."""
+    import secrets
+
+    name = f".case-probe.ptdstream-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    path = os.path.join(folder, name)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    try:
+        return os.path.exists(os.path.join(folder, name.upper()))
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -38,7 +38,7 @@ SEED = 20_251_130
 PTD = "_default_external_constant.ptd"
 PTE = "model.pte"
 TARGETS = (PTD, PTE)
-TEMP_RE = re.compile(r"\.(model\.pte|_default_external_constant\.ptd)\.ptdstream-(\d+)-[0-9a-f]{8}\.(tmp|bak)")
+TEMP_RE = re.compile(r"\.(model\.pte|_default_external_constant\.ptd)\.ptdstream-(\d+)-[0-9a-f]{8}\.(tmp|bak|journal)")
 
 
 class Big(torch.nn.Module):
