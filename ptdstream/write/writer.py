@@ -212,7 +212,10 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
         drain = getattr(sink, "drain", None)
         if drain is not None:
             drain()
+        t1 = time.perf_counter()
         digest.update(written)
+        if timeline is not None:
+            timeline.add("xxh3 digest", time.perf_counter() - t1, len(written))
     if digest.nbytes != extent.nbytes:
         raise IntegrityError(
             f"{where}: {extent.source.describe()} gave {digest.nbytes} bytes, "
