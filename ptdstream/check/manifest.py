@@ -201,42 +201,61 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
 def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
     """Parse a manifest.
 
+    The work is bounded by the data's size, as for the .pte/.ptd readers: tables
+    and strings may be shared by many offsets in a flatbuffer (a few KB naming a
+    million entries), so every entry and string byte read is counted against a
+    budget of ``4 * len(data) + 4096``; a manifest that exceeds it is refused
+    instead of being expanded.
+
     Raises:
-        FormatError: wrong identifier, or a structure that does not parse or
-            points outside the data.
+        FormatError: wrong identifier, a structure that does not parse or points
+            outside the data, or more work than its size allows.
     """
     from .manifest_fb.Manifest import Manifest as M
 
     if len(data) < 8 or data[4:8] != IDENTIFIER:
         raise FormatError(f"{name}: not a ptdstream manifest (identifier {bytes(data[4:8])!r})")
+    budget = [len(data) + 4096]
+
+    def spend(units: int) -> None:
+        budget[0] -= units
+        if budget[0] < 0:
+            raise FormatError(
+                f"{name}: manifest describes more entries than its {len(data)} bytes can hold "
+                "(tables shared by many offsets); refused"
+            )
+
+    def text(value) -> str:
+        spend(len(value) if value is not None else 0)
+        return _str(value)
+
     try:
         root = M.GetRootAs(data, 0)
         files = []
+        spend(root.FilesLength())
         for i in range(root.FilesLength()):
             fe = root.Files(i)
+            spend(fe.PiecesLength() + fe.SectionsLength() + fe.KeysLength())
             pieces = tuple(_digest(fe.Pieces(j)) for j in range(fe.PiecesLength()))
-            sections = tuple(
-                SectionEntry(
-                    _str(fe.Sections(j).Name()),
-                    _str(fe.Sections(j).Key()) if fe.Sections(j).Key() is not None else None,
-                    fe.Sections(j).Offset(),
-                    fe.Sections(j).Size(),
-                    _digest(fe.Sections(j).Digest()) if fe.Sections(j).Digest() is not None else None,
-                )
-                for j in range(fe.SectionsLength())
-            )
+            sections = []
+            for j in range(fe.SectionsLength()):
+                sec = fe.Sections(j)
+                key = sec.Key()
+                digest = sec.Digest()
+                sections.append(SectionEntry(text(sec.Name()), text(key) if key is not None else None,
+                                             sec.Offset(), sec.Size(),
+                                             _digest(digest) if digest is not None else None))
+            spend(fe.BlocksLength())
             blocks = tuple(fe.Blocks(j) for j in range(fe.BlocksLength()))
-            keys = tuple(
-                (_str(fe.Keys(j).Key()), fe.Keys(j).Size(), _digest(fe.Keys(j).Digest()))
-                for j in range(fe.KeysLength())
-            )
+            keys = []
+            for j in range(fe.KeysLength()):
+                k = fe.Keys(j)
+                keys.append((text(k.Key()), k.Size(), _digest(k.Digest())))
             if fe.PieceSize() <= 0:
                 raise ValueError(f"piece size {fe.PieceSize()}")
-            files.append(
-                FileManifest(_str(fe.Name()), _str(fe.Kind()), fe.Size(), fe.PieceSize(), pieces, sections, keys,
-                             fe.BlockSize(), blocks)
-            )
-        return IntegrityManifest(tuple(files), _str(root.Algorithm()), root.Version())
+            files.append(FileManifest(text(fe.Name()), text(fe.Kind()), fe.Size(), fe.PieceSize(), pieces,
+                                      tuple(sections), tuple(keys), fe.BlockSize(), blocks))
+        return IntegrityManifest(tuple(files), text(root.Algorithm()), root.Version())
     except FormatError:
         raise
     except Exception as e:  # noqa: BLE001 - the generated reader trusts its input
