@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Iterator, Optional, Tuple
 
+import xxhash
 import zstandard
 
 from ..errors import FormatError, IntegrityError, StateError
@@ -160,6 +161,56 @@ class SeekableReader:
         if not ok or len(out) != entry.nbytes:
             raise IntegrityError(f"{where}: decompressed to {len(out)} bytes, the seek table says {entry.nbytes}")
         return out
+
+    def iter_decoded(self, entry: FrameEntry, piece_nbytes: int) -> Iterator[bytes]:
+        """The decompressed bytes of frame ``entry`` in pieces of at most
+        ``piece_nbytes`` bytes, with every check of :meth:`decode` (sizes, the
+        frame's own checksum, the seek table's checksum, computed as the pieces
+        go). Memory: the compressed frame and one piece, whatever the frame's
+        decompressed size (a 1 GiB frame of zeros in a few KB is decoded in
+        pieces, never whole). A frame no larger than ``piece_nbytes`` is decoded
+        by :meth:`decode`. Raises as :meth:`decode`; an error may come after some
+        pieces were yielded (the caller publishes nothing then)."""
+        if entry.nbytes <= piece_nbytes:
+            yield self.decode(entry, cache=False)
+            return
+        data = self._read_frame(entry)
+        where = entry.where(self.path)
+        try:
+            extent, content, has_checksum = zstd_frame_extent(data)
+        except ValueError as e:
+            raise FormatError(f"{where}: not a zstd frame of the seek table's size: {e}") from None
+        if extent != entry.compressed_nbytes:
+            raise FormatError(f"{where}: the zstd frame is {extent} bytes, the seek table says "
+                              f"{entry.compressed_nbytes}")
+        if content is not None and content != entry.nbytes:
+            raise FormatError(f"{where}: frame header says {content} decompressed bytes, "
+                              f"the seek table says {entry.nbytes}")
+        self.all_frames_have_checksums &= has_checksum
+        running = xxhash.xxh64()
+        total = 0
+        try:
+            with self._dctx.stream_reader(data, read_size=min(len(data), 1 << 20) or 1) as reader:
+                while True:
+                    piece = reader.read(piece_nbytes)
+                    if not piece:
+                        break
+                    total += len(piece)
+                    if total > entry.nbytes:
+                        break
+                    running.update(piece)
+                    yield piece
+        except zstandard.ZstdError as e:
+            raise IntegrityError(f"{where}: does not decompress ({e}): the file is corrupt; fetch or pack it "
+                                 "again") from None
+        if total != entry.nbytes:
+            raise IntegrityError(f"{where}: decompressed to {'more than ' if total > entry.nbytes else ''}"
+                                 f"{total} bytes, the seek table says {entry.nbytes}")
+        found = running.intdigest() & 0xFFFFFFFF
+        if entry.checksum is not None and found != entry.checksum:
+            raise IntegrityError(f"{where}: seek table checksum 0x{entry.checksum:08X}, decompressed bytes "
+                                 f"give 0x{found:08X}: the file is corrupt; fetch or pack it again")
+        self.frames_decoded += 1
 
     def iter_range(self, offset: int, nbytes: int) -> Iterator[memoryview]:
         """Content bytes ``[offset, offset + nbytes)`` as consecutive pieces, one per
