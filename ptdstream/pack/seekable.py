@@ -17,6 +17,7 @@ from typing import Iterator, Optional, Tuple
 import xxhash
 import zstandard
 
+from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError, IntegrityError, StateError
 from ..system.files import pread_exact
 from ..system.pagecache import drop_pages
@@ -220,11 +221,22 @@ class SeekableReader:
             raise FormatError(f"{self.path}: content range [{offset}, {offset + nbytes}) lies beyond the "
                               f"{self.nbytes} decompressed bytes")
         for entry in self.table.covering(offset, nbytes):
-            data = memoryview(self.decode(entry))
-            yield data[max(offset, entry.offset) - entry.offset : min(offset + nbytes, entry.end) - entry.offset]
+            lo, hi = max(offset, entry.offset) - entry.offset, min(offset + nbytes, entry.end) - entry.offset
+            if entry.nbytes <= CHUNK_NBYTES:
+                yield memoryview(self.decode(entry))[lo:hi]
+                continue
+            # A large frame is decoded in pieces; the whole frame is still decoded
+            # (its checksums cover all of it), only the asked range is kept.
+            at = 0
+            for piece in self.iter_decoded(entry, CHUNK_NBYTES):
+                a, b = max(lo, at), min(hi, at + len(piece))
+                if a < b:
+                    yield memoryview(piece)[a - at : b - at]
+                at += len(piece)
 
     def read_at(self, offset: int, nbytes: int) -> bytes:
-        """Content bytes ``[offset, offset + nbytes)`` (allocates ``nbytes``)."""
+        """Content bytes ``[offset, offset + nbytes)`` (allocates ``nbytes``, plus
+        one 8 MiB piece of a frame larger than that)."""
         return b"".join(self.iter_range(offset, nbytes))
 
     def close(self) -> None:
