@@ -115,7 +115,10 @@ def print_error(message: str) -> None:
 
 def print_report(args: argparse.Namespace, report: Any, stream=None) -> None:
     """A report's JSON with ``--json``, else its summary (stdout by default)."""
-    print(report.to_json() if getattr(args, "json", False) else report.summary(), file=stream or sys.stdout)
+    if getattr(args, "json", False):
+        report.write_json(stream or sys.stdout)  # streamed: never the whole text at once
+    else:
+        print(report.summary(), file=stream or sys.stdout)
 
 
 def parse_nbytes(text: str) -> int:
