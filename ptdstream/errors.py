@@ -57,3 +57,9 @@ class CheckpointMismatchError(PtdstreamError, ValueError):
             f"{checkpoint} does not fit {program} ({len(self.problems)} problem(s); nothing written):\n  "
             + "\n  ".join(self.problems)
         )
+
+
+class OverwriteError(PtdstreamError):
+    """An output that would destroy a file it should not: the output is one of
+    the inputs (same device and inode, through links too), or, for the command
+    line without ``-f/--force``, an existing file. Nothing was written."""

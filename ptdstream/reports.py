@@ -37,6 +37,23 @@ class Report:
 
         return json.dumps(self.to_dict(), indent=2, default=_plain)
 
+    def write_json(self, stream) -> None:
+        """Write :meth:`to_json`'s text to the text ``stream``, followed by a newline,
+        piece by piece: the whole text is never held (100,000 keys make 85 MB of
+        JSON, whose pieces ``json.dumps`` would keep in a list first)."""
+        import json
+
+        encoder = json.JSONEncoder(indent=2, default=_plain)
+        buffer, size = [], 0
+        for chunk in encoder.iterencode(self.to_dict()):
+            buffer.append(chunk)
+            size += len(chunk)
+            if size >= 1 << 16:
+                stream.write("".join(buffer))
+                buffer, size = [], 0
+        buffer.append("\n")
+        stream.write("".join(buffer))
+
 
 def _plain(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):

@@ -118,17 +118,22 @@ def save(
     start = time.perf_counter()
     plan = plan_manager(manager, path, config=config, data_dir=data_dir)
     plan_seconds = time.perf_counter() - start
+    manifest_path = None
+    extra_files = None
+    if manifest:
+        from .check.manifest import manifest_path_for, manifest_sink  # flatbuffers + numpy: only when asked
+
+        manifest_path = manifest_path_for(path)
+
+        def extra_files(sinks):  # published in the same set as the files it describes
+            described = [(s.temp_path, os.path.basename(s.target)) for s in sinks]
+            return [manifest_sink(described, manifest_path)]
+
     with contextlib.ExitStack() as stack:
         callback = progress_callback(stack, progress, plan.nbytes,
                                      f"saving {len(plan.files)} file(s) of {os.path.basename(path)}")
         reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
-                                  progress=callback, direct=direct)
-    manifest_path = None
-    if manifest:
-        from .check.manifest import manifest_path_for, write_manifest  # flatbuffers + numpy: only when asked
-
-        manifest_path = manifest_path_for(path)
-        write_manifest([r.path for r in reports], manifest_path)
+                                  progress=callback, direct=direct, extra_files=extra_files)
     seconds = time.perf_counter() - start
     nbytes = sum(r.nbytes for r in reports)
     return SaveReport(

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from .format.layout import check_alignment
 from .format.plan import DataEntry
 from .sources import BufferRing, Source, as_source, is_tensor
-from .sources.fingerprint import CandidateKey, Fingerprint, candidate_key, check_expected, fingerprint
+from .sources.fingerprint import CandidateKey, Fingerprint, candidate_key, check_expected, fingerprint, seal
 
 __all__ = ["DataEntry", "NamedDataOutput", "StreamingNamedDataStore"]
 
@@ -133,7 +133,7 @@ class StreamingNamedDataStore:
                     f"The provided tensor layout {tensor_layout} does not match."
                 )
             tensor_layout = real_layout
-        source = as_source(data, label=f"key {key!r}")
+        source = seal(as_source(data, label=f"key {key!r}"))
         target = (
             self.pte_data
             if external_tag is None

@@ -81,8 +81,9 @@ class IntegrityManifest:
     version: int = 2
 
 
-def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES) -> FileManifest:
-    """Read ``path`` once and describe it. Non-ExecuTorch files get pieces only.
+def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[str] = None) -> FileManifest:
+    """Read ``path`` once and describe it under ``name`` (default: its base name; a
+    save describes its synced temp files under their targets' names). Non-ExecuTorch files get pieces only.
 
     Raises:
         OSError: the file cannot be read.
@@ -111,7 +112,7 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES) -> FileManifest:
     keys = tuple((key, end - start, digester.digest(start, end)) for key, start, end in key_ranges)
     sections = tuple(SectionEntry(s.name, s.key, s.offset, s.nbytes, digester.digest(s.offset, s.offset + s.nbytes))
                      for s in sections)
-    return FileManifest(os.path.basename(path), kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys,
+    return FileManifest(os.path.basename(path) if name is None else name, kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys,
                         BLOCK_NBYTES, tuple(digester.blocks))
 
 
@@ -200,42 +201,61 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
 def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
     """Parse a manifest.
 
+    The work is bounded by the data's size, as for the .pte/.ptd readers: tables
+    and strings may be shared by many offsets in a flatbuffer (a few KB naming a
+    million entries), so every entry and string byte read is counted against a
+    budget of ``4 * len(data) + 4096``; a manifest that exceeds it is refused
+    instead of being expanded.
+
     Raises:
-        FormatError: wrong identifier, or a structure that does not parse or
-            points outside the data.
+        FormatError: wrong identifier, a structure that does not parse or points
+            outside the data, or more work than its size allows.
     """
     from .manifest_fb.Manifest import Manifest as M
 
     if len(data) < 8 or data[4:8] != IDENTIFIER:
         raise FormatError(f"{name}: not a ptdstream manifest (identifier {bytes(data[4:8])!r})")
+    budget = [len(data) + 4096]
+
+    def spend(units: int) -> None:
+        budget[0] -= units
+        if budget[0] < 0:
+            raise FormatError(
+                f"{name}: manifest describes more entries than its {len(data)} bytes can hold "
+                "(tables shared by many offsets); refused"
+            )
+
+    def text(value) -> str:
+        spend(len(value) if value is not None else 0)
+        return _str(value)
+
     try:
         root = M.GetRootAs(data, 0)
         files = []
+        spend(root.FilesLength())
         for i in range(root.FilesLength()):
             fe = root.Files(i)
+            spend(fe.PiecesLength() + fe.SectionsLength() + fe.KeysLength())
             pieces = tuple(_digest(fe.Pieces(j)) for j in range(fe.PiecesLength()))
-            sections = tuple(
-                SectionEntry(
-                    _str(fe.Sections(j).Name()),
-                    _str(fe.Sections(j).Key()) if fe.Sections(j).Key() is not None else None,
-                    fe.Sections(j).Offset(),
-                    fe.Sections(j).Size(),
-                    _digest(fe.Sections(j).Digest()) if fe.Sections(j).Digest() is not None else None,
-                )
-                for j in range(fe.SectionsLength())
-            )
+            sections = []
+            for j in range(fe.SectionsLength()):
+                sec = fe.Sections(j)
+                key = sec.Key()
+                digest = sec.Digest()
+                sections.append(SectionEntry(text(sec.Name()), text(key) if key is not None else None,
+                                             sec.Offset(), sec.Size(),
+                                             _digest(digest) if digest is not None else None))
+            spend(fe.BlocksLength())
             blocks = tuple(fe.Blocks(j) for j in range(fe.BlocksLength()))
-            keys = tuple(
-                (_str(fe.Keys(j).Key()), fe.Keys(j).Size(), _digest(fe.Keys(j).Digest()))
-                for j in range(fe.KeysLength())
-            )
+            keys = []
+            for j in range(fe.KeysLength()):
+                k = fe.Keys(j)
+                keys.append((text(k.Key()), k.Size(), _digest(k.Digest())))
             if fe.PieceSize() <= 0:
                 raise ValueError(f"piece size {fe.PieceSize()}")
-            files.append(
-                FileManifest(_str(fe.Name()), _str(fe.Kind()), fe.Size(), fe.PieceSize(), pieces, sections, keys,
-                             fe.BlockSize(), blocks)
-            )
-        return IntegrityManifest(tuple(files), _str(root.Algorithm()), root.Version())
+            files.append(FileManifest(text(fe.Name()), text(fe.Kind()), fe.Size(), fe.PieceSize(), pieces,
+                                      tuple(sections), tuple(keys), fe.BlockSize(), blocks))
+        return IntegrityManifest(tuple(files), text(root.Algorithm()), root.Version())
     except FormatError:
         raise
     except Exception as e:  # noqa: BLE001 - the generated reader trusts its input
@@ -248,6 +268,26 @@ def _str(value) -> str:
 
 def _digest(d) -> bytes:
     return d.Lo().to_bytes(8, "little") + d.Hi().to_bytes(8, "little")
+
+
+def manifest_sink(files: Sequence[Tuple[str, str]], out_path: str,
+                  piece_nbytes: int = CHUNK_NBYTES) -> ChunkedFileSink:
+    """A synced, unpublished sink for ``out_path`` holding the manifest of
+    ``[(path to read, name to record)]``: a save describes its synced temp files
+    under their targets' names and publishes the manifest in the same set.
+
+    Raises:
+        OSError, IntegrityError: as :func:`describe_file` (the sink is aborted).
+    """
+    sink = ChunkedFileSink(out_path)
+    try:
+        manifest = IntegrityManifest(tuple(describe_file(p, piece_nbytes, name) for p, name in files))
+        sink.write(to_bytes(manifest))
+        sink.sync()
+    except BaseException:
+        sink.abort()
+        raise
+    return sink
 
 
 def write_manifest(paths: Sequence[str], out_path: str, piece_nbytes: int = CHUNK_NBYTES) -> IntegrityManifest:

@@ -16,13 +16,15 @@ import os
 import sys
 from typing import List, Optional
 
-from ..system.files import check_regular_inputs
-from . import cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_verify, cmd_weights
+from ..system.files import check_regular_inputs, refuse_overwrite
+from . import (cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_recover, cmd_unpack,
+               cmd_verify, cmd_weights)
 from .common import (EPILOG, EXIT_OK, EXIT_USAGE, EXPECTED_ERRORS, Parser, UsageError, exit_for, print_error,
                      quiet_third_party, silence_stdout)
 
 #: The subcommands, in the order ``--help`` lists them.
-COMMANDS = (cmd_verify, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_extract, cmd_weights, cmd_demo)
+COMMANDS = (cmd_verify, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_extract, cmd_weights, cmd_recover,
+            cmd_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +70,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         quiet_third_party()
     try:
         check_regular_inputs(args.inputs(args))
+        if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
+            refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
         return int(args.run(args) or 0)
     except BrokenPipeError:  # output piped into head & co.
         silence_stdout()

@@ -17,7 +17,7 @@ def register(subparsers) -> None:
         epilog="examples:\n  ptdstream extract model.ptd.zst --list\n"
                "  ptdstream extract model.ptd.zst l1.weight -o l1.weight.bin\n"
                "  ptdstream extract model.pte.zst --segment 0 > delegate.bin\n" + EXIT_LINE,
-        run=run, inputs=lambda a: [a.packed])
+        run=run, inputs=lambda a: [a.packed], outputs=lambda a: [a.output])
     e.add_argument("packed", help="packed .pte/.ptd")
     e.add_argument("key", nargs="?", help="named-data key")
     e.add_argument("--segment", type=int, help="segment index instead of a key")

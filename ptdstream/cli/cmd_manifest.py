@@ -14,18 +14,24 @@ def register(subparsers) -> None:
         description="Describe FILEs in a manifest (ptdstream's flatbuffer schema, schema/manifest.fbs): each "
                     "file's size, sections, the xxh3-128 digest of every piece and each key's fingerprint. "
                     "Check copies later with `ptdstream verify FILE --manifest M`.",
-        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=False)
+        epilog=EPILOG, run=run, inputs=lambda a: a.files, outputs=lambda a: [_output(a)], imports_torch=False)
     m.add_argument("files", nargs="+", metavar="FILE")
     m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
     m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES", help="piece size (default 8 MiB)")
     m.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _output(args) -> str:
+    """The manifest path: ``-o``, or the first file's path with ``.manifest`` for its suffix."""
+    from ..check.manifest import manifest_path_for
+
+    return args.output or manifest_path_for(args.files[0])
+
+
 def run(args) -> int:
-    from ..check.manifest import manifest_path_for, write_manifest_report
+    from ..check.manifest import write_manifest_report
 
     if args.piece_size <= 0:
         raise UsageError("ptdstream manifest: --piece-size must be > 0")
-    out = args.output or manifest_path_for(args.files[0])
-    print_report(args, write_manifest_report(args.files, out, args.piece_size))
+    print_report(args, write_manifest_report(args.files, _output(args), args.piece_size))
     return EXIT_OK

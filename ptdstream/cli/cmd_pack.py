@@ -16,7 +16,7 @@ def register(subparsers) -> None:
                     "Any zstd tool decompresses OUT; `ptdstream unpack` also checks it.",
         epilog="examples:\n  ptdstream pack model.ptd model.ptd.zst\n"
                "  ptdstream pack -l 9 --frame-size 16M -T 4 model.pte model.pte.zst\n" + EXIT_LINE,
-        run=run, inputs=lambda a: [a.input])
+        run=run, inputs=lambda a: [a.input], outputs=lambda a: [a.output])
     p.add_argument("input", help="file to compress")
     p.add_argument("output", help="packed file to write (replaced atomically)")
     p.add_argument("-l", "--level", type=int, default=DEFAULT_LEVEL, help="zstd level, -7..22 (default %(default)s)")

@@ -13,7 +13,7 @@ def register(subparsers) -> None:
                     "checksums and sizes, and the whole content's xxh3-128 when IN was packed by ptdstream, are "
                     "checked before OUT is published; on any error OUT is left as it was.",
         epilog="examples:\n  ptdstream unpack model.ptd.zst model.ptd\n" + EXIT_LINE,
-        run=run, inputs=lambda a: [a.input])
+        run=run, inputs=lambda a: [a.input], outputs=lambda a: [a.output])
     u.add_argument("input", help="packed file")
     u.add_argument("output", help="file to write (replaced atomically)")
     u.add_argument("--progress", action="store_true", help="progress bar on stderr")

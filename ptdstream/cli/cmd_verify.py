@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .common import EPILOG, EXIT_INVALID, EXIT_OK, UsageError, add_command, print_report
+import os
+
+from .common import EPILOG, EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_report
 
 
 def register(subparsers) -> None:
@@ -21,7 +23,25 @@ def register(subparsers) -> None:
     v.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def unrecovered_sets(files):
+    """The unrecovered set publications (journals) in the folders of ``files``."""
+    from ..write.journal import unrecovered
+
+    folders = sorted({os.path.dirname(os.path.abspath(f)) for f in files})
+    return [p for folder in folders for p in unrecovered(folder)]
+
+
 def run(args) -> int:
+    pending = unrecovered_sets(args.files)
+    for p in pending:  # the files may be a mix of two saves until the set is completed
+        names = ", ".join(os.path.basename(t) for t in p.targets) or "unreadable journal"
+        print_error(f"ptdstream verify: unrecovered set in {os.path.dirname(p.path)} ({names}; journal "
+                    f"{os.path.basename(p.path)}): run `ptdstream recover {os.path.dirname(p.path)}`")
+    code = _check(args)
+    return EXIT_INVALID if pending else code
+
+
+def _check(args) -> int:
     if args.manifest is not None:
         if args.against is not None:
             raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, PtdstreamError
+from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, OverwriteError, PtdstreamError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -56,16 +56,25 @@ class Parser(argparse.ArgumentParser):
 def add_command(subparsers, name: str, *, help: str, description: str, epilog: str,
                 run: Callable[[argparse.Namespace], int],
                 inputs: Callable[[argparse.Namespace], Sequence[str]] = lambda a: (),
+                outputs: Optional[Callable[[argparse.Namespace], Sequence[Optional[str]]]] = None,
                 imports_torch: bool = False) -> argparse.ArgumentParser:
     """Register subcommand ``name`` and return its parser for the caller's arguments.
 
     ``run(args)`` returns the exit code or raises (mapped by :func:`exit_for`);
     ``inputs(args)`` names the files it reads (checked to be regular files first);
+    ``outputs(args)`` names the files it writes: a command with outputs gets
+    ``-f/--force``, and ``main`` refuses (exit 2) an output that is an input, or
+    that exists without ``--force``
+    (:func:`ptdstream.system.files.refuse_overwrite`);
     ``imports_torch`` makes ``main`` silence the import noise of torch/executorch.
     """
     parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.set_defaults(run=run, inputs=inputs, imports_torch=imports_torch)
+    parser.set_defaults(run=run, inputs=inputs, outputs=outputs or (lambda a: ()), force=False,
+                        imports_torch=imports_torch)
+    if outputs is not None:
+        parser.add_argument("-f", "--force", action="store_true",
+                            help="replace an existing output file (never one of the inputs)")
     return parser
 
 
@@ -80,6 +89,8 @@ def exit_for(error: BaseException, command: Optional[str]) -> Tuple[int, str]:
         return EXIT_USAGE, str(error)
     if isinstance(error, FormatError):
         return EXIT_INVALID, f"ptdstream: invalid file: {error}"
+    if isinstance(error, OverwriteError):
+        return EXIT_USAGE, f"ptdstream {command}: error: {error}"
     if isinstance(error, (LayoutError, MissingKeyError)):
         return EXIT_USAGE, f"ptdstream {command}: error: {error}"
     if isinstance(error, IntegrityError):
@@ -104,7 +115,10 @@ def print_error(message: str) -> None:
 
 def print_report(args: argparse.Namespace, report: Any, stream=None) -> None:
     """A report's JSON with ``--json``, else its summary (stdout by default)."""
-    print(report.to_json() if getattr(args, "json", False) else report.summary(), file=stream or sys.stdout)
+    if getattr(args, "json", False):
+        report.write_json(stream or sys.stdout)  # streamed: never the whole text at once
+    else:
+        print(report.summary(), file=stream or sys.stdout)
 
 
 def parse_nbytes(text: str) -> int:

@@ -38,8 +38,11 @@ def _save(self, path: str) -> None:
 
 
 def _write_to_file(self, open_file) -> None:
-    name = os.path.basename(getattr(open_file, "name", "model.pte") or "model.pte")
-    plan = plan_manager(self, "model.pte" if not str(name).endswith(".pte") else str(name))
+    # The name only labels messages: a file object's ``name`` may be a path, a
+    # descriptor number (``tempfile.TemporaryFile``), a pseudo-name or absent.
+    name = getattr(open_file, "name", None)
+    name = os.path.basename(name) if isinstance(name, str) and name.endswith(".pte") else "model.pte"
+    plan = plan_manager(self, name)
     write_plan(plan.program.plan, StreamSink(open_file), BufferRing(count=2))
 
 

@@ -10,12 +10,13 @@ the 40-byte ``FH01`` header (padded to 48) is inserted at byte 8.
 from __future__ import annotations
 
 import os
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
 from ..executorch import adapter
 from ..sources.base import Source
 from ..sources.fingerprint import Fingerprint
+from ..system.files import case_insensitive
 from .identity import FLAT_TENSOR_VERSION
 from .layout import ptd_head
 from .plan import DataEntry, FilePlan, FileRole, PlannedFile, SegmentPlan, assemble, named_segments, place
@@ -45,6 +46,36 @@ def ptd_file_name(tag: str) -> str:
             "a tag names a file in the output folder and may not leave it"
         )
     return name
+
+
+def check_ptd_file_names(tags: Sequence[str], folder: str) -> None:
+    """Refuse two external tags that name one file, before anything is written.
+
+    ``"w"`` and ``"w.ptd"`` both become ``w.ptd`` (upstream writes one over the
+    other and loses keys); in a folder whose file system ignores case, ``"W"``
+    and ``"w"`` do too. ``folder`` is probed (:func:`ptdstream.system.files.case_insensitive`)
+    only when two names differ in case alone.
+
+    Raises:
+        LayoutError: naming both tags and the file.
+    """
+    names: Dict[str, str] = {}
+    for tag in tags:
+        name = ptd_file_name(tag)
+        if name in names:
+            raise LayoutError(
+                f"external tags {names[name]!r} and {tag!r} both name the file {name} "
+                f"in {folder}: one would overwrite the other; rename one tag"
+            )
+        names[name] = tag
+    folded: Dict[str, str] = {}
+    for name, tag in names.items():
+        other = folded.setdefault(name.casefold(), name)
+        if other != name and case_insensitive(folder):
+            raise LayoutError(
+                f"external tags {names[other]!r} and {tag!r} name the files {other} and {name}, "
+                f"one file in {folder} (its file system ignores case); rename one tag"
+            )
 
 
 def _check_layouts(named_data: Mapping[str, DataEntry], name: str) -> None:
@@ -117,8 +148,10 @@ def plan_data_files(
     DataEntry}}``, in upstream's tag order), all indexing ``buffers``.
 
     Raises:
-        LayoutError: a tag that cannot name a file in ``folder``.
+        LayoutError: a tag that cannot name a file in ``folder``, or two tags
+            that name one file (:func:`check_ptd_file_names`).
     """
+    check_ptd_file_names(list(external_data), folder)
     files: List[PlannedFile] = []
     for tag, entries in external_data.items():
         name = ptd_file_name(tag)

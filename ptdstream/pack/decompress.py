@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Tuple
 
-from ..defaults import WINDOW_NBYTES
+from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import IntegrityError
 from ..progress import progress_callback
 from ..reports import Report
@@ -49,7 +49,8 @@ class UnpackReport(Report):
 
 
 def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = MAX_FRAME_NBYTES,
-           window_nbytes: int = WINDOW_NBYTES, drop_pages: bool = True) -> UnpackReport:
+           window_nbytes: int = WINDOW_NBYTES, drop_pages: bool = True,
+           piece_nbytes: int = CHUNK_NBYTES) -> UnpackReport:
     """Decompress the seekable zstd file ``source`` into ``target``, checking it all first.
 
     Frames are decoded in order, each checked against its zstd checksum and the
@@ -58,8 +59,10 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
     xxh3-128, when there is one. Only then is ``target`` published (atomically,
     through :class:`ChunkedFileSink`).
 
-    Memory: one compressed and two decompressed frames (about 3 x 8 MiB for files
-    packed with the defaults; a frame is at most ``max_frame_nbytes``).
+    Memory: one compressed frame and two decompressed pieces of at most
+    ``piece_nbytes`` (8 MiB): frames up to that size are decoded whole, larger
+    ones (up to ``max_frame_nbytes``) in pieces, so a 1 GiB frame of zeros in a
+    32 KB file costs about 16 MiB, not 2 GiB.
 
     Raises:
         FormatError: ``source`` is truncated, not in the seekable format, or its seek
@@ -76,15 +79,28 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
         pool = ThreadPoolExecutor(1, thread_name_prefix="ptdstream-unpack")
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)
         frames, digest = reader.table.frames, StreamingDigest()
-        pending = pool.submit(reader.decode, frames[0], False) if frames else None
+
+        def small(i: int) -> bool:
+            return i < len(frames) and frames[i].nbytes <= piece_nbytes
+
+        # Frames of at most piece_nbytes are decoded whole, the next in a helper
+        # thread while this one is written; a larger frame (up to the format's
+        # 1 GiB) is decoded in pieces of piece_nbytes, never whole.
+        pending = pool.submit(reader.decode, frames[0], False) if small(0) else None
         for i in range(len(frames)):
-            data = pending.result()
-            # The reader is used by one thread at a time: the next decode starts
-            # only after this one returned.
-            pending = pool.submit(reader.decode, frames[i + 1], False) if i + 1 < len(frames) else None
-            sink.write(data)
-            digest.update(data)
-            update(len(data))
+            if pending is not None:
+                pieces = [pending.result()]
+                # The reader is used by one thread at a time: the next decode
+                # starts only after this one returned.
+                pending = pool.submit(reader.decode, frames[i + 1], False) if small(i + 1) else None
+            else:
+                pieces = reader.iter_decoded(frames[i], piece_nbytes)
+            for data in pieces:
+                sink.write(data)
+                digest.update(data)
+                update(len(data))
+            if pending is None and small(i + 1):
+                pending = pool.submit(reader.decode, frames[i + 1], False)
         found = digest.finish()
         checks = _unpack_checks(reader, found.digest)
     return UnpackReport(reader.path, os.fspath(target), found.nbytes, reader.file_nbytes,

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import MissingKeyError
+from ..errors import FormatError, MissingKeyError
 from ..format.artifact import Artifact, Segment
 from ..format.reader import parse_artifact
 from ..reports import Report
@@ -36,6 +36,13 @@ class ExtractReport(Report):
                 f"{self.target or 'stdout'}: decompressed {self.frames_decoded} of {self.frames_total} frames")
 
 
+#: The most metadata (header + program flatbuffer, or FlatTensor head) a packed
+#: artifact may make :class:`PackedArtifact` read: 256 MiB. Programs with segments
+#: keep their flatbuffer far smaller; only a .pte with its constants inline (no
+#: extended header) can come near it.
+MAX_METADATA_NBYTES = 256 << 20
+
+
 class PackedArtifact:
     """A packed .pte/.ptd, read without unpacking it.
 
@@ -52,11 +59,23 @@ class PackedArtifact:
         OSError: the file cannot be read.
     """
 
-    def __init__(self, path: str, *, max_frame_nbytes: int = MAX_FRAME_NBYTES) -> None:
+    def __init__(self, path: str, *, max_frame_nbytes: int = MAX_FRAME_NBYTES,
+                 max_metadata_nbytes: int = MAX_METADATA_NBYTES) -> None:
         self.reader = SeekableReader(path, max_frame_nbytes=max_frame_nbytes, drop_pages=False)
+        name = f"{self.reader.path} (decompressed)"
+
+        def read_metadata(offset: int, nbytes: int) -> bytes:
+            # The header's claims are checked against what the seek table says
+            # exists; this bounds what a claim that does exist (zeros compress
+            # to nothing) can make the reader allocate.
+            if nbytes > max_metadata_nbytes:
+                raise FormatError(f"{name}: metadata of {nbytes:,} bytes at offset {offset:,} is over the "
+                                  f"limit of {max_metadata_nbytes:,} bytes for a packed artifact (its header "
+                                  "claims a program that large); unpack it, or raise max_metadata_nbytes")
+            return self.reader.read_at(offset, nbytes)
+
         try:
-            self.artifact: Artifact = parse_artifact(f"{self.reader.path} (decompressed)", self.reader.nbytes,
-                                                     self.reader.read_at)
+            self.artifact: Artifact = parse_artifact(name, self.reader.nbytes, read_metadata)
         except BaseException:
             self.reader.close()
             raise

@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 from typing import Iterator, Optional, Tuple
 
+import xxhash
 import zstandard
 
+from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError, IntegrityError, StateError
 from ..system.files import pread_exact
 from ..system.pagecache import drop_pages
@@ -161,6 +163,56 @@ class SeekableReader:
             raise IntegrityError(f"{where}: decompressed to {len(out)} bytes, the seek table says {entry.nbytes}")
         return out
 
+    def iter_decoded(self, entry: FrameEntry, piece_nbytes: int) -> Iterator[bytes]:
+        """The decompressed bytes of frame ``entry`` in pieces of at most
+        ``piece_nbytes`` bytes, with every check of :meth:`decode` (sizes, the
+        frame's own checksum, the seek table's checksum, computed as the pieces
+        go). Memory: the compressed frame and one piece, whatever the frame's
+        decompressed size (a 1 GiB frame of zeros in a few KB is decoded in
+        pieces, never whole). A frame no larger than ``piece_nbytes`` is decoded
+        by :meth:`decode`. Raises as :meth:`decode`; an error may come after some
+        pieces were yielded (the caller publishes nothing then)."""
+        if entry.nbytes <= piece_nbytes:
+            yield self.decode(entry, cache=False)
+            return
+        data = self._read_frame(entry)
+        where = entry.where(self.path)
+        try:
+            extent, content, has_checksum = zstd_frame_extent(data)
+        except ValueError as e:
+            raise FormatError(f"{where}: not a zstd frame of the seek table's size: {e}") from None
+        if extent != entry.compressed_nbytes:
+            raise FormatError(f"{where}: the zstd frame is {extent} bytes, the seek table says "
+                              f"{entry.compressed_nbytes}")
+        if content is not None and content != entry.nbytes:
+            raise FormatError(f"{where}: frame header says {content} decompressed bytes, "
+                              f"the seek table says {entry.nbytes}")
+        self.all_frames_have_checksums &= has_checksum
+        running = xxhash.xxh64()
+        total = 0
+        try:
+            with self._dctx.stream_reader(data, read_size=min(len(data), 1 << 20) or 1) as reader:
+                while True:
+                    piece = reader.read(piece_nbytes)
+                    if not piece:
+                        break
+                    total += len(piece)
+                    if total > entry.nbytes:
+                        break
+                    running.update(piece)
+                    yield piece
+        except zstandard.ZstdError as e:
+            raise IntegrityError(f"{where}: does not decompress ({e}): the file is corrupt; fetch or pack it "
+                                 "again") from None
+        if total != entry.nbytes:
+            raise IntegrityError(f"{where}: decompressed to {'more than ' if total > entry.nbytes else ''}"
+                                 f"{total} bytes, the seek table says {entry.nbytes}")
+        found = running.intdigest() & 0xFFFFFFFF
+        if entry.checksum is not None and found != entry.checksum:
+            raise IntegrityError(f"{where}: seek table checksum 0x{entry.checksum:08X}, decompressed bytes "
+                                 f"give 0x{found:08X}: the file is corrupt; fetch or pack it again")
+        self.frames_decoded += 1
+
     def iter_range(self, offset: int, nbytes: int) -> Iterator[memoryview]:
         """Content bytes ``[offset, offset + nbytes)`` as consecutive pieces, one per
         frame touched; decodes only those frames."""
@@ -169,11 +221,22 @@ class SeekableReader:
             raise FormatError(f"{self.path}: content range [{offset}, {offset + nbytes}) lies beyond the "
                               f"{self.nbytes} decompressed bytes")
         for entry in self.table.covering(offset, nbytes):
-            data = memoryview(self.decode(entry))
-            yield data[max(offset, entry.offset) - entry.offset : min(offset + nbytes, entry.end) - entry.offset]
+            lo, hi = max(offset, entry.offset) - entry.offset, min(offset + nbytes, entry.end) - entry.offset
+            if entry.nbytes <= CHUNK_NBYTES:
+                yield memoryview(self.decode(entry))[lo:hi]
+                continue
+            # A large frame is decoded in pieces; the whole frame is still decoded
+            # (its checksums cover all of it), only the asked range is kept.
+            at = 0
+            for piece in self.iter_decoded(entry, CHUNK_NBYTES):
+                a, b = max(lo, at), min(hi, at + len(piece))
+                if a < b:
+                    yield memoryview(piece)[a - at : b - at]
+                at += len(piece)
 
     def read_at(self, offset: int, nbytes: int) -> bytes:
-        """Content bytes ``[offset, offset + nbytes)`` (allocates ``nbytes``)."""
+        """Content bytes ``[offset, offset + nbytes)`` (allocates ``nbytes``, plus
+        one 8 MiB piece of a frame larger than that)."""
         return b"".join(self.iter_range(offset, nbytes))
 
     def close(self) -> None:

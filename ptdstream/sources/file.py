@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 from ..errors import IntegrityError, LayoutError
 from ..system.files import pread_exact
@@ -21,7 +21,11 @@ class FileRangeSource(Source):
     Raises:
         LayoutError: at construction, when the range lies beyond the file's end.
         IntegrityError: while reading, when the file has shrunk (names the file
-            and the offset where data ran out).
+            and the offset where data ran out), or when it is not the file handed
+            over: replaced (another device or inode) before it was opened, or
+            changed (size or change time) by the time its last byte was read.
+            A file rewritten in place mid-save is refused, not torn; a second
+            read of the file, which would double the disk traffic, is not needed.
     """
 
     def __init__(self, path: str, offset: int = 0, length: Optional[int] = None) -> None:
@@ -36,6 +40,18 @@ class FileRangeSource(Source):
             )
         self.offset = offset
         self.nbytes = length
+        #: (device, inode, size, change time in ns) when handed over
+        self.identity = _identity(os.stat(self.path))
+
+    def _check_identity(self, fd: int, when: str, fields: int = 4) -> None:
+        now = _identity(os.fstat(fd))
+        if now[:fields] != self.identity[:fields]:
+            what = "replaced" if now[:2] != self.identity[:2] else "changed"
+            raise IntegrityError(
+                f"file {self.path}: {what} {when} (device, inode, size, change time "
+                f"{self.identity} when handed over, {now} now); a file must not be "
+                "written to while it is saved"
+            )
 
     def describe(self) -> str:
         return f"file {self.path} offset {self.offset}"
@@ -47,6 +63,7 @@ class FileRangeSource(Source):
     def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
         fd = os.open(self.path, os.O_RDONLY)
         try:
+            self._check_identity(fd, "before it was read", fields=2)
             done = 0
             while done < self.nbytes:
                 buf = ring.next()
@@ -60,5 +77,10 @@ class FileRangeSource(Source):
                 yield buf[:want]
                 drop_pages(fd, self.offset + done, want)
                 done += want
+            self._check_identity(fd, "while it was read")
         finally:
             os.close(fd)
+
+
+def _identity(st: os.stat_result) -> Tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)

@@ -11,9 +11,8 @@ from .base import BufferRing, Source
 class MemorySource(Source):
     """Bytes, bytearray or any C-contiguous buffer, read in place (no copy).
 
-    The caller must not mutate the buffer between plan and write; a change of
-    content is caught by the digest check when the buffer is a dedup candidate,
-    and by the prefix check otherwise.
+    A mutable buffer changed between hand-over and write is caught by the
+    fingerprint taken at hand-over (:func:`ptdstream.sources.fingerprint.seal`).
     """
 
     def __init__(self, data, label: str = "bytes") -> None:
@@ -26,6 +25,15 @@ class MemorySource(Source):
 
     def describe(self) -> str:
         return self._label
+
+    @property
+    def base(self):
+        """The object the bytes are read from (``bytes`` is immutable)."""
+        return self._view.obj
+
+    def view(self) -> memoryview:
+        """The bytes, in place."""
+        return self._view
 
     def prefix(self, nbytes: int = 32) -> bytes:
         return bytes(self._view[:nbytes])

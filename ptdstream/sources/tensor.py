@@ -95,6 +95,14 @@ class TensorSource(Source):
         """Address of the first byte, where the storage is now."""
         return self._tensor.untyped_storage().data_ptr() + self._start()
 
+    def view(self) -> memoryview:
+        """The bytes, in place (read-only).
+
+        Raises:
+            IntegrityError: the storage was freed or resized.
+        """
+        return self._view()
+
     def prefix(self, nbytes: int = 32) -> bytes:
         return bytes(self._view()[:nbytes])
 

@@ -41,3 +41,63 @@ def check_regular_inputs(paths: Iterable[str]) -> None:
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
+
+
+def case_insensitive(folder: str) -> bool:
+    """Whether ``folder``'s file system ignores case in names (vfat, exFAT,
+    macOS defaults, casefolded ext4): a probe file
+    ``.case-probe.ptdstream-<pid>-<hex>.tmp`` is created, looked up upper-cased,
+    and removed (a killed probe's file is an ordinary stale temp file). A folder
+    that is missing or not writable counts as case-sensitive."""
+    import secrets
+
+    name = f".case-probe.ptdstream-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    path = os.path.join(folder, name)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    try:
+        return os.path.exists(os.path.join(folder, name.upper()))
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` name one file: same device and inode, after
+    following symlinks (a hard link, a symlink or a different spelling of the
+    path all count). A path that does not exist is nobody's file."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def refuse_overwrite(inputs: Iterable[str], outputs: Iterable[str], force: bool = False) -> None:
+    """Refuse, before anything is written, an output that is one of the inputs
+    (always) or that already exists (unless ``force``): zstd's convention for a
+    command line. The Python API does not call this: like upstream's, it replaces.
+
+    Raises:
+        OverwriteError: naming the output and the input (or the existing file).
+    """
+    from ..errors import OverwriteError
+
+    inputs = [i for i in inputs if i is not None]
+    for output in outputs:
+        if output is None:
+            continue
+        for source in inputs:
+            if same_file(source, output):
+                spelled = "" if os.path.abspath(source) == os.path.abspath(output) else f" (as {source})"
+                raise OverwriteError(
+                    f"output {output} is also an input{spelled}: writing it would destroy "
+                    "the input; choose another output path"
+                )
+        if not force and os.path.lexists(output):
+            raise OverwriteError(f"output {output} exists; use -f/--force to replace it")

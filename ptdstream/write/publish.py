@@ -1,95 +1,46 @@
 """Publishing a set of synced temp files: all or none, one set at a time per folder.
 
-Used by :func:`ptdstream.write.set_writer.write_save_plan`.
+Used by :func:`ptdstream.write.set_writer.write_save_plan`; the mechanism is
+:mod:`ptdstream.write.journal` (crash-consistent: a journal completed by the next
+writer into the folder, or by :func:`ptdstream.write.journal.recover`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import List, Optional, Tuple
+from typing import List
 
 from .sink import ChunkedFileSink
-from .tempfiles import stale_temp_files, temp_name_for
+from . import journal, tempfiles
 
-
-@contextlib.contextmanager
-def folder_locks(folders: List[str]):
-    """Hold an exclusive ``flock`` on each folder while a set of files is published.
-
-    Two ptdstream saves into one folder then publish their sets one after the
-    other, never interleaved (a .pte of one save beside a .ptd of the other). The
-    lock is on the folder itself: no lock file is left behind.
-    """
-    import fcntl
-
-    fds = []
-    try:
-        for folder in folders:
-            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-            fds.append(fd)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        for fd in reversed(fds):
-            os.close(fd)
+#: Exclusive ``flock`` on each folder while a set is published (sorted, no lock file).
+folder_locks = tempfiles.folder_lock
 
 
 def publish_set(sinks: List[ChunkedFileSink]) -> None:
-    """Rename every synced temp file over its target, all or none.
+    """Publish every synced sink as one set, in order; the caller holds
+    :func:`folder_locks` on every target folder.
 
-    Each existing target is first hard-linked to a backup name; if a rename
-    fails, the files already renamed are put back (or removed, where there was
-    none) before the error is raised, so the previous set stays whole. The
-    backups are removed once every file is published. A process killed between
-    two renames can still leave a mixed set (see README, Known limits); its
-    backups are recognisable and removed by the next save.
+    After a crash at any instant the folder holds the whole previous set or, once
+    recovered, the whole new one; a failed rename puts the previous set back
+    before the error is raised.
+
+    Raises:
+        OSError: a link, rename or fsync failed (the previous set is back, or the
+            journal stays for ``recover``).
     """
-    backups: List[Tuple[str, Optional[str]]] = []
-    done: List[Tuple[str, Optional[str]]] = []
-    try:
-        for sink in sinks:
-            backup = None
-            if os.path.isfile(sink.target) and not os.path.islink(sink.target):
-                backup = temp_name_for(sink.target, "bak")
-                try:
-                    os.link(sink.target, backup, follow_symlinks=False)
-                except OSError:
-                    backup = None  # no hard links here: publish without a way back
-            backups.append((sink.target, backup))
-        for sink, entry in zip(sinks, backups):
-            sink.publish()
-            done.append(entry)
-    except BaseException:
-        for target, backup in reversed(done):
-            try:
-                if backup is not None:
-                    os.replace(backup, target)
-                else:
-                    os.unlink(target)
-            except OSError:
-                pass
-        raise
-    finally:
-        for _, backup in backups:
-            if backup is not None:
-                try:
-                    os.unlink(backup)
-                except FileNotFoundError:
-                    pass
+    for sink in sinks:
+        journal.recover_locked(os.path.dirname(sink.publish_path))
+    journal.publish(
+        [(s.temp_path, s.publish_path) for s in sinks], renames=[s.publish for s in sinks]
+    )
 
 
 def remove_stale_temp_files(target: str) -> List[str]:
-    """Remove temp files of ``target`` left by killed processes; returns their paths.
+    """Remove the leftovers of killed writers in ``target``'s folder (and complete
+    their pending set publications); returns the journals completed.
 
-    Only ``.<name>.ptdstream-<pid>-<hex>.tmp`` files whose pid no longer runs are
-    touched; a save in progress in another process keeps its temp file.
+    Leftovers are found by lock, not pid: a save in progress in another process,
+    in any PID namespace, keeps its temp file.
     """
-    removed = []
-    for path in stale_temp_files(target):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
+    return [j for j, _ in journal.clean_folder(os.path.dirname(os.path.abspath(target)))]

@@ -1,8 +1,9 @@
 """Write a :class:`~ptdstream.format.plan.SavePlan`: every file to a temp file,
-every temp file synced, then the set published.
+every temp file synced, then the set published as one.
 
-On any error every temp file is removed and nothing is published; see
-:mod:`ptdstream.write.publish` for the order of the renames.
+On any error every temp file is removed and nothing is published; after a crash
+the folder holds the whole old set or, once recovered, the whole new one (see
+:mod:`ptdstream.write.journal`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..format.plan import FileRole, SavePlan, iter_sources
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint
-from .publish import folder_locks, publish_set, remove_stale_temp_files
+from .publish import folder_locks, publish_set
 from .sink import ChunkedFileSink
 from .writer import write_plan
 
@@ -56,6 +57,7 @@ def write_save_plan(
     progress: Optional[Callable[[int], None]] = None,
     sink_factory: Optional[Callable[[str], ChunkedFileSink]] = None,
     direct: Optional[bool] = None,
+    extra_files: Optional[Callable[[List[ChunkedFileSink]], List[ChunkedFileSink]]] = None,
 ) -> List[FileReport]:
     """Write every file of ``plan`` to temp files, sync them all, then publish.
 
@@ -66,6 +68,10 @@ def write_save_plan(
         progress: called with the bytes of each piece written.
         sink_factory: makes the sink of a target path (tests inject faults).
         direct: O_DIRECT writes; None chooses by :func:`uses_direct_io`.
+        extra_files: called with the synced sinks before publishing; returns more
+            synced sinks (a manifest of the set, read back from the temp files)
+            that are published in the same set, after the plan's files (it must
+            abort its own sinks if it fails).
 
     Returns:
         One :class:`FileReport` per file, in publish order.
@@ -75,8 +81,6 @@ def write_save_plan(
         OSError: a write, fsync or rename failed (nothing published).
     """
     ring = BufferRing(chunk_nbytes, count=2)
-    for planned in plan.files:
-        remove_stale_temp_files(planned.path)
     if direct is None:
         direct = uses_direct_io(plan)
     make = sink_factory or (
@@ -92,7 +96,9 @@ def write_save_plan(
             sink.sync()
             reports.append(FileReport(sink.target, planned.role, planned.plan.nbytes,
                                       planned.plan.payload_nbytes(), fps))
-        with folder_locks(sorted({os.path.dirname(s.target) for s in sinks})):
+        if extra_files is not None:
+            sinks.extend(extra_files(list(sinks)))
+        with folder_locks([os.path.dirname(s.publish_path) for s in sinks]):
             publish_set(sinks)
     except BaseException:
         for sink in sinks:

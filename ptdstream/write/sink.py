@@ -15,8 +15,15 @@ resident while writing (5 x 64 MiB by default), and none after ``sync``.
 
 On any failure: the temp file is removed, the target is untouched (absent, or the
 previous complete file). Temp files are named ``.<name>.ptdstream-<pid>-<hex>.tmp``
-so that leftovers of a killed process are recognisable
-(:func:`ptdstream.write.tempfiles.stale_temp_files`).
+and locked (``flock``) by their writer until published or removed, so that
+leftovers of a killed process, in any PID namespace, are recognisable
+(:func:`ptdstream.write.tempfiles.stale_temp_files`); every sink removes its
+folder's leftovers and completes a set publication a killed save left half done
+(:func:`ptdstream.write.journal.clean_folder`) before it creates its temp file.
+
+A target that is a symlink is written through the link, as upstream's ``open``
+does: the temp file is created beside the file the link points to and renamed
+over that file (the link stays). An update keeps the target's permission bits.
 Not thread-safe.
 """
 
@@ -33,10 +40,12 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import StateError
+from ..system import fsops
 from ..system.pagecache import drop_pages
 from ..timeline import stage_timeline
 from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
-from .tempfiles import temp_name_for
+from . import tempfiles
+from .journal import RecoveryError, clean_folder
 
 #: Windows under writeback at once (see ``ChunkedFileSink``).
 DEFAULT_INFLIGHT_WINDOWS = 4
@@ -138,7 +147,8 @@ class ChunkedFileSink:
         pwrite_fn: Callable[[int, memoryview, int], int] = os.pwrite,
     ) -> None:
         self.target = os.path.abspath(os.fspath(target))
-        self.temp_path = temp_name_for(self.target)
+        #: the path renamed over: ``target``, or the file a symlink ``target`` names
+        self.publish_path = resolve_target(self.target)
         self.window_nbytes = window_nbytes
         self.drop_pages = drop_pages
         self._write = write_fn
@@ -147,8 +157,9 @@ class ChunkedFileSink:
         self._inflight: "collections.deque" = collections.deque()
         self.inflight_windows = inflight_windows
         self._fd: Optional[int] = None
-        folder = os.path.dirname(self.target)
-        if os.path.isdir(self.target):
+        self._lock_fd: Optional[int] = None
+        folder = os.path.dirname(self.publish_path)
+        if os.path.isdir(self.publish_path):
             # Found now, not at the rename after every byte was written (and after
             # the files published before this one were renamed).
             raise IsADirectoryError(
@@ -157,16 +168,20 @@ class ChunkedFileSink:
                 "another path",
                 self.target,
             )
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        if os.path.isdir(folder):
+            # Every writer removes the leftovers of killed writers the same way, and
+            # completes a set publication a killed save left half done.
+            try:
+                clean_folder(folder)
+            except RecoveryError:
+                pass  # left for `recover`; this file is still published atomically
+        self.temp_path, self._fd, self._lock_fd = tempfiles.create_locked(self.publish_path)
         try:
-            self._fd = os.open(self.temp_path, flags, 0o666)
-        except OSError as e:
-            raise OSError(
-                e.errno,
-                f"cannot create a temp file for {self.target} in folder {folder} "
-                f"({os.strerror(e.errno or 0)}); the folder must exist and be writable",
-                self.temp_path,
-            ) from e
+            mode = os.stat(self.publish_path).st_mode & 0o7777
+        except OSError:
+            mode = None
+        if mode is not None:
+            os.fchmod(self._fd, mode)  # an update keeps the target's mode (0444 too)
         self._staging: Optional[DirectBlockWriter] = None
         self.direct = bool(direct) and hasattr(os, "O_DIRECT")
         if self.direct:
@@ -295,7 +310,7 @@ class ChunkedFileSink:
                 timeline.add("O_DIRECT drain (last writes)", time.perf_counter() - t)
                 t = time.perf_counter()
         try:
-            os.fsync(self._fd)
+            fsops.fsync(self._fd, self.temp_path)
         except OSError as e:
             raise OSError(
                 e.errno,
@@ -313,9 +328,15 @@ class ChunkedFileSink:
     def publish(self) -> None:
         """Rename the temp file over the target and fsync the folder."""
         self._expect(SinkState.SYNCED)
-        os.replace(self.temp_path, self.target)
+        fsops.replace(self.temp_path, self.publish_path)
         self.state = SinkState.COMMITTED
-        fsync_dir(os.path.dirname(self.target))
+        self._release_lock()
+        fsops.fsync_dir(os.path.dirname(self.publish_path))
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def commit(self) -> None:
         """``sync`` then ``publish``."""
@@ -333,10 +354,8 @@ class ChunkedFileSink:
                 pass
             self._fd = None
         self._release_staging()
-        try:
-            os.unlink(self.temp_path)
-        except FileNotFoundError:
-            pass
+        fsops.unlink(self.temp_path)
+        self._release_lock()
         self.state = SinkState.ABORTED
 
     def __enter__(self) -> "ChunkedFileSink":
@@ -356,15 +375,13 @@ class ChunkedFileSink:
             raise
 
 
-def fsync_dir(folder: str) -> None:
-    """fsync a folder so a rename in it is durable (ignored where unsupported)."""
-    try:
-        fd = os.open(folder or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+#: fsync a folder so a rename in it is durable (ignored where unsupported).
+fsync_dir = fsops.fsync_dir
+
+
+def resolve_target(target: str) -> str:
+    """The file a write to ``target`` replaces: ``target`` itself, or, when it is a
+    symlink, the file the link points to (followed to the end, as ``open`` does)."""
+    if os.path.islink(target):
+        return os.path.realpath(target)
+    return target

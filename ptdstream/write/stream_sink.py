@@ -2,26 +2,44 @@
 
 from __future__ import annotations
 
+import io
+
 from .sink import write_zeros
 
 
 class StreamSink:
-    """Write to an already-open binary file object (``io.BufferedIOBase``, ``BytesIO``).
+    """Write to a caller's open binary file object, as upstream's ``Cord.write_to_file`` does.
 
-    For callers that own the file (upstream's ``write_to_file(open_file)``):
-    nothing is atomic or synced here; that is the caller's file.
+    Accepts what upstream accepts: any object with a ``write`` method taking bytes
+    (``io`` files named, unnamed, descriptor-backed or seekable or not, pipes,
+    ``tempfile`` files, write-only wrappers, compressor streams). ``io`` objects get
+    views of the bytes (they copy what they keep); a raw ``io.RawIOBase`` (``FileIO``,
+    ``open(..., buffering=0)``) is written again after a short write, as its
+    ``write`` returns the bytes it took. Any other object gets one ``bytes`` copy
+    per piece and its return value is ignored, as upstream ignores it (a
+    compressor's ``write`` may count compressed bytes; a wrapper may keep the object
+    it was given). Nothing is atomic or synced here: that is the caller's file.
     """
 
     def __init__(self, fileobj) -> None:
         self._file = fileobj
+        self._raw = isinstance(fileobj, io.RawIOBase)
+        self._views = isinstance(fileobj, io.IOBase)
         self.nbytes = 0
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            n = self._file.write(view[done:])
-            done += len(view) - done if n is None else n
+        if not self._views:
+            self._file.write(bytes(view))
+        elif not self._raw:
+            self._file.write(view)  # buffered io writes everything or raises
+        else:
+            done = 0
+            while done < len(view):
+                n = self._file.write(view[done:])
+                if n is None:  # non-blocking raw file that would block
+                    raise BlockingIOError(0, "write would block", getattr(self._file, "name", None))
+                done += n
         self.nbytes += len(view)
 
     def write_zeros(self, nbytes: int) -> None:

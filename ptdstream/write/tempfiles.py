@@ -1,69 +1,199 @@
-"""Temp files beside their targets: names, and leftovers of killed processes.
+"""Temp files beside their target, and whether the writer of one is still alive.
 
-A temp file is ``.<name>.ptdstream-<pid>-<8 hex>.tmp`` in the target's folder
-(so the final rename is atomic), ``.bak`` for a previous file kept while a set is
-published. The name is cut and hashed when long, to stay under NAME_MAX.
+Names: ``.<name>.ptdstream-<pid>-<8 hex>.<suffix>`` beside the target (same
+folder, so a rename publishes atomically), the name cut and hashed when long.
+Suffixes: ``tmp`` (data being written), ``bak`` (a hard link to the previous
+file, kept while a set is published), ``journal`` (a set being published, see
+:mod:`ptdstream.write.journal`).
+
+Liveness is decided by a lock, not by the pid in the name: the writer of a
+``.tmp`` file holds an exclusive ``flock`` on it from its creation until it is
+published or removed (:func:`create_locked`). A ``.tmp`` file whose lock can be
+taken has no writer (the kernel drops the lock of a killed process), whatever
+PID namespace wrote it; one whose lock is held is never touched. ``.bak`` and
+``.journal`` files only exist while their writer holds the folder's lock
+(:func:`folder_lock`), so under that lock they are leftovers.
 """
 
 from __future__ import annotations
 
-import glob
+import contextlib
+import errno
+import fcntl
+import hashlib
 import os
-from typing import List
+import re
+import secrets
+from typing import Iterator, List, Optional, Tuple
 
+from ..system import fsops
 
 #: Longest file-name stem kept in temp names; longer names are cut and hashed so
-#: that ``.<stem>.ptdstream-<pid>-<hex>.tmp`` stays under NAME_MAX (255 bytes).
-_STEM_MAX = 160
+#: that ``.<stem>.ptdstream-<pid>-<hex>.<suffix>`` stays under NAME_MAX (255 bytes).
+STEM_MAX = 160
+SUFFIXES = ("tmp", "bak", "journal")
+_NAME_RE = re.compile(r"\.(?P<stem>.+)\.ptdstream-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<suffix>tmp|bak|journal)")
 
 
 def stem(name: str) -> str:
-    if len(os.fsencode(name)) <= _STEM_MAX:
+    """``name`` as it appears in temp names: itself, or cut and hashed when long."""
+    if len(os.fsencode(name)) <= STEM_MAX:
         return name
-    import hashlib
-
     digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
-    cut = os.fsdecode(os.fsencode(name)[: _STEM_MAX - 17])
+    cut = os.fsdecode(os.fsencode(name)[: STEM_MAX - 17])
     return f"{cut}~{digest}"
 
 
 def temp_name_for(target: str, suffix: str = "tmp") -> str:
-    """A fresh temp path beside ``target`` (same folder, so rename is atomic).
-
-    ``.<name>.ptdstream-<pid>-<8 hex>.<suffix>``, the name cut and hashed when
-    long; ``suffix`` is ``tmp`` for data being written, ``bak`` for the previous
-    file kept while a set is published.
-    """
+    """A fresh temp path beside ``target``: ``.<name>.ptdstream-<pid>-<8 hex>.<suffix>``."""
     folder, name = os.path.split(os.path.abspath(target))
     return os.path.join(
-        folder, f".{stem(name)}.ptdstream-{os.getpid()}-{os.urandom(4).hex()}.{suffix}"
+        folder, f".{stem(name)}.ptdstream-{os.getpid()}-{secrets.token_hex(4)}.{suffix}"
     )
 
 
-def stale_temp_files(target: str) -> List[str]:
-    """Temp and backup files of ``target`` left by processes that no longer run."""
-    folder, name = os.path.split(os.path.abspath(target))
-    stale = []
-    pattern = os.path.join(glob.escape(folder), f".{glob.escape(stem(name))}.ptdstream-*")
-    for path in sorted(glob.glob(pattern)):
-        if not path.endswith((".tmp", ".bak")):
-            continue
+def parse_name(name: str) -> Optional[Tuple[str, str]]:
+    """``(stem, suffix)`` of a ptdstream temp file name, or ``None`` for any other name."""
+    match = _NAME_RE.fullmatch(name)
+    return (match.group("stem"), match.group("suffix")) if match else None
+
+
+def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> Tuple[str, int, int]:
+    """Create a fresh temp file for ``target`` and lock it; ``(path, fd, lock_fd)``.
+
+    ``fd`` is open for writing; ``lock_fd`` (a duplicate of it) holds the
+    exclusive ``flock`` that marks the file live: keep it open until the file is
+    renamed or removed, then close it (closing ``fd`` alone keeps the lock).
+
+    A cleaner may take the lock of a file just created, before its writer does,
+    and remove it; the writer then sees that its path no longer names its file
+    and starts again under a new name.
+
+    Raises:
+        OSError: the file cannot be created (the message names target and folder).
+    """
+    folder = os.path.dirname(os.path.abspath(target))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        path = temp_name_for(target, suffix)
         try:
-            pid = int(os.path.basename(path).rsplit(".ptdstream-", 1)[1].split("-")[0])
-        except (IndexError, ValueError):
-            continue
-        if not _pid_alive(pid):
-            stale.append(path)
-    return stale
+            fd = os.open(path, flags, mode)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot create a temp file for {target} in folder {folder} "
+                f"({os.strerror(e.errno or 0)}); the folder must exist and be writable",
+                path,
+            ) from e
+        lock_fd = os.dup(fd)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # waits for a cleaner that took it first
+        if _names(path, lock_fd):
+            return path, fd, lock_fd
+        os.close(lock_fd)
+        os.close(fd)
+    raise OSError(errno.EAGAIN, f"cannot keep a temp file for {target} in folder {folder}")
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def remove_if_unlocked(path: str) -> bool:
+    """Remove the ``.tmp`` file ``path`` if no writer holds its lock; returns whether
+    it was removed. A file that cannot be opened to test its lock is kept."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live writer holds it
+        if not _names(path, fd):
+            return False
+        return fsops.unlink(path)
+    finally:
+        os.close(fd)
+
+
+def is_locked(path: str) -> bool:
+    """Whether a live writer holds the lock of the temp file ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    except OSError:
         return True
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         return True
-    return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@contextlib.contextmanager
+def folder_lock(folders: List[str]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on each folder (sorted, so two holders never
+    deadlock) for the ``with`` block. No lock file is left behind: the lock is on
+    the folder itself. A folder that cannot be opened is not locked."""
+    fds = []
+    try:
+        for folder in sorted(set(os.path.abspath(f or ".") for f in folders)):
+            try:
+                fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+def temp_files_in(folder: str) -> List[Tuple[str, str, str]]:
+    """``[(path, stem, suffix)]`` of every ptdstream temp file in ``folder``, sorted."""
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        parsed = parse_name(name)
+        if parsed is not None:
+            out.append((os.path.join(folder, name), parsed[0], parsed[1]))
+    return out
+
+
+def stale_temp_files(target: str) -> List[str]:
+    """Leftovers of dead writers for ``target``: its ``.tmp`` files whose lock is
+    free and, when no publication holds the folder's lock, its ``.bak`` and
+    ``.journal`` files (a journal is completed, not just removed:
+    :func:`ptdstream.write.journal.recover`). Reads only."""
+    folder, name = os.path.split(os.path.abspath(target))
+    own = [(p, s) for p, st, s in temp_files_in(folder) if st == stem(name)]
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return []
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            publishing = False
+        except OSError:
+            publishing = True
+        return [
+            p for p, s in own
+            if (s == "tmp" and not is_locked(p)) or (s != "tmp" and not publishing)
+        ]
+    finally:
+        os.close(fd)

@@ -86,6 +86,11 @@ class _WriterThread:
         self._piece = piece
         self._ready.release()
 
+    def drain(self) -> None:
+        """Wait until every piece handed over is written (raises the thread's error)."""
+        self._wait_idle()
+        self._idle.release()
+
     def write_zeros(self, nbytes: int) -> None:
         self._wait_idle()
         try:
@@ -162,36 +167,55 @@ def _write_extents(plan, sink, ring, progress) -> Dict[str, Fingerprint]:
 
 
 def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
+    """Write one source's pieces, digesting each piece once it has been written.
+
+    The previous piece is hashed while the writer thread writes the current one,
+    so the digest covers the bytes as they were when written (or later): a memory
+    source changed before or during its write no longer matches the fingerprint
+    taken when it was handed over (``expected_fingerprint``) and is refused.
+    """
     digest = StreamingDigest()
     where = f"{extent.label()} of {plan.name} at offset {offset}"
-    first = True
+    nbytes = 0
+    written = None  # the piece last handed to the sink: hashed once it is written
     timeline = stage_timeline()
     for piece in _checked_pieces(extent.source.pieces(ring), where):
-        if first:
+        if nbytes == 0:
             head = bytes(piece[: len(extent.prefix)])
             if head != extent.prefix[: len(head)]:
                 raise IntegrityError(
                     f"{where}: {extent.source.describe()} changed since the plan "
                     "(its first bytes differ); nothing was published"
                 )
-            first = False
-        if digest.nbytes + len(piece) > extent.nbytes:
+        if nbytes + len(piece) > extent.nbytes:
             raise IntegrityError(
                 f"{where}: {extent.source.describe()} gave more than the "
                 f"{extent.nbytes} bytes planned; nothing was published"
             )
+        nbytes += len(piece)
         if timeline is None:
-            digest.update(piece)
-            sink.write(piece)
+            sink.write(piece)  # returns once the previous piece is written
+            if written is not None:
+                digest.update(written)
         else:
             t0 = time.perf_counter()
-            digest.update(piece)
-            t1 = time.perf_counter()
             sink.write(piece)
-            timeline.add("xxh3 digest", t1 - t0, len(piece))
-            timeline.add("hand-off to the writer (waits for its last write)", time.perf_counter() - t1)
+            t1 = time.perf_counter()
+            timeline.add("hand-off to the writer (waits for its last write)", t1 - t0)
+            if written is not None:
+                digest.update(written)
+                timeline.add("xxh3 digest", time.perf_counter() - t1, len(written))
+        written = piece
         if progress is not None:
             progress(len(piece))
+    if written is not None:
+        drain = getattr(sink, "drain", None)
+        if drain is not None:
+            drain()
+        t1 = time.perf_counter()
+        digest.update(written)
+        if timeline is not None:
+            timeline.add("xxh3 digest", time.perf_counter() - t1, len(written))
     if digest.nbytes != extent.nbytes:
         raise IntegrityError(
             f"{where}: {extent.source.describe()} gave {digest.nbytes} bytes, "

@@ -106,7 +106,7 @@ def test_changed_content_of_a_candidate_is_caught_by_its_digest(tmp_path):
     a[4000] = 0
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(IntegrityError, match=r"key 'a'.*changed since the plan \(digest"):
+    with pytest.raises(IntegrityError, match=r"key 'a'.*changed after it was handed over \(digest"):
         write_data_files(store, str(out))
     assert os.listdir(out) == []
 

@@ -106,9 +106,13 @@ def test_stale_temp_files_of_dead_processes_are_found(tmp_path):
     dead.write_bytes(b"x")
     live = ChunkedFileSink(str(target))
     try:
+        assert not dead.exists()  # every writer removes dead writers' temp files first
+        dead.write_bytes(b"x")
         assert stale_temp_files(str(target)) == [str(dead)]
+        assert os.path.exists(live.temp_path)
     finally:
         live.abort()
+    assert sorted(os.listdir(tmp_path)) == [dead.name]
 
 
 def test_pages_are_dropped_after_sync(tmp_path):

@@ -1,0 +1,47 @@
+"""``ptdstream recover``: complete set publications a killed save left half done."""
+
+from __future__ import annotations
+
+import json
+
+from .common import EXIT_INVALID, EXIT_OK, add_command, print_error
+
+
+def register(subparsers) -> None:
+    """Add ``recover`` to ``subparsers``."""
+    r = add_command(
+        subparsers, "recover",
+        help="complete a set of files a killed save left half published",
+        description="A save publishes its .pte, .ptd files and manifest as one set under a journal. A process "
+                    "killed while publishing leaves the journal; the next ptdstream writer into the folder "
+                    "completes it, and so does this command: forward to the whole new set when every new file "
+                    "is on disk, else back to the whole old set. Leftover temp files of dead writers are removed; "
+                    "files of saves still running are not touched (it waits for a publication in progress).",
+        epilog="examples:\n  ptdstream recover out/\n"
+               "exit codes: 0 recovered or nothing to do, 1 a journal could not be completed (left in place), "
+               "2 usage error",
+        run=run)
+    r.add_argument("folders", nargs="+", metavar="DIR", help="folder of a saved set")
+    r.add_argument("--json", action="store_true", help="print what was done as JSON")
+
+
+def run(args) -> int:
+    from ..write.journal import RecoveryError, recover
+
+    done, failed = [], []
+    for folder in args.folders:
+        try:
+            done += [{"folder": folder, "journal": j, "direction": d} for j, d in recover(folder)]
+        except RecoveryError as e:
+            failed.append({"folder": folder, "error": str(e)})
+    if args.json:
+        print(json.dumps({"ok": not failed, "recovered": done, "failed": failed}, indent=2))
+    else:
+        for d in done:
+            way = "forward (the new set)" if d["direction"] == "forward" else "back (the old set)"
+            print(f"{d['folder']}: completed {d['journal']}: rolled {way}")
+        if not done and not failed:
+            print(f"nothing to recover in {', '.join(args.folders)}")
+    for f in failed:
+        print_error(f"ptdstream recover: {f['error']}")
+    return EXIT_INVALID if failed else EXIT_OK

@@ -1,0 +1,116 @@
+"""Outputs never destroy inputs, and the CLI replaces an existing output only with
+-f/--force (zstd's convention); the Python API keeps replacing, as upstream does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from executorch.exir import ExecutorchBackendConfig
+
+import ptdstream
+from conftest import Mlp, export
+from ptdstream.cli import main as cli_main
+from ptdstream.pack import pack
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    ptdstream.save(export(Mlp(), config=ExecutorchBackendConfig(external_constants=True)),
+                   str(folder / "model.pte"))
+    ptd = folder / "_default_external_constant.ptd"
+    pack(str(ptd), str(folder / "w.ptd.zst"))
+    return folder
+
+
+def snapshot(folder) -> dict:
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder)) if not (folder / n).is_dir()}
+
+
+def cli(capsys, *argv) -> tuple:
+    code = cli_main([str(a) for a in argv])
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.fixture
+def work(model, tmp_path):
+    for name in ("model.pte", "_default_external_constant.ptd", "w.ptd.zst"):
+        (tmp_path / name).write_bytes((model / name).read_bytes())
+    return tmp_path
+
+
+def test_pack_onto_its_input_is_refused(work, capsys):
+    before = snapshot(work)
+    code, err = cli(capsys, "pack", work / "model.pte", work / "model.pte")
+    assert code == 2
+    assert err == (f"ptdstream pack: error: output {work / 'model.pte'} is also an input: "
+                   "writing it would destroy the input; choose another output path")
+    assert snapshot(work) == before
+
+
+def test_force_never_allows_writing_over_an_input(work, capsys):
+    before = snapshot(work)
+    code, err = cli(capsys, "pack", "-f", work / "model.pte", work / "model.pte")
+    assert code == 2 and "is also an input" in err
+    assert snapshot(work) == before
+
+
+@pytest.mark.parametrize("how", ["hard link", "symlink", "other spelling"])
+def test_the_same_file_through_links_is_refused_naming_both(work, capsys, how):
+    ptd = work / "_default_external_constant.ptd"
+    alias = work / "alias.ptd"
+    if how == "hard link":
+        os.link(ptd, alias)
+    elif how == "symlink":
+        alias.symlink_to(ptd)
+    else:
+        alias = work / "." / "_default_external_constant.ptd"
+    before = snapshot(work)
+    code, err = cli(capsys, "manifest", work / "model.pte", ptd, "-o", alias, "-f")
+    assert code == 2
+    assert f"output {alias} is also an input" in err
+    if how != "other spelling":
+        assert f"(as {ptd})" in err
+    assert snapshot(work) == before
+
+
+def test_extract_onto_the_packed_input_is_refused(work, capsys):
+    before = snapshot(work)
+    code, err = cli(capsys, "extract", work / "w.ptd.zst", "--segment", "0", "-o", work / "w.ptd.zst")
+    assert code == 2 and f"output {work / 'w.ptd.zst'} is also an input" in err
+    assert snapshot(work) == before
+
+
+def test_a_manifest_of_itself_over_itself_is_refused(work, capsys):
+    (work / "m.manifest").write_bytes(b"old manifest")
+    before = snapshot(work)
+    code, err = cli(capsys, "manifest", work / "m.manifest")  # default output: m.manifest
+    assert code == 2 and f"output {work / 'm.manifest'} is also an input" in err
+    assert snapshot(work) == before
+
+
+@pytest.mark.parametrize("command", ["pack", "unpack", "extract", "manifest"])
+def test_an_existing_output_needs_force(work, capsys, command):
+    out = work / "out.bin"
+    out.write_bytes(b"keep me")
+    argv = {
+        "pack": ["pack", work / "model.pte", out],
+        "unpack": ["unpack", work / "w.ptd.zst", out],
+        "extract": ["extract", work / "w.ptd.zst", "--segment", "0", "-o", out],
+        "manifest": ["manifest", work / "model.pte", "-o", out],
+    }[command]
+    before = snapshot(work)
+    code, err = cli(capsys, *argv)
+    assert (code, err) == (2, f"ptdstream {command}: error: output {out} exists; use -f/--force to replace it")
+    assert snapshot(work) == before
+    code, _ = cli(capsys, *argv[:1], "--force", *argv[1:])
+    assert code == 0
+    assert out.read_bytes() != b"keep me"
+
+
+def test_the_python_api_keeps_replacing(work):
+    out = work / "out.zst"
+    out.write_bytes(b"old")
+    pack(str(work / "model.pte"), str(out))
+    assert out.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"  # a zstd frame

@@ -1,0 +1,237 @@
+"""Set publication under a journal: a kill at EVERY publishing syscall leaves the
+whole old set or (after recovery) the whole new one.
+
+The kills come from ``ptdstream.system.fsops``'s hook (the in-process equivalent
+of ``strace -f -e inject=rename:signal=SIGKILL:when=N``): a forked child saving
+version B over version A kills itself with SIGKILL just before its N-th rename,
+link, unlink or fsync, for every N of an uninterrupted save (and once past the
+last). After each kill the folder is recovered (:func:`journal.recover`) and
+must hold exactly A or exactly B, and nothing else.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+
+import pytest
+import torch
+from executorch.exir import ExecutorchBackendConfig
+
+import ptdstream
+from ptdstream.pack import pack, unpack
+from ptdstream.system import fsops
+from ptdstream.write import journal, tempfiles
+
+from _procs import fork, wait_status
+from conftest import Mlp, export
+
+PTE, PTD = "model.pte", "_default_external_constant.ptd"
+
+
+@pytest.fixture(scope="module")
+def versions():
+    """Two managers whose .pte and .ptd both differ."""
+    config = ExecutorchBackendConfig(external_constants=True)
+    out = {}
+    for seed, name in enumerate("AB"):
+        torch.manual_seed(seed)
+        out[name] = export(Mlp(d_hidden=32 + 16 * seed), config=config)
+    return out
+
+
+def read_all(folder) -> dict:
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+def recorded_ops(fn):
+    """``[(op, path)]`` of the fsops calls ``fn()`` makes, in this process."""
+    ops = []
+    previous = fsops.set_hook(lambda op, path: ops.append((op, path)))
+    try:
+        fn()
+    finally:
+        fsops.set_hook(previous)
+    return ops
+
+
+def killed_at(n: int, fn) -> bool:
+    """Run ``fn`` in a child killed by SIGKILL just before its ``n``-th fsops call
+    (1-based); whether the kill happened (otherwise ``fn`` must have succeeded)."""
+
+    def child():
+        count = [0]
+
+        def hook(op, path):
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        fsops.set_hook(hook)
+        fn()
+
+    status = wait_status(fork(child), 60.0)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.waitstatus_to_exitcode(status) == 0, f"the save killed at {n} failed on its own"
+    return False
+
+
+def kill_everywhere(folder, write_old, write_new, old, new, capsys, label):
+    """Kill ``write_new`` at each of its publishing calls over a folder holding ``old``."""
+    write_old()
+    assert read_all(folder) == old
+    ops = recorded_ops(write_new)
+    assert read_all(folder) == new
+    kinds = collections.Counter(op for op, _ in ops)
+    outcomes = collections.Counter()
+    for n in range(1, len(ops) + 2):
+        write_old()
+        assert read_all(folder) == old
+        killed = killed_at(n, write_new)
+        assert killed == (n <= len(ops))
+        pending = journal.unrecovered(folder)
+        for p in pending:  # what verify reports: the journal and every file of its set
+            assert set(p.targets) == {os.path.join(folder, t) for t in new}, p
+        done = journal.recover(folder)
+        assert [j for j, _ in done] == [p.path for p in pending]
+        assert journal.unrecovered(folder) == []
+        after = read_all(folder)
+        op = ops[n - 1][0] if killed else "none"
+        assert after in (old, new), (
+            f"{label}: killed before call {n} ({ops[n - 1] if killed else 'none'}): "
+            f"the folder holds {sorted(after)}, mixed or with leftovers"
+        )
+        outcomes[("old" if after == old else "new", op, "journal" if pending else "")] += 1
+    with capsys.disabled():
+        print(f"\n{label}: {len(ops) + 1} kills ({dict(kinds)}): " + ", ".join(
+            f"{'/'.join(x for x in k if x)}: {v}" for k, v in sorted(outcomes.items())))
+    return outcomes
+
+
+@pytest.mark.parametrize("manifest", [False, True], ids=["pte+ptd", "pte+ptd+manifest"])
+def test_kill_at_every_publishing_call_of_a_two_file_save(versions, tmp_path, capsys, manifest):
+    folder = str(tmp_path)
+    path = os.path.join(folder, PTE)
+    sets = {}
+    for name in "AB":
+        ptdstream.save(versions[name], path, manifest=manifest)
+        sets[name] = read_all(folder)
+    assert sorted(sets["A"]) == [PTD] + (["model.manifest"] if manifest else []) + [PTE]
+    assert all(sets["A"][n] != sets["B"][n] for n in sets["A"])
+    outcomes = kill_everywhere(
+        folder,
+        lambda: ptdstream.save(versions["A"], path, manifest=manifest),
+        lambda: ptdstream.save(versions["B"], path, manifest=manifest),
+        sets["A"], sets["B"], capsys, f"save ({'+'.join(sorted(sets['A']))})",
+    )
+    # The journal was exercised both ways: kills between the renames rolled forward.
+    assert any(k[0] == "new" and k[2] == "journal" for k in outcomes), outcomes
+    assert any(k[0] == "old" for k in outcomes), outcomes
+
+
+def test_kill_at_every_publishing_call_of_a_first_save(versions, tmp_path, capsys):
+    """No previous set: after a kill the folder is empty or holds the whole new set."""
+    folder = str(tmp_path)
+    path = os.path.join(folder, PTE)
+    ptdstream.save(versions["B"], path)
+    new = read_all(folder)
+
+    def clear():
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+
+    kill_everywhere(folder, clear, lambda: ptdstream.save(versions["B"], path), {}, new, capsys, "first save")
+
+
+def test_kill_at_every_publishing_call_of_unpack(tmp_path, capsys):
+    src = tmp_path / "src"
+    out = tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    for name, fill in (("a", 1), ("b", 2)):
+        (src / name).write_bytes(bytes([fill]) * 100_000 + os.urandom(1000))
+        pack(str(src / name), str(src / f"{name}.zst"))
+    target = str(out / "x.bin")
+    kill_everywhere(
+        str(out),
+        lambda: unpack(str(src / "a.zst"), target),
+        lambda: unpack(str(src / "b.zst"), target),
+        {"x.bin": (src / "a").read_bytes()}, {"x.bin": (src / "b").read_bytes()}, capsys, "unpack",
+    )
+
+
+def _half_published(folder):
+    """A folder as a crash leaves it after the first of two renames: a.ptd new,
+    b.pte old, the journal and the backups on disk; returns (journal, temps)."""
+    a, b = os.path.join(folder, "a.ptd"), os.path.join(folder, "b.pte")
+    for p, data in ((a, b"old a"), (b, b"old b")):
+        with open(p, "wb") as f:
+            f.write(data)
+    entries = []
+    for p, data in ((a, b"new a"), (b, b"new b")):
+        temp, fd, lock_fd = tempfiles.create_locked(p)
+        os.write(fd, data)
+        os.close(fd)
+        os.close(lock_fd)  # the writer is gone: its lock with it
+        backup = tempfiles.temp_name_for(p, "bak")
+        os.link(p, backup)
+        st = os.lstat(temp)
+        entries.append(journal.JournalEntry(p, temp, backup, True, st.st_dev, st.st_ino))
+    path = journal._write_journal(b, entries)
+    os.replace(entries[0].temp, a)
+    return path, [e.temp for e in entries]
+
+
+def test_recovery_rolls_forward_a_half_published_set(tmp_path):
+    folder = str(tmp_path)
+    path, _ = _half_published(folder)
+    assert journal.unrecovered(folder) == [
+        journal.PendingSet(path, (str(tmp_path / "a.ptd"), str(tmp_path / "b.pte")))
+    ]
+    assert journal.recover(folder) == [(path, "forward")]
+    assert read_all(folder) == {"a.ptd": b"new a", "b.pte": b"new b"}
+
+
+def test_recovery_rolls_back_when_a_temp_file_is_lost(tmp_path):
+    """A temp file removed by someone else: the set cannot go forward, so the
+    backups are put back and the old set is whole."""
+    folder = str(tmp_path)
+    path, temps = _half_published(folder)
+    os.unlink(temps[1])
+    assert journal.recover(folder) == [(path, "back")]
+    assert read_all(folder) == {"a.ptd": b"old a", "b.pte": b"old b"}
+
+
+def test_the_next_save_recovers_the_folder_first(versions, tmp_path):
+    folder = str(tmp_path)
+    path, _ = _half_published(folder)
+    ptdstream.save(versions["A"], os.path.join(folder, PTE))
+    assert sorted(os.listdir(folder)) == [PTD, "a.ptd", "b.pte", PTE]
+    assert read_all(folder)["b.pte"] == b"new b"
+
+
+def test_an_unreadable_journal_is_reported_and_kept(tmp_path):
+    bad = tmp_path / ".b.pte.ptdstream-1-0000abcd.journal"
+    bad.write_bytes(b"{not json")
+    assert journal.unrecovered(str(tmp_path)) == [journal.PendingSet(str(bad), ())]
+    with pytest.raises(journal.RecoveryError, match=r"journal .*0000abcd.journal: unreadable"):
+        journal.recover(str(tmp_path))
+    assert bad.exists()
+
+
+def test_a_live_writers_temp_file_is_kept_whatever_its_pid(tmp_path):
+    """Liveness by lock: a temp file named after a pid that does not exist here
+    (another PID namespace) but locked is kept; unlocked, it is removed."""
+    target = str(tmp_path / "m.pte")
+    temp, fd, lock_fd = tempfiles.create_locked(target)
+    os.close(fd)
+    foreign = temp.replace(f"ptdstream-{os.getpid()}-", "ptdstream-999999999-")
+    os.rename(temp, foreign)
+    journal.clean_folder(str(tmp_path))
+    assert os.path.exists(foreign)
+    os.close(lock_fd)
+    journal.clean_folder(str(tmp_path))
+    assert os.listdir(tmp_path) == []
