@@ -148,6 +148,8 @@ def publish(
     """
     if renames is None:
         renames = [functools.partial(_rename, t, d) for t, d in files]
+    if len(files) == 0:  # e.g. write_tensor_data_to_file of a program without data files
+        return
     if len(files) == 1:
         renames[0]()
         return

@@ -47,3 +47,15 @@ def test_routed_save_raises_instead_of_logging(tmp_path):
         else:
             raise AssertionError("save into a missing folder must raise")
     assert os.listdir(tmp_path) == []
+
+
+def test_routed_write_tensor_data_without_data_files_writes_nothing(tmp_path):
+    """A program whose weights are all in the .pte: upstream's write_tensor_data_to_file
+    writes no file, and so does the routed one (an empty set publishes nothing)."""
+    manager = export(Mlp())
+    (tmp_path / "ref").mkdir()
+    manager.write_tensor_data_to_file(str(tmp_path / "ref"))
+    with patch.installed():
+        (tmp_path / "routed").mkdir()
+        manager.write_tensor_data_to_file(str(tmp_path / "routed"))
+    assert os.listdir(tmp_path / "ref") == os.listdir(tmp_path / "routed") == []
