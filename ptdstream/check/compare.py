@@ -13,6 +13,7 @@ page cache as the comparison passes them. Nothing is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -22,6 +23,7 @@ from ..errors import FormatError
 from ..executorch import adapter
 from ..format.ptd import ptd_file_name
 from ..format.reader import Artifact, parse_artifact, read_artifact
+from ..progress import progress_callback
 from ..reports import Report
 from ..sources import BufferRing, as_source
 from ..system.pagecache import drop_pages
@@ -79,10 +81,11 @@ def _byte(value: Optional[int]) -> str:
 
 
 class _FileFiller:
-    """Fills a buffer from a file in order; drops the pages it read."""
+    """Fills a buffer from a file in order; drops the pages it read; calls
+    ``progress(nbytes)`` with the bytes of each fill."""
 
-    def __init__(self, f) -> None:
-        self.f, self.pos = f, 0
+    def __init__(self, f, progress=None) -> None:
+        self.f, self.pos, self.progress = f, 0, progress
 
     def fill(self, buf: bytearray) -> int:
         view, got = memoryview(buf), 0
@@ -93,6 +96,8 @@ class _FileFiller:
             got += n
         if got:
             drop_pages(self.f.fileno(), self.pos, got)
+            if self.progress is not None:
+                self.progress(got)
         self.pos += got
         return got
 
@@ -159,20 +164,24 @@ def _name_offset(offset: Optional[int], maps: Sequence[Tuple[str, Callable[[], A
     return None, None, None
 
 
-def compare_files(out_path: str, ref_path: str, chunk_nbytes: int = CHUNK_NBYTES) -> CompareReport:
+def compare_files(out_path: str, ref_path: str, chunk_nbytes: int = CHUNK_NBYTES,
+                  progress=False) -> CompareReport:
     """Compare ``out_path`` with ``ref_path`` byte for byte, streaming.
 
     Memory: two buffers of ``chunk_nbytes`` bytes. A mismatch is named from the
     reference's section map, or the output's if the reference does not parse.
+    ``progress``: ``True`` for a bar on stderr, or a callable taking the bytes of
+    the reference compared so far.
 
     Raises:
         OSError: either file cannot be opened or read (missing, permission).
         ValueError: ``chunk_nbytes <= 0``.
     """
     out_path, ref_path = os.fspath(out_path), os.fspath(ref_path)
-    with open(out_path, "rb") as fo, open(ref_path, "rb") as fr:
+    with open(out_path, "rb") as fo, open(ref_path, "rb") as fr, contextlib.ExitStack() as stack:
         out_n, ref_n = os.fstat(fo.fileno()).st_size, os.fstat(fr.fileno()).st_size
-        offset, ob, rb = _first_difference(_FileFiller(fo), _FileFiller(fr), chunk_nbytes)
+        update = progress_callback(stack, progress, ref_n, f"comparing {os.path.basename(out_path)}")
+        offset, ob, rb = _first_difference(_FileFiller(fo), _FileFiller(fr, update), chunk_nbytes)
     section, key, source = _name_offset(
         offset, [("reference", lambda: read_artifact(ref_path)), ("output", lambda: read_artifact(out_path))]
     )

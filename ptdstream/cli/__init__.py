@@ -12,6 +12,8 @@ shows one). ``python -m ptdstream`` runs the same entry point.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 from typing import List, Optional
@@ -20,7 +22,7 @@ from ..system.files import check_regular_inputs, refuse_overwrite
 from . import (cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_recover, cmd_unpack,
                cmd_verify, cmd_weights)
 from .common import (EPILOG, EXIT_OK, EXIT_USAGE, EXPECTED_ERRORS, Parser, UsageError, exit_for, print_error,
-                     quiet_third_party, silence_stdout)
+                     quiet_third_party, silence_stdout, spool_stdin)
 
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS = (cmd_verify, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_extract, cmd_weights, cmd_recover,
@@ -48,40 +50,91 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     Returns:
         The exit code (see the module docstring). Never raises for user errors;
-        ``--help`` returns 0.
+        ``--help`` returns 0; Ctrl-C at any moment returns 130 after one line.
     """
     for stream in (sys.stdout, sys.stderr):
         try:  # file names need not be UTF-8: print them escaped, never fail on them
             stream.reconfigure(errors="backslashreplace")
         except (AttributeError, ValueError):
             pass
-    parser = build_parser()
+    args = None
     try:
-        args = parser.parse_args(argv)
-    except UsageError as e:
-        print_error(str(e))
-        return EXIT_USAGE
+        parser = build_parser()
+        args = _parse(parser, argv)
+        if args is None:
+            return EXIT_USAGE
+        if args.imports_torch and not args.verbose:
+            quiet_third_party()
+        with contextlib.ExitStack() as stack:
+            _read_stdin(args, stack)
+            check_regular_inputs(args.inputs(args))
+            if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
+                refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
+            return int(args.run(args) or 0)
     except SystemExit as e:  # --help / --version print and exit
         return int(e.code or 0)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    if args.imports_torch:
-        quiet_third_party()
-    try:
-        check_regular_inputs(args.inputs(args))
-        if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
-            refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
-        return int(args.run(args) or 0)
     except BrokenPipeError:  # output piped into head & co.
         silence_stdout()
         return EXIT_OK
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error becomes one line
-        if os.environ.get("PTDSTREAM_DEBUG") and not isinstance(e, EXPECTED_ERRORS):
-            raise
-        code, message = exit_for(e, args.command)
-        print_error(message)
-        return code
+        return _report_error(e, args)
+
+
+def _parse(parser: argparse.ArgumentParser, argv) -> Optional[argparse.Namespace]:
+    """Parsed arguments, or None after printing the top-level help (no command).
+
+    Raises:
+        UsageError: bad arguments; an unknown option after a command points at
+            that command's ``--help``.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        if extra:
+            parser.parse_args(argv)  # raises with argparse's own message
+        parser.print_help(sys.stderr)
+        return None
+    if extra:
+        raise UsageError(f"ptdstream {args.command}: unrecognized arguments: {' '.join(extra)} "
+                         f"(see ptdstream {args.command} --help)")
+    return args
+
+
+def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    """Replace a ``-`` input by a temp copy of stdin (removed when ``stack`` closes)."""
+    for name in args.stdin:
+        value = getattr(args, name)
+        values = value if isinstance(value, list) else [value]
+        if "-" not in values:
+            continue
+        if values.count("-") > 1:
+            raise UsageError(f"ptdstream {args.command}: stdin (-) can be read once")
+        path = spool_stdin()
+        stack.callback(os.unlink, path)
+        spooled = [path if v == "-" else v for v in values]
+        setattr(args, name, spooled if isinstance(value, list) else spooled[0])
+
+
+def _report_error(error: BaseException, args: Optional[argparse.Namespace]) -> int:
+    """One line on stderr (and the error as JSON on stdout with ``--json``); the exit code."""
+    verbose = bool(os.environ.get("PTDSTREAM_DEBUG")) or bool(getattr(args, "verbose", False))
+    if verbose and not isinstance(error, EXPECTED_ERRORS):
+        import traceback
+
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    outputs = ()
+    if args is not None:
+        try:
+            outputs = tuple(args.outputs(args))
+        except Exception:  # noqa: BLE001 - the outputs themselves were the problem
+            outputs = ()
+    code, message = exit_for(error, getattr(args, "command", None), outputs)
+    print_error(message)
+    if getattr(args, "json", False):
+        try:
+            print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
+        except BrokenPipeError:
+            silence_stdout()
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

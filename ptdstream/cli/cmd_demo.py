@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import EPILOG, add_command
+from .common import add_command
 
 
 def register(subparsers) -> None:
@@ -13,7 +13,10 @@ def register(subparsers) -> None:
                     ".ptd), stream-save it with ptdstream, verify byte identity against ExecuTorch's "
                     "serializer (streamed, not written), run it with the ExecuTorch runtime and compare "
                     "with eager PyTorch.",
-        epilog=EPILOG, run=run, imports_torch=True)
+        examples=[("ptdstream demo", "into ./ptdstream-demo, then run it"),
+                  ("ptdstream demo --out /tmp/demo --no-run", "another folder, without the runtime check")],
+        exit_codes="exit codes: 0 identical and the runtime agrees, 1 a check failed, 2 usage error",
+        run=run, reports=False, progress=True, imports_torch=True)
     from ..demo import add_arguments
 
     add_arguments(d)

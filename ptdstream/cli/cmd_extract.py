@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
-from .common import EXIT_LINE, EXIT_OK, UsageError, add_command, print_report
+from .common import EXIT_OK, UsageError, add_command, binary_stdout, print_json, print_report
 
 
 def register(subparsers) -> None:
@@ -14,16 +13,15 @@ def register(subparsers) -> None:
         subparsers, "extract", help="read one key or segment from a packed .pte/.ptd",
         description="Write the bytes of named-data KEY (or of segment --segment) of the .pte/.ptd packed in "
                     "PACKED, decompressing only the frames of its metadata and of that segment.",
-        epilog="examples:\n  ptdstream extract model.ptd.zst --list\n"
-               "  ptdstream extract model.ptd.zst l1.weight -o l1.weight.bin\n"
-               "  ptdstream extract model.pte.zst --segment 0 > delegate.bin\n" + EXIT_LINE,
-        run=run, inputs=lambda a: [a.packed], outputs=lambda a: [a.output])
+        examples=[("ptdstream extract model.ptd.zst --list", "segments and keys"),
+                  ("ptdstream extract model.ptd.zst pos_embeddings -o pos.bin", "one key into a file"),
+                  ("ptdstream extract model.pte.zst --segment 0 > delegate.bin", "one segment to stdout")],
+        run=run, inputs=lambda a: [a.packed], outputs=lambda a: [_output(a)], stdin=("packed",))
     e.add_argument("packed", help="packed .pte/.ptd")
     e.add_argument("key", nargs="?", help="named-data key")
     e.add_argument("--segment", type=int, help="segment index instead of a key")
-    e.add_argument("-o", "--output", help="file to write (default: stdout)")
+    e.add_argument("-o", "--output", metavar="OUT", help="file to write (default and -: stdout, never a terminal)")
     e.add_argument("--list", action="store_true", help="list segments and keys, extract nothing")
-    e.add_argument("--json", action="store_true", help="print the report (or list) as JSON")
 
 
 def run(args) -> int:
@@ -34,18 +32,24 @@ def run(args) -> int:
     with PackedArtifact(args.packed) as packed:
         if args.list:
             return _list(packed.artifact, args)
-        report = packed.extract(args.output, args.key, args.segment, stream=sys.stdout.buffer)
+        out = _output(args)
+        report = packed.extract(out, args.key, args.segment, stream=None if out is not None else binary_stdout())
         sys.stdout.flush()
         # stdout may hold the extracted bytes: then the report goes to stderr
-        print_report(args, report, stream=sys.stdout if args.output is not None else sys.stderr)
+        print_report(args, report, stream=sys.stdout if out is not None else sys.stderr)
         return EXIT_OK
+
+
+def _output(args):
+    """The file to write (None for stdout)."""
+    return None if args.output in (None, "-") else args.output
 
 
 def _list(art, args) -> int:
     rows = [dict(segment=s.index, offset=s.start, nbytes=s.nbytes, label=s.label, keys=list(s.keys))
             for s in art.segments]
     if args.json:
-        print(json.dumps({"kind": art.kind, "nbytes": art.file_nbytes, "segments": rows}, indent=2))
+        print_json(args, {"kind": art.kind, "nbytes": art.file_nbytes, "segments": rows})
         return EXIT_OK
     print(f"{args.packed}: {art.kind}, {art.file_nbytes:,} bytes, {len(rows)} segments")
     for r in rows:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import EPILOG, EXIT_OK, add_command, print_report
+from .common import EXIT_OK, add_command, print_report
 
 
 def register(subparsers) -> None:
@@ -11,9 +11,11 @@ def register(subparsers) -> None:
         subparsers, "inspect", help="sections, keys, sizes, alignments and duplicated content",
         description="Show each file's section map, segments with their alignment, keys, a size breakdown "
                     "(metadata + padding + payload = file size) and content stored more than once.",
-        epilog=EPILOG, run=run, inputs=lambda a: a.files, imports_torch=False)
+        examples=[("ptdstream inspect model.pte model.ptd", "sections, segments, keys, sizes, duplicates"),
+                  ("ptdstream inspect out/*.ptd --json", "the same, as JSON"),
+                  ("ptdstream unpack model.ptd.zst - | ptdstream inspect -", "a file from stdin")],
+        run=run, inputs=lambda a: a.files, stdin=("files",))
     i.add_argument("files", nargs="+", metavar="FILE")
-    i.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args) -> int:

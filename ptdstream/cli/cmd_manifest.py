@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..defaults import CHUNK_NBYTES
-from .common import EPILOG, EXIT_OK, UsageError, add_command, print_report
+from .common import EXIT_OK, UsageError, add_command, print_report
 
 
 def register(subparsers) -> None:
@@ -14,11 +14,13 @@ def register(subparsers) -> None:
         description="Describe FILEs in a manifest (ptdstream's flatbuffer schema, schema/manifest.fbs): each "
                     "file's size, sections, the xxh3-128 digest of every piece and each key's fingerprint. "
                     "Check copies later with `ptdstream verify FILE --manifest M`.",
-        epilog=EPILOG, run=run, inputs=lambda a: a.files, outputs=lambda a: [_output(a)], imports_torch=False)
+        examples=[("ptdstream manifest out/model.pte out/model.ptd", "writes out/model.manifest"),
+                  ("ptdstream manifest model.pte model.ptd -o set.manifest -f", "another path, replacing it"),
+                  ("ptdstream verify copy/model.pte --manifest out/model.manifest", "check a copy later")],
+        run=run, inputs=lambda a: a.files, outputs=lambda a: [_output(a)])
     m.add_argument("files", nargs="+", metavar="FILE")
     m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
     m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES", help="piece size (default 8 MiB)")
-    m.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _output(args) -> str:

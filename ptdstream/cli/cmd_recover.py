@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from .common import EXIT_INVALID, EXIT_OK, add_command, print_error
+from .common import EXIT_INVALID, EXIT_OK, add_command, print_error, print_json
 
 
 def register(subparsers) -> None:
@@ -17,12 +15,12 @@ def register(subparsers) -> None:
                     "completes it, and so does this command: forward to the whole new set when every new file "
                     "is on disk, else back to the whole old set. Leftover temp files of dead writers are removed; "
                     "files of saves still running are not touched (it waits for a publication in progress).",
-        epilog="examples:\n  ptdstream recover out/\n"
-               "exit codes: 0 recovered or nothing to do, 1 a journal could not be completed (left in place), "
-               "2 usage error",
+        examples=[("ptdstream recover out/", "complete or roll back the set in out/"),
+                  ("ptdstream recover out/ --json", "what was done, as JSON")],
+        exit_codes="exit codes: 0 recovered or nothing to do, 1 a journal could not be completed (left in place), "
+                   "2 usage error",
         run=run)
     r.add_argument("folders", nargs="+", metavar="DIR", help="folder of a saved set")
-    r.add_argument("--json", action="store_true", help="print what was done as JSON")
 
 
 def run(args) -> int:
@@ -35,8 +33,8 @@ def run(args) -> int:
         except RecoveryError as e:
             failed.append({"folder": folder, "error": str(e)})
     if args.json:
-        print(json.dumps({"ok": not failed, "recovered": done, "failed": failed}, indent=2))
-    else:
+        print_json(args, {"ok": not failed, "recovered": done, "failed": failed})
+    elif not args.quiet:
         for d in done:
             way = "forward (the new set)" if d["direction"] == "forward" else "back (the old set)"
             print(f"{d['folder']}: completed {d['journal']}: rolled {way}")

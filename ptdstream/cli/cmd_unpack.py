@@ -2,26 +2,43 @@
 
 from __future__ import annotations
 
-from .common import EXIT_LINE, EXIT_OK, add_command, print_report
+import sys
+
+from .cmd_pack import output_path
+from .common import EXIT_OK, UsageError, add_command, binary_stdout, print_report, progress_wanted
 
 
 def register(subparsers) -> None:
     """Add ``unpack`` to ``subparsers``."""
     u = add_command(
         subparsers, "unpack", help="decompress a packed file, checking every frame",
-        description="Decompress IN (seekable zstd) into OUT frame by frame in bounded memory. Every frame's "
-                    "checksums and sizes, and the whole content's xxh3-128 when IN was packed by ptdstream, are "
-                    "checked before OUT is published; on any error OUT is left as it was.",
-        epilog="examples:\n  ptdstream unpack model.ptd.zst model.ptd\n" + EXIT_LINE,
-        run=run, inputs=lambda a: [a.input], outputs=lambda a: [a.output])
-    u.add_argument("input", help="packed file")
-    u.add_argument("output", help="file to write (replaced atomically)")
-    u.add_argument("--progress", action="store_true", help="progress bar on stderr")
-    u.add_argument("--json", action="store_true", help="print the report as JSON")
+        description="Decompress IN (seekable zstd; - for stdin) into OUT frame by frame in bounded memory. Every "
+                    "frame's checksums and sizes, and the whole content's xxh3-128 when IN was packed by "
+                    "ptdstream, are checked before OUT is published; on any error OUT is left as it was. OUT "
+                    "defaults to IN without its .zst suffix; - writes to stdout (never to a terminal), each frame "
+                    "once it is checked.",
+        examples=[("ptdstream unpack model.ptd.zst", "writes model.ptd"),
+                  ("ptdstream unpack model.ptd.zst -o restored.ptd", "another path"),
+                  ("ptdstream unpack model.ptd.zst - | ptdstream inspect -", "to stdout")],
+        run=run, inputs=lambda a: [a.input], outputs=lambda a: [output_of(a)], stdin=("input",), progress=True)
+    u.add_argument("input", metavar="IN", help="packed file (- for stdin)")
+    u.add_argument("output_arg", nargs="?", metavar="OUT", help="file to write (same as -o)")
+    u.add_argument("-o", "--output", metavar="OUT", help="file to write (default IN without .zst; - for stdout)")
+
+
+def output_of(args):
+    """The unpacked file (None for stdout)."""
+    default = args.input[: -len(".zst")] if args.input.endswith(".zst") and args.input != ".zst" else None
+    if default is None and args.output is None and args.output_arg is None:
+        raise UsageError(f"ptdstream unpack: {args.input} does not end with .zst: give the output file (-o OUT)")
+    out = output_path(args, default)
+    return None if out == "-" else out
 
 
 def run(args) -> int:
     from ..pack.decompress import unpack
 
-    print_report(args, unpack(args.input, args.output, progress=args.progress))
+    out = output_of(args)
+    report = unpack(args.input, out if out is not None else binary_stdout(), progress=progress_wanted(args))
+    print_report(args, report, stream=None if out is not None else sys.stderr)
     return EXIT_OK

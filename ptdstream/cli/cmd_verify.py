@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import EPILOG, EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_report
+from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_report, progress_wanted
 
 
 def register(subparsers) -> None:
@@ -15,12 +15,19 @@ def register(subparsers) -> None:
         description="With --against: compare FILE with REF byte for byte (streamed) and name the first "
                     "difference. Without: check FILE (a .pte) and the .ptd files after it the way the "
                     "runtime loads them, including that every external tensor is in a given .ptd.",
-        epilog=EPILOG, run=run, imports_torch=False,
+        examples=[("ptdstream verify out/model.pte --against ref/model.pte", "byte identity with a reference"),
+                  ("ptdstream verify model.pte model.ptd", "what the runtime checks when it loads them"),
+                  ("ptdstream verify model.pte model.ptd --json", "the same, as JSON"),
+                  ("ptdstream verify copy/model.pte copy/model.ptd --manifest model.manifest",
+                   "a copy against a manifest, at disk speed"),
+                  ("cat model.pte | ptdstream verify -", "a program from stdin")],
+        exit_codes="exit codes: 0 valid or identical, 1 invalid, different or an unrecovered set in the folder, "
+                   "2 usage error or unreadable input",
+        run=run, progress=True, stdin=("files", "against"),
         inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p])
     v.add_argument("files", nargs="+", metavar="FILE", help="OUT (with --against), or OUT.pte [DATA.ptd ...]")
     v.add_argument("--against", metavar="REF", help="reference file to compare the single FILE with")
     v.add_argument("--manifest", metavar="M", help="check each FILE against manifest M (piece digests)")
-    v.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def unrecovered_sets(files):
@@ -54,7 +61,7 @@ def _check(args) -> int:
                              "(see ptdstream verify --help)")
         from ..check.compare import compare_files
 
-        report = compare_files(args.files[0], args.against)
+        report = compare_files(args.files[0], args.against, progress=progress_wanted(args))
     else:
         from ..check.structure import check_structure
 

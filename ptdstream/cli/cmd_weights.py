@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import EXIT_LINE, EXIT_OK, add_command, print_report
+from .common import EXIT_OK, add_command, print_report, progress_wanted
 
 
 def _mapping(text: str):
@@ -24,13 +24,18 @@ def register(subparsers) -> None:
                     "keys are all reported and nothing is written. Programs with delegates are refused (their "
                     "weights are inside the .pte), except XNNPACK with tagged external weights given --like and "
                     "--old, where its weights are stored untransformed: then a new .pte is written too.",
-        epilog="checkpoints: a .safetensors file, a Hugging Face folder or model.safetensors.index.json, a "
-               "torch.save state dict, a torch.distributed.checkpoint folder\n"
-               "examples:\n  ptdstream weights model.pte --from finetuned.safetensors -o out/\n"
-               "  ptdstream weights model.pte --from hf_folder/ --map lm_head.=model.lm_head. -o out/\n"
-               "  ptdstream weights model.pte --from dcp_ckpt/ --like old/weights.ptd -o out/\n"
-               "  ptdstream weights model.pte --from new.safetensors --old old.safetensors \\\n"
-               "      --like old/model.ptd --like old/_default_external_constant.ptd -o out/   # XNNPACK\n" + EXIT_LINE,
+        examples=[("ptdstream weights model.pte --from finetuned.safetensors -o out/", "safetensors file"),
+                  ("ptdstream weights model.pte --from hf_folder/ --map lm_head.=model.lm_head. -o out/",
+                   "Hugging Face folder, other key names"),
+                  ("ptdstream weights model.pte --from dcp_ckpt/ --like old/weights.ptd -o out/",
+                   "torch.distributed.checkpoint folder, tags and key order of an old .ptd"),
+                  ("ptdstream weights model.pte --from new.safetensors --old old.safetensors "
+                   "--like old/model.ptd -o out/", "XNNPACK with tagged external weights")],
+        exit_codes="checkpoints: a .safetensors file, a Hugging Face folder or model.safetensors.index.json, a "
+                   "torch.save state dict, a torch.distributed.checkpoint folder\n"
+                   "exit codes: 0 written, 1 the checkpoint does not fit the program (nothing written), "
+                   "2 usage error or unreadable input",
+        progress=True,
         run=run, inputs=lambda a: [a.program] + list(a.like), imports_torch=True)
     p.add_argument("program", help="the .pte (only its metadata is read)")
     p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")
@@ -45,8 +50,6 @@ def register(subparsers) -> None:
                         "with; untransformed XNNPACK weights are rewritten and a new .pte is written to OUT")
     p.add_argument("--allow-extra", action="store_true", help="ignore checkpoint keys the program does not use")
     p.add_argument("--segment-alignment", type=int, default=128, help="bytes (default %(default)s)")
-    p.add_argument("--progress", action="store_true", help="progress bar on stderr")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args) -> int:
@@ -54,7 +57,7 @@ def run(args) -> int:
 
     report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
                        key_map=dict(args.map) or None, allow_extra=args.allow_extra,
-                       segment_alignment=args.segment_alignment, progress=args.progress,
+                       segment_alignment=args.segment_alignment, progress=progress_wanted(args),
                        old_checkpoint=args.old_checkpoint)
     print_report(args, report)
     return EXIT_OK

@@ -53,37 +53,98 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def add_command(subparsers, name: str, *, help: str, description: str, epilog: str,
-                run: Callable[[argparse.Namespace], int],
+def add_command(subparsers, name: str, *, help: str, description: str,
+                examples: Sequence[Tuple[str, str]], run: Callable[[argparse.Namespace], int],
                 inputs: Callable[[argparse.Namespace], Sequence[str]] = lambda a: (),
                 outputs: Optional[Callable[[argparse.Namespace], Sequence[Optional[str]]]] = None,
-                imports_torch: bool = False) -> argparse.ArgumentParser:
-    """Register subcommand ``name`` and return its parser for the caller's arguments.
+                stdin: Sequence[str] = (), reports: bool = True, progress: bool = False,
+                imports_torch: bool = False, exit_codes: str = EXIT_LINE) -> argparse.ArgumentParser:
+    """Register subcommand ``name`` with the options every command shares; return
+    its parser for the command's own arguments.
 
-    ``run(args)`` returns the exit code or raises (mapped by :func:`exit_for`);
-    ``inputs(args)`` names the files it reads (checked to be regular files first);
-    ``outputs(args)`` names the files it writes: a command with outputs gets
-    ``-f/--force``, and ``main`` refuses (exit 2) an output that is an input, or
-    that exists without ``--force``
-    (:func:`ptdstream.system.files.refuse_overwrite`);
-    ``imports_torch`` makes ``main`` silence the import noise of torch/executorch.
+    Args:
+        examples: ``(command line, what it does)`` pairs for the command's ``--help``.
+        run: ``run(args)`` returns the exit code or raises (mapped by :func:`exit_for`).
+        inputs: the files it reads (checked to be regular files before it runs).
+        outputs: the files it writes (``None`` entries: stdout). A command with
+            outputs gets ``-f/--force``; ``main`` refuses (exit 2) an output that is
+            an input, or that exists without ``--force``
+            (:func:`ptdstream.system.files.refuse_overwrite`).
+        stdin: names of arguments (a path or a list of paths) where ``-`` means
+            standard input (spooled to a temp file: the readers need random access).
+        reports: the command prints a report: ``--json`` prints it as JSON, and
+            errors as ``{"ok": false, "error": ..., "exit_code": ...}`` on stdout.
+        progress: ``--progress``/``--no-progress`` (default: a bar when stderr is a
+            terminal, never in logs).
+        imports_torch: ``main`` silences the import noise of torch/executorch.
     """
-    parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog,
+    width = max(len(cmd) for cmd, _ in examples) + 3
+    epilog = "examples:\n" + "\n".join(f"  {cmd:<{width}}{what}" for cmd, what in examples)
+    parser = subparsers.add_parser(name, help=help, description=description, epilog=f"{epilog}\n\n{exit_codes}",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.set_defaults(run=run, inputs=inputs, outputs=outputs or (lambda a: ()), force=False,
-                        imports_torch=imports_torch)
+    parser.set_defaults(run=run, inputs=inputs, outputs=outputs or (lambda a: ()), force=False, json=False,
+                        progress=None, stdin=tuple(stdin), imports_torch=imports_torch)
+    if reports:
+        parser.add_argument("--json", action="store_true", help="print the report (or the error) as JSON on stdout")
+    if progress:
+        parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                            help="progress bar on stderr (default: on when stderr is a terminal)")
     if outputs is not None:
         parser.add_argument("-f", "--force", action="store_true",
                             help="replace an existing output file (never one of the inputs)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show torch/executorch log output and a traceback of an unexpected failure")
     return parser
 
 
-def exit_for(error: BaseException, command: Optional[str]) -> Tuple[int, str]:
+def progress_wanted(args: argparse.Namespace) -> bool:
+    """``--progress``/``--no-progress`` as given, else whether stderr is a terminal;
+    never with ``--quiet``."""
+    if getattr(args, "quiet", False):
+        return False
+    if args.progress is not None:
+        return bool(args.progress)
+    return sys.stderr.isatty()
+
+
+def binary_stdout():
+    """``sys.stdout.buffer`` for binary output.
+
+    Raises:
+        UsageError: stdout is a terminal (as zstd, ptdstream never writes binary
+            data to one).
+    """
+    if sys.stdout.isatty():
+        raise UsageError("ptdstream: refusing to write binary data to a terminal; give -o FILE or redirect stdout")
+    return sys.stdout.buffer
+
+
+def spool_stdin(folder: Optional[str] = None) -> str:
+    """Copy standard input to a temp file (removed by the caller) and return its path.
+
+    Raises:
+        UsageError: stdin is a terminal.
+    """
+    import shutil
+    import tempfile
+
+    if sys.stdin.isatty():
+        raise UsageError("ptdstream: refusing to read binary data from a terminal; give a file or redirect stdin")
+    fd, path = tempfile.mkstemp(prefix="ptdstream-stdin-", dir=folder)
+    with os.fdopen(fd, "wb") as out:
+        shutil.copyfileobj(sys.stdin.buffer, out, 8 << 20)
+    return path
+
+
+def exit_for(error: BaseException, command: Optional[str],
+             outputs: Sequence[Optional[str]] = ()) -> Tuple[int, str]:
     """The one mapping from an error to ``(exit code, one-line message)``.
 
     Usage errors, bad parameters and keys a file does not hold exit 2; invalid or
-    corrupt input and mismatches exit 1; unreadable input exits 2; Ctrl-C 130.
-    Anything else is a failure inside the command (1), reported in one line.
+    corrupt input and mismatches exit 1; an input that cannot be read or an output
+    that cannot be written (``outputs``: the command's output paths) exits 2;
+    Ctrl-C 130. Anything else is a failure inside the command (1), in one line.
     """
     if isinstance(error, UsageError):
         return EXIT_USAGE, str(error)
@@ -98,6 +159,9 @@ def exit_for(error: BaseException, command: Optional[str]) -> Tuple[int, str]:
     if isinstance(error, OSError):
         what = error.strerror or type(error).__name__
         if error.filename:
+            written = _output_of(os.fspath(error.filename), outputs)
+            if written is not None:
+                return EXIT_USAGE, f"ptdstream: cannot write {written}: {what}"
             return EXIT_USAGE, f"ptdstream: cannot read {error.filename}: {what}"
         return EXIT_USAGE, f"ptdstream: {what}"
     if isinstance(error, PtdstreamError):
@@ -108,17 +172,37 @@ def exit_for(error: BaseException, command: Optional[str]) -> Tuple[int, str]:
                           "(set PTDSTREAM_DEBUG=1 for a traceback)")
 
 
+def _output_of(path: str, outputs: Sequence[Optional[str]]) -> Optional[str]:
+    """The output that ``path`` is (or whose temp file or folder it is), else None."""
+    real = os.path.abspath(path)
+    for output in outputs:
+        if output is None:
+            continue
+        target = os.path.abspath(output)
+        folder = os.path.dirname(target)
+        if real in (target, folder) or (os.path.dirname(real) == folder and ".ptdstream-" in os.path.basename(real)):
+            return output
+    return None
+
+
 def print_error(message: str) -> None:
     """One line on stderr (whitespace, newlines included, collapsed)."""
     print(" ".join(str(message).split()) or "error", file=sys.stderr)
 
 
 def print_report(args: argparse.Namespace, report: Any, stream=None) -> None:
-    """A report's JSON with ``--json``, else its summary (stdout by default)."""
+    """A report's JSON with ``--json``, else its summary (stdout by default), unless ``--quiet``."""
     if getattr(args, "json", False):
         report.write_json(stream or sys.stdout)  # streamed: never the whole text at once
-    else:
+    elif not getattr(args, "quiet", False):
         print(report.summary(), file=stream or sys.stdout)
+
+
+def print_json(args: argparse.Namespace, value: Any, stream=None) -> None:
+    """A plain JSON value (``--json`` output of a command without a report class)."""
+    import json
+
+    print(json.dumps(value, indent=2), file=stream or sys.stdout)
 
 
 def parse_nbytes(text: str) -> int:

@@ -21,9 +21,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--no-run", action="store_true",
         help="skip loading the files with the ExecuTorch runtime",
     )
-    parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="progress bar while saving (default: on when stderr is a terminal)",
-    )
-    parser.add_argument("-q", "--quiet", action="store_true", help="print only the summary, no stages")
     return parser

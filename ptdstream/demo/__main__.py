@@ -1,7 +1,7 @@
-"""``python -m ptdstream.demo``: the demo without the ``ptdstream`` command."""
+"""``python -m ptdstream.demo``: ``ptdstream demo`` (see :mod:`ptdstream.cli.cmd_demo`)."""
 
 import sys
 
-from .run import main, parser
+from ..cli import main
 
-sys.exit(main(parser().parse_args()))
+sys.exit(main(["demo", *sys.argv[1:]]))

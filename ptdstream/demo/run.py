@@ -251,19 +251,3 @@ def main(args: argparse.Namespace, stream: Optional[TextIO] = None) -> int:
                       log=None if quiet else sys.stderr)
     print(format_summary(result), file=stream)
     return result.exit_code
-
-
-def parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m ptdstream.demo``."""
-    from . import add_arguments
-
-    return add_arguments(
-        argparse.ArgumentParser(
-            prog="python -m ptdstream.demo",
-            description="Export a small tied-embedding LM to .pte + .ptd (XNNPACK), save it "
-            "with ptdstream, check byte identity with executorch's serializer and run it.",
-            epilog="examples:\n  python -m ptdstream.demo --out /tmp/demo\n"
-            "  python -m ptdstream.demo --no-run\nexit codes: 0 ok, 1 mismatch, 2 usage",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-    )

@@ -36,7 +36,7 @@ from ..progress import progress_callback
 from ..reports import Report
 from ..sources.fingerprint import StreamingDigest
 from ..system.files import pread_exact
-from ..write.sink import ChunkedFileSink
+from ..write.stream_sink import open_sink, target_name
 from .seek_table import EMPTY_CHECKSUM, MAX_FRAME_NBYTES, MAX_FRAMES, ContentFrame, encode_seek_table, frame_checksum
 
 #: Default zstd level, the ``zstd`` command's default.
@@ -142,7 +142,8 @@ def _read_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
 def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: int = CHUNK_NBYTES,
          threads: int = 1, checksums: bool = True, verify: bool = False, progress=False,
          window_nbytes: int = WINDOW_NBYTES, drop_pages: bool = True) -> PackReport:
-    """Compress the file ``source`` into the seekable zstd file ``target``.
+    """Compress the file ``source`` into the seekable zstd file ``target``: a path
+    (published atomically) or an open binary stream (bytes written as they come).
 
     Args:
         level: zstd level (-7..22; 3 like the ``zstd`` command).
@@ -152,7 +153,7 @@ def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: 
         checksums: store each frame's XXH64 low 32 bits in the seek table.
         verify: decompress each frame right after compressing it and compare.
         progress: ``True`` for a tqdm bar on stderr, or a callable taking bytes done.
-        window_nbytes, drop_pages: for the output :class:`ChunkedFileSink`; input
+        window_nbytes, drop_pages: for an output file's sink; input
             pages are dropped after reading when ``drop_pages``.
 
     Memory: ``threads + 1`` input buffers of ``frame_nbytes`` (allocated once,
@@ -164,8 +165,10 @@ def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: 
         OSError: ``source`` unreadable, or a write, fsync or rename failed
             (nothing published; the temp file is removed).
     """
-    if not -7 <= level <= 22 or threads < 1:
-        raise LayoutError(f"level {level} is outside [-7, 22] or threads {threads} < 1")
+    if not -7 <= level <= 22:
+        raise LayoutError(f"zstd level {level} is outside [-7, 22]")
+    if threads < 1:
+        raise LayoutError(f"threads {threads} is below 1: give at least one compression thread")
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         fd = os.open(os.fspath(source), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -174,7 +177,7 @@ def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: 
         kind, head_nbytes = artifact_head(os.pread(fd, HEAD_NBYTES, 0), nbytes)
         frames = plan_frames(nbytes, frame_nbytes, head_nbytes)
         update = progress_callback(stack, progress, nbytes, f"packing {os.path.basename(source)}")
-        sink = stack.enter_context(ChunkedFileSink(target, window_nbytes=window_nbytes, drop_pages=drop_pages))
+        sink = stack.enter_context(open_sink(target, window_nbytes=window_nbytes, drop_pages=drop_pages))
         pool = ThreadPoolExecutor(threads, thread_name_prefix="ptdstream-pack")
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)
         free = [bytearray(min(frame_nbytes, nbytes)) for _ in range(min(threads + 1, len(frames)))]
@@ -210,5 +213,5 @@ def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: 
         sink.write(trailer)
         sink.write(encode_seek_table(entries, checksums))
         packed_nbytes = sink.nbytes
-    return PackReport(os.fspath(source), os.fspath(target), kind, nbytes, packed_nbytes, len(frames), level,
+    return PackReport(os.fspath(source), target_name(target), kind, nbytes, packed_nbytes, len(frames), level,
                       frame_nbytes, head_nbytes, time.perf_counter() - start, content.hex)

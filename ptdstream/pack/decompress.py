@@ -15,7 +15,7 @@ from ..errors import IntegrityError
 from ..progress import progress_callback
 from ..reports import Report
 from ..sources.fingerprint import StreamingDigest
-from ..write.sink import ChunkedFileSink
+from ..write.stream_sink import open_sink, target_name
 from .compress import rate_mbps
 from .seek_table import MAX_FRAME_NBYTES
 from .seekable import SeekableReader
@@ -57,7 +57,9 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
     seek table's sizes and checksum, the next one in a helper thread while this
     one is written; then the whole content against the manifest's size and
     xxh3-128, when there is one. Only then is ``target`` published (atomically,
-    through :class:`ChunkedFileSink`).
+    through :class:`~ptdstream.write.sink.ChunkedFileSink`). ``target`` may also be
+    an open binary stream (stdout): it then gets each frame's bytes once that frame
+    is checked, and the whole-content check is made at the end.
 
     Memory: one compressed frame and two decompressed pieces of at most
     ``piece_nbytes`` (8 MiB): frames up to that size are decoded whole, larger
@@ -75,7 +77,7 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
     with contextlib.ExitStack() as stack:
         reader = stack.enter_context(SeekableReader(source, max_frame_nbytes=max_frame_nbytes, drop_pages=drop_pages))
         update = progress_callback(stack, progress, reader.nbytes, f"unpacking {os.path.basename(source)}")
-        sink = stack.enter_context(ChunkedFileSink(target, window_nbytes=window_nbytes, drop_pages=drop_pages))
+        sink = stack.enter_context(open_sink(target, window_nbytes=window_nbytes, drop_pages=drop_pages))
         pool = ThreadPoolExecutor(1, thread_name_prefix="ptdstream-unpack")
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)
         frames, digest = reader.table.frames, StreamingDigest()
@@ -103,7 +105,7 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
                 pending = pool.submit(reader.decode, frames[i + 1], False)
         found = digest.finish()
         checks = _unpack_checks(reader, found.digest)
-    return UnpackReport(reader.path, os.fspath(target), found.nbytes, reader.file_nbytes,
+    return UnpackReport(reader.path, target_name(target), found.nbytes, reader.file_nbytes,
                         sum(1 for f in frames if f.nbytes), time.perf_counter() - start, checks, found.hex)
 
 

@@ -44,3 +44,26 @@ class StreamSink:
 
     def write_zeros(self, nbytes: int) -> None:
         write_zeros(self.write, nbytes)
+
+
+def open_sink(target, **file_options):
+    """A context manager giving the sink for ``target``: a
+    :class:`~ptdstream.write.sink.ChunkedFileSink` for a path (``file_options`` go
+    to it; published atomically on a clean exit), or a :class:`StreamSink` over an
+    open binary stream (``sys.stdout.buffer``, a pipe), which the caller owns:
+    nothing is atomic there, bytes arrive as they are written."""
+    import contextlib
+    import os
+
+    if isinstance(target, (str, bytes, os.PathLike)):
+        from .sink import ChunkedFileSink
+
+        return ChunkedFileSink(target, **file_options)
+    return contextlib.nullcontext(StreamSink(target))
+
+
+def target_name(target) -> str:
+    """How a report names ``target``: the path, or ``"-"`` for a stream."""
+    import os
+
+    return os.fspath(target) if isinstance(target, (str, bytes, os.PathLike)) else "-"

@@ -109,7 +109,9 @@ def test_permission_error_from_the_reader_exits_2(tmp_path, capsys, monkeypatch)
      "ptdstream verify: --against compares one FILE, got 2 (see ptdstream verify --help)"),
     (["bogus"], "ptdstream: argument COMMAND: invalid choice: 'bogus' (choose from 'verify', "
                 "'inspect', 'manifest', 'pack', 'unpack', 'extract', 'weights', 'recover', 'demo') (see ptdstream --help)"),
-    (["inspect", "--frobnicate", "x"], "ptdstream: unrecognized arguments: --frobnicate (see ptdstream --help)"),
+    (["inspect", "--frobnicate", "x"],
+     "ptdstream inspect: unrecognized arguments: --frobnicate (see ptdstream inspect --help)"),
+    (["--frobnicate"], "ptdstream: unrecognized arguments: --frobnicate (see ptdstream --help)"),
 ])
 def test_usage_errors_exit_2(capsys, argv, message):
     rc, stdout, err = _run(capsys, *argv)
@@ -121,11 +123,21 @@ def test_usage_errors_exit_2(capsys, argv, message):
 
 
 def test_help_lists_examples_and_exit_codes(capsys):
-    for argv in (["--help"], ["verify", "--help"], ["inspect", "-h"], ["demo", "--help"]):
-        rc, stdout, err = _run(capsys, *argv)
+    rc, stdout, err = _run(capsys, "--help")
+    assert (rc, err) == (0, "")
+    assert "examples:" in stdout and "ptdstream verify out/model.pte --against ref/model.pte" in stdout
+    assert "exit codes:" in stdout and "2  usage error" in stdout
+    for command, example in [("verify", "ptdstream verify out/model.pte --against ref/model.pte"),
+                             ("inspect", "ptdstream inspect model.pte model.ptd"),
+                             ("manifest", "ptdstream manifest out/model.pte out/model.ptd"),
+                             ("pack", "ptdstream pack model.ptd"), ("unpack", "ptdstream unpack model.ptd.zst"),
+                             ("extract", "ptdstream extract model.ptd.zst --list"),
+                             ("recover", "ptdstream recover out/"), ("demo", "ptdstream demo ")]:
+        rc, stdout, err = _run(capsys, command, "-h")
         assert (rc, err) == (0, "")
-        assert "examples:" in stdout and "ptdstream verify out/model.pte --against ref/model.pte" in stdout
-        assert "exit codes:" in stdout and "2  usage error" in stdout
+        examples = stdout.split("examples:\n", 1)[1]
+        assert examples.lstrip().startswith(example), command  # its own examples, not the global list
+        assert "exit codes:" in stdout and "--quiet" in stdout, command
 
 
 def test_inspect_text_json_and_invalid(tmp_path, capsys):

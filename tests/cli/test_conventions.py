@@ -1,0 +1,150 @@
+"""The command line's conventions (zstd's and git's): ``-`` for stdin/stdout, no binary
+data on a terminal, ``-o`` everywhere with defaults, ``--json`` for errors too,
+``-q``, progress only on a terminal, Ctrl-C, "cannot write", the argument to blame."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import Mlp, export, reference_files
+
+ENV = dict(os.environ, PYTHONWARNINGS="ignore")
+
+
+def ptdstream(*argv, stdin=None, input_bytes=None, **kw):
+    return subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)], input=input_bytes, stdin=stdin,
+                          capture_output=True, env=ENV, timeout=300, **kw)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("conventions")
+    from executorch.exir import ExecutorchBackendConfig
+
+    reference_files(export(Mlp(), config=ExecutorchBackendConfig(external_constants=True)), str(folder))
+    return folder
+
+
+def test_pack_and_unpack_default_outputs_and_stdout(files, tmp_path):
+    ptd = tmp_path / "w.ptd"
+    ptd.write_bytes((files / "_default_external_constant.ptd").read_bytes())
+    assert ptdstream("pack", ptd, "-q").returncode == 0
+    assert (tmp_path / "w.ptd.zst").is_file()  # IN.zst, as zstd names it
+    to_stdout = ptdstream("pack", ptd, "-o", "-")
+    assert to_stdout.returncode == 0 and to_stdout.stdout == (tmp_path / "w.ptd.zst").read_bytes()
+    assert not (tmp_path / "-").exists() and "packed" in to_stdout.stderr.decode()
+    ptd.unlink()
+    assert ptdstream("unpack", tmp_path / "w.ptd.zst", "-q").returncode == 0  # IN without .zst
+    assert ptd.read_bytes() == (files / "_default_external_constant.ptd").read_bytes()
+    piped = ptdstream("unpack", "-", "-o", "-", input_bytes=to_stdout.stdout)
+    assert piped.returncode == 0 and piped.stdout == ptd.read_bytes()
+    bad = ptdstream("unpack", ptd)
+    assert bad.returncode == 2 and b"does not end with .zst: give the output file" in bad.stderr
+    both = ptdstream("pack", ptd, "a.zst", "-o", "b.zst", cwd=tmp_path)
+    assert both.returncode == 2 and b"OUT and -o name different files" in both.stderr
+    assert sorted(os.listdir(tmp_path)) == ["w.ptd", "w.ptd.zst"]
+
+
+def test_stdin_input_for_inspect_and_verify(files):
+    data = (files / "model.pte").read_bytes()
+    inspected = ptdstream("inspect", "-", "--json", input_bytes=data)
+    assert inspected.returncode == 0
+    assert json.loads(inspected.stdout)["files"][0]["file_nbytes"] == len(data)
+    verified = ptdstream("verify", "-", "--against", files / "model.pte", input_bytes=data)
+    assert verified.returncode == 0 and b"identical" in verified.stdout
+
+
+def _on_terminal(*argv, stdin_tty=False):
+    """Run with stdout (or stdin) on a pseudo-terminal; returns (exit code, stderr)."""
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)],
+                              stdout=subprocess.PIPE if stdin_tty else terminal,
+                              stdin=terminal if stdin_tty else subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=ENV, timeout=120)
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    return proc.returncode, proc.stderr.decode()
+
+
+def test_binary_data_never_goes_to_or_comes_from_a_terminal(files, tmp_path):
+    ptd = files / "_default_external_constant.ptd"
+    code, err = _on_terminal("pack", ptd, "-o", "-")
+    assert code == 2 and "refusing to write binary data to a terminal" in err
+    zst = tmp_path / "w.zst"
+    assert ptdstream("pack", ptd, "-o", zst, "-q").returncode == 0
+    code, err = _on_terminal("extract", zst, "--segment", "0")
+    assert code == 2 and "refusing to write binary data to a terminal" in err
+    code, err = _on_terminal("inspect", "-", stdin_tty=True)
+    assert code == 2 and "refusing to read binary data from a terminal" in err
+
+
+def test_json_errors_quiet_success_and_progress_only_on_request(files, tmp_path):
+    missing = tmp_path / "absent.pte"
+    proc = ptdstream("inspect", missing, "--json")
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout) == {"ok": False, "exit_code": 2,
+                                      "error": f"ptdstream: cannot read {missing}: No such file or directory"}
+    quiet = ptdstream("verify", files / "model.pte", files / "model.pte", "--against", files / "model.pte")
+    assert quiet.returncode == 2  # --against compares one FILE
+    ok = ptdstream("verify", files / "model.pte", "--against", files / "model.pte", "-q")
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, b"", b"")
+    ptd = files / "_default_external_constant.ptd"
+    plain = ptdstream("pack", ptd, "-o", tmp_path / "a.zst")
+    assert plain.returncode == 0 and b"\r" not in plain.stderr  # no bar in logs
+    bar = ptdstream("pack", ptd, "-o", tmp_path / "b.zst", "--progress")
+    assert bar.returncode == 0 and b"packing" in bar.stderr and b"\r" in bar.stderr
+
+
+def test_errors_blame_the_right_thing(files, tmp_path):
+    ptd = files / "_default_external_constant.ptd"
+    target = tmp_path / "no" / "such" / "dir" / "x.zst"
+    proc = ptdstream("pack", ptd, "-o", target)
+    assert proc.returncode == 2
+    err = proc.stderr.decode()
+    assert err.startswith(f"ptdstream: cannot write {target}: ") and "No such file or directory" in err
+    threads = ptdstream("pack", ptd, "-o", tmp_path / "t.zst", "-T", "0")
+    assert threads.returncode == 2 and b"threads 0 is below 1" in threads.stderr and b"level" not in threads.stderr
+    level = ptdstream("pack", ptd, "-o", tmp_path / "t.zst", "-l", "30")
+    assert level.returncode == 2 and b"zstd level 30 is outside [-7, 22]" in level.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_broken_pipe_is_quiet(files):
+    proc = subprocess.run(f"{sys.executable} -m ptdstream inspect {files / 'model.pte'} --json | head -c 10",
+                          shell=True, capture_output=True, env=ENV, timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr and len(proc.stdout) == 10
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_imports_and_during_a_write(tmp_path):
+    """SIGINT while torch imports (demo) and while pack writes: one line, exit 130,
+    no traceback, no temp file left."""
+    demo = subprocess.Popen([sys.executable, "-m", "ptdstream", "demo", "--out", str(tmp_path / "demo")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    time.sleep(1.5)  # importing torch and executorch
+    demo.send_signal(signal.SIGINT)
+    _, err = demo.communicate(timeout=120)
+    assert demo.returncode == 130 and err.decode().strip().splitlines()[-1] == "ptdstream: interrupted"
+    assert b"Traceback" not in err
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.write(os.urandom(1 << 20) * 300)
+    pack = subprocess.Popen([sys.executable, "-m", "ptdstream", "pack", str(big), "-l", "19"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    deadline = time.monotonic() + 60
+    while not any(".ptdstream-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pack.send_signal(signal.SIGINT)
+    _, err = pack.communicate(timeout=120)
+    assert pack.returncode == 130 and err.decode().strip() == "ptdstream: interrupted"
+    assert sorted(n for n in os.listdir(tmp_path) if n != "demo") == ["big.bin"]
