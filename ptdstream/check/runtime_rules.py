@@ -291,9 +291,10 @@ def list_items(value) -> Optional[Tuple[int, ...]]:
 
 
 def ptd_entry(ptds: Sequence[PtdMap], key: bytes, where: str):
-    """``get_named_data``: (.ptd, entry) of the first entry of ``key``, its segment checked."""
+    """(.ptd, entry) of the first entry of ``key`` for a tensor of the program
+    (``get_tensor_layout``/``load_data_into``: the entry needs a tensor_layout)."""
     for ptd in ptds:
-        entry = ptd_key(ptd, key)
+        entry = ptd_key(ptd, key, need_layout=True)
         if entry is not None:
             return ptd, entry
     names = ", ".join(p.path for p in ptds)
@@ -301,7 +302,10 @@ def ptd_entry(ptds: Sequence[PtdMap], key: bytes, where: str):
                     f"{where}: key {key.decode(errors='replace')!r} is not in {names}")
 
 
-def ptd_key(ptd: PtdMap, key: bytes):
+def ptd_key(ptd: PtdMap, key: bytes, need_layout: bool = False):
+    """``get_named_data``: the first entry of ``key`` in ``ptd`` (None if absent), its
+    segment checked. ``need_layout``: the lookup is ``get_tensor_layout``'s, which
+    reads the entry's tensor_layout (``get_data``, a backend's lookup, does not)."""
     rule = "flat_tensor_data_map.cpp::get_named_data"
     root = ptd.root
     for i in range(root.NamedDataLength()):
@@ -315,7 +319,7 @@ def ptd_key(ptd: PtdMap, key: bytes):
         end = seg.Offset() + seg.Size()
         need(end <= _U64 and end <= ptd.segment_base_offset + ptd.segment_data_nbytes, rule,
               f"{ptd.path}: key {key.decode(errors='replace')!r}: segment end {end} beyond segment data")
-        need(e.TensorLayout() is not None, rule,
+        need(not need_layout or e.TensorLayout() is not None, "flat_tensor_data_map.cpp::get_tensor_layout",
               f"{ptd.path}: key {key.decode(errors='replace')!r} has no tensor_layout")
         return e
     return None
