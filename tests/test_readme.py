@@ -1,0 +1,161 @@
+"""README.md runs: every Python and shell block, against the demo's model.
+
+A module fixture builds the demo (``ptdstream.demo``: export, XNNPACK lowering),
+saves it into ``out/`` with ptdstream and into ``ref/`` with executorch's own
+writer, in a temp folder that every block then runs in. Python blocks run in
+one namespace holding what a user of the snippet has at hand (``edge``,
+``config``, ``programs``, ``partitioners``, ``manager``, ``weight_tensor``, an
+open file ``f``, a folder ``outdir``); shell blocks run with bash, ``ptdstream``
+being this interpreter's command. Blocks that set up a machine (``tools/setup.sh``,
+the test suite itself) and blocks that need a GPU are left out, by rule, below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_blocks() -> List[Tuple[int, str, str]]:
+    """``(line, language, code)`` of each fenced ``python``/``sh`` block."""
+    text = README.read_text()
+    blocks = []
+    for m in re.finditer(r"^```(\w+)\n(.*?)^```", text, re.S | re.M):
+        if m.group(1) in ("python", "sh"):
+            blocks.append((text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2)))
+    return blocks
+
+
+def _skip_reason(language: str, code: str) -> str:
+    if "tools/setup.sh" in code and "pytest" in code:
+        return "the test suite itself"
+    if "stream_cuda_weights" in code:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "needs a CUDA device"
+    if "ptdstream.executorch.optimum" in code and not _hf_installed():
+        return "needs the hf extra (tools/setup.sh --hf)"
+    if "pip install" in code:
+        return "installs packages"
+    return ""
+
+
+def _hf_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("transformers") is not None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+BLOCKS = readme_blocks()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A folder holding the demo saved by ptdstream (out/) and by executorch (ref/),
+    an engine file, the demo model exported with portable external constants
+    (model.pte) and a fine-tuned checkpoint of it (finetuned.safetensors), a tiny
+    Hugging Face Llama (my-llama/, with the hf extra); plus the namespace Python
+    blocks run in (a one-rank gloo group for the distributed block)."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from safetensors.torch import save_file
+
+    import ptdstream
+    from ptdstream.demo import run as demo
+    from ptdstream.demo.model import build_tiny_lm
+
+    root = tmp_path_factory.mktemp("readme")
+    model = build_tiny_lm()
+    programs = demo.export_programs(model)
+    edge = demo.lower(programs)
+    config = demo.backend_config()
+    manager = edge.to_executorch(config)
+    for folder in ("out", "ref", "outdir"):
+        (root / folder).mkdir()
+    ptdstream.save(manager, str(root / "out" / "model.pte"))
+    with open(root / "ref" / "model.pte", "wb") as f:
+        manager.write_to_file(f)
+    manager.write_tensor_data_to_file(str(root / "ref"))
+    (root / "engine.bin").write_bytes(bytes(range(256)) * 64)
+    portable = to_edge(torch.export.export(model, (torch.zeros(1, 8, dtype=torch.long),), strict=False))
+    with open(root / "model.pte", "wb") as f:
+        portable.to_executorch(ExecutorchBackendConfig(external_constants=True)).write_to_file(f)
+    # The weights the program names: parameters and buffers (the causal masks are
+    # not persistent), the tied embedding once, under the name the export gave it.
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    state = {k: (v.detach() + 1).contiguous() for k, v in tensors if k != "tok_embeddings.weight"}
+    save_file(state, str(root / "finetuned.safetensors"))
+    if _hf_installed():
+        import transformers
+
+        llama = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(llama).save_pretrained(str(root / "my-llama"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    namespace = dict(
+        edge=edge, config=config, programs=programs, partitioners=[XnnpackPartitioner()], manager=manager,
+        weight_tensor=model.layers[0].wq.weight.detach(), f=io.BytesIO(), outdir=str(root / "outdir"),
+        ExecutorchBackendConfig=ExecutorchBackendConfig, to_edge_transform_and_lower=to_edge_transform_and_lower,
+        state_dict=dict(model.state_dict()),
+    )
+    yield root, namespace
+    dist.destroy_process_group()
+
+
+def _shell(code: str) -> str:
+    """The block as a bash script: setup runs become runs of this install's command."""
+    lines = []
+    for line in code.splitlines():
+        line = re.sub(r"^bash tools/setup.sh( --\w+)* && ", "", line)
+        line = line.replace(".venv/bin/", "")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("line,language,code", BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
+def test_readme_block_runs(workdir, line, language, code, monkeypatch):
+    reason = _skip_reason(language, code)
+    if reason:
+        pytest.skip(reason)
+    root, namespace = workdir
+    monkeypatch.chdir(root)
+    if language == "python":
+        import ptdstream
+
+        try:
+            exec(compile(code, f"README.md:{line}", "exec"), namespace)
+        finally:
+            ptdstream.uninstall()  # a block may install(): later tests need upstream's own writers
+        return
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               PYTHONWARNINGS="ignore")
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", _shell(code)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"README.md:{line} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
