@@ -1,6 +1,6 @@
 """The plan of a distributed write, from what every rank sent: the global key order,
 each key's pieces and their offsets, the dedup candidates, the ``.ptd`` plans
-(rank 0, with ptdstream's store and planner over :class:`PlannedSource`\ s that
+(rank 0, with ptdstream's store and planner over :class:`PlannedSource` objects that
 know only sizes, first bytes and fingerprints) and the write list each rank
 receives."""
 

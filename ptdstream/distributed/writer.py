@@ -14,7 +14,7 @@ and nothing is published):
 3. rank 0 plans every ``<tag>.ptd`` with ptdstream's store and planner (the
    planner sees sizes, first bytes and fingerprints only), creates the temp
    files at their full size and broadcasts ``(temp file, key, file offset)``;
-4. each rank ``pwrite``\\ s its own pieces (the first key of each dedup class
+4. each rank writes its own pieces with ``pwrite`` (the first key of each dedup class
    only), fsyncs and drops their pages; rank 0 writes each head and fsyncs;
 5. a barrier (status exchange), then rank 0 publishes the set atomically
    (:func:`ptdstream.write.publish.publish_set`) and tells every rank the outcome.

@@ -38,21 +38,26 @@ def tag_of(key: str) -> str:
     return "extra" if key.endswith(".zeros") else "model"
 
 
-def worker(rank: int, world: int, init_file: str, folder: str, scenario: str, result_dir: str) -> None:
+def worker(rank: int, world: int, init_file: str, folder: str, scenario: str, result_dir: str,
+           backend: str = "gloo") -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    device = "cpu"
+    if backend == "nccl":  # one GPU per rank, set before any collective
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
     try:
         from ptdstream.distributed import write_data_files
         import ptdstream.distributed.writer as writer
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         kinds = {"shard0": [Shard(0)], "shard1": [Shard(1)], "replicate": [Replicate()]}
-        tensors = {k: distribute_tensor(t, mesh, kinds[PLACEMENTS[k]]) for k, t in full_tensors().items()}
-        tensors.update(rank_tensors(rank))
+        tensors = {k: distribute_tensor(t.to(device), mesh, kinds[PLACEMENTS[k]]) for k, t in full_tensors().items()}
+        tensors.update({k: t.to(device) for k, t in rank_tensors(rank).items()})
         if scenario == "raise" and rank == world - 1:
             def failing(*args, **kwargs):
                 raise OSError(28, "No space left on device (injected)")

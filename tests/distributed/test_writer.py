@@ -14,7 +14,7 @@ from ptdstream.save import write_data_files
 from ptdstream.store import StreamingNamedDataStore
 
 
-def _run(world: int, tmp_path, scenario: str = "ok"):
+def _run(world: int, tmp_path, scenario: str = "ok", backend: str = "gloo"):
     """Spawn ``world`` ranks; ``{rank: outcome line}`` (None for a rank that died)."""
     import multiprocessing as mp
 
@@ -22,7 +22,8 @@ def _run(world: int, tmp_path, scenario: str = "ok"):
     folder.mkdir(exist_ok=True)
     results.mkdir(exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=W.worker, args=(r, world, str(tmp_path / "pg"), str(folder), scenario, str(results)))
+    procs = [ctx.Process(target=W.worker,
+                         args=(r, world, str(tmp_path / "pg"), str(folder), scenario, str(results), backend))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -52,7 +53,18 @@ def _reference(world: int, folder) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ranks_write_the_single_process_bytes(tmp_path, world):
-    folder, outcomes = _run(world, tmp_path)
+    _check_ranks_against_one_process(tmp_path, world, "gloo")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_over_nccl_write_the_single_process_bytes(tmp_path):
+    """Two H200 ranks (NCCL), CUDA DTensor shards: the bytes of one CPU process."""
+    _check_ranks_against_one_process(tmp_path, 2, "nccl")
+
+
+def _check_ranks_against_one_process(tmp_path, world: int, backend: str) -> None:
+    folder, outcomes = _run(world, tmp_path, backend=backend)
     assert all(o is not None and o.startswith("ok") for o in outcomes.values()), outcomes
     ref = tmp_path / "ref"
     ref.mkdir()
