@@ -243,6 +243,11 @@ def _compare_cord(out_path: str, ref_label: str, cord, chunk_nbytes: int) -> Com
     return CompareReport(out_path, ref_label, out_n, ref_n, offset, section, key, ob, rb, source)
 
 
+def reference_label(name: str) -> str:
+    """How a report names the manager's own serialization of file ``name``."""
+    return f"executorch's serializer of the same manager ({name}, streamed, not written)"
+
+
 def verify_against_manager(
     manager, pte_path: str, data_dir: Optional[str] = None, chunk_nbytes: int = CHUNK_NBYTES
 ) -> List[CompareReport]:
@@ -263,8 +268,8 @@ def verify_against_manager(
     pte_path = os.fspath(pte_path)
     folder = data_dir if data_dir is not None else (os.path.dirname(pte_path) or ".")
     pte_cord, tensor_cords = adapter.reference_cords(manager)
-    reports = [_compare_cord(pte_path, f"<upstream {os.path.basename(pte_path)}>", pte_cord, chunk_nbytes)]
+    reports = [_compare_cord(pte_path, reference_label(os.path.basename(pte_path)), pte_cord, chunk_nbytes)]
     for tag, cord in tensor_cords.items():
         name = ptd_file_name(tag)
-        reports.append(_compare_cord(os.path.join(folder, name), f"<upstream {name}>", cord, chunk_nbytes))
+        reports.append(_compare_cord(os.path.join(folder, name), reference_label(name), cord, chunk_nbytes))
     return reports

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 from typing import List, Optional
 
@@ -77,6 +78,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         silence_stdout()
         return EXIT_OK
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error becomes one line
+        if args is None and "--json" in (sys.argv[1:] if argv is None else argv):
+            args = argparse.Namespace(json=True, command=None)  # a usage error of a --json run
         return _report_error(e, args)
 
 
@@ -109,7 +112,7 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         if values.count("-") > 1:
             raise UsageError(f"ptdstream {args.command}: stdin (-) can be read once")
         path = spool_stdin()
-        stack.callback(os.unlink, path)
+        stack.callback(shutil.rmtree, os.path.dirname(path), True)
         spooled = [path if v == "-" else v for v in values]
         setattr(args, name, spooled if isinstance(value, list) else spooled[0])
 

@@ -31,10 +31,11 @@ exit codes:
   0  ok
   1  files differ, or a file is not a valid .pte/.ptd
   2  usage error, or an input cannot be read (missing file, permission)
+  130  interrupted (Ctrl-C): one line, no temp file left
 """
 
 #: The exit codes line of a command's own epilog.
-EXIT_LINE = "exit codes: 0 ok, 1 corrupt input or mismatch, 2 usage error or unreadable input"
+EXIT_LINE = "exit codes: 0 ok, 1 corrupt input or mismatch, 2 usage error or unreadable input, 130 interrupted"
 
 
 class UsageError(Exception):
@@ -121,7 +122,8 @@ def binary_stdout():
 
 
 def spool_stdin(folder: Optional[str] = None) -> str:
-    """Copy standard input to a temp file (removed by the caller) and return its path.
+    """Copy standard input to a temp file named ``stdin`` in a fresh temp folder (the
+    caller removes both) and return its path.
 
     Raises:
         UsageError: stdin is a terminal.
@@ -131,8 +133,8 @@ def spool_stdin(folder: Optional[str] = None) -> str:
 
     if sys.stdin.isatty():
         raise UsageError("ptdstream: refusing to read binary data from a terminal; give a file or redirect stdin")
-    fd, path = tempfile.mkstemp(prefix="ptdstream-stdin-", dir=folder)
-    with os.fdopen(fd, "wb") as out:
+    path = os.path.join(tempfile.mkdtemp(prefix="ptdstream-", dir=folder), "stdin")
+    with open(path, "xb") as out:
         shutil.copyfileobj(sys.stdin.buffer, out, 8 << 20)
     return path
 

@@ -57,7 +57,8 @@ def test_stdin_input_for_inspect_and_verify(files):
     data = (files / "model.pte").read_bytes()
     inspected = ptdstream("inspect", "-", "--json", input_bytes=data)
     assert inspected.returncode == 0
-    assert json.loads(inspected.stdout)["files"][0]["file_nbytes"] == len(data)
+    found = json.loads(inspected.stdout)["files"][0]
+    assert found["file_nbytes"] == len(data) and os.path.basename(found["path"]) == "stdin"
     verified = ptdstream("verify", "-", "--against", files / "model.pte", input_bytes=data)
     assert verified.returncode == 0 and b"identical" in verified.stdout
 
@@ -89,6 +90,10 @@ def test_binary_data_never_goes_to_or_comes_from_a_terminal(files, tmp_path):
 
 
 def test_json_errors_quiet_success_and_progress_only_on_request(files, tmp_path):
+    usage = ptdstream("inspect", files / "model.pte", "--bogus", "--json")
+    assert usage.returncode == 2 and json.loads(usage.stdout) == {
+        "ok": False, "exit_code": 2,
+        "error": "ptdstream inspect: unrecognized arguments: --bogus (see ptdstream inspect --help)"}
     missing = tmp_path / "absent.pte"
     proc = ptdstream("inspect", missing, "--json")
     assert proc.returncode == 2
@@ -148,3 +153,22 @@ def test_ctrl_c_during_imports_and_during_a_write(tmp_path):
     _, err = pack.communicate(timeout=120)
     assert pack.returncode == 130 and err.decode().strip() == "ptdstream: interrupted"
     assert sorted(n for n in os.listdir(tmp_path) if n != "demo") == ["big.bin"]
+
+
+def test_ctrl_c_while_the_command_line_imports(monkeypatch, capsys):
+    """The console script's entry point reports Ctrl-C during the CLI's own imports
+    like anywhere else."""
+    import builtins
+
+    import ptdstream._entry as entry
+
+    real_import = builtins.__import__
+
+    def interrupted(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 1 and name == "cli":
+            raise KeyboardInterrupt
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    assert entry.main() == 130
+    assert capsys.readouterr().err == "ptdstream: interrupted\n"
