@@ -134,8 +134,12 @@ def spool_stdin(folder: Optional[str] = None) -> str:
     if sys.stdin.isatty():
         raise UsageError("ptdstream: refusing to read binary data from a terminal; give a file or redirect stdin")
     path = os.path.join(tempfile.mkdtemp(prefix="ptdstream-", dir=folder), "stdin")
-    with open(path, "xb") as out:
-        shutil.copyfileobj(sys.stdin.buffer, out, 8 << 20)
+    try:
+        with open(path, "xb") as out:
+            shutil.copyfileobj(sys.stdin.buffer, out, 8 << 20)
+    except BaseException:  # Ctrl-C or a full disk while copying: leave nothing behind
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        raise
     return path
 
 

@@ -7,7 +7,9 @@ are atomic one file at a time only, so the set is published under a journal:
 2. under the folders' locks, each existing target gets a hard-linked backup
    (``.bak``) and the folders are fsynced;
 3. the journal (``.<last target>.ptdstream-<pid>-<hex>.journal``, JSON: each
-   target, its temp file and backup, and the temp file's device and inode) is
+   target, its temp file and backup as paths relative to the journal's folder,
+   so that a moved or copied folder recovers itself and nothing else, and the
+   temp file's device and inode) is
    written to a temp file, fsynced, renamed into place, and its folder fsynced:
    from here on the new set is committed;
 4. each temp file is renamed over its target, the folders fsynced;
@@ -17,8 +19,9 @@ A process killed anywhere leaves either no journal (the old set is whole; the
 temp files and backups are leftovers, removed by the next writer) or a journal,
 which :func:`recover` completes: when every entry's temp file is still there or
 already renamed (its inode is at the target), it rolls forward (renames the rest);
-otherwise (a temp file lost) it rolls back (puts each backup back, removes new
-files that had none). A failed rename in a live process rolls back at once.
+otherwise (a temp file lost, or a copied folder, where no inode matches) it
+rolls back (puts each backup back, removes new files that had none). A failed
+rename in a live process rolls back at once.
 
 Recovery runs under the folder's lock, which a publisher holds from step 2 to
 step 5, so a live publication is never recovered. Every ptdstream writer
@@ -39,7 +42,8 @@ from ..errors import PtdstreamError
 from ..system import fsops
 from . import tempfiles
 
-JOURNAL_VERSION = 1
+#: 2: paths relative to the journal's folder (1: absolute paths, still read).
+JOURNAL_VERSION = 2
 
 
 class RecoveryError(PtdstreamError):
@@ -77,14 +81,19 @@ def _identity(path: str) -> Optional[Tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
-def _dump(entries: Sequence[JournalEntry]) -> bytes:
-    return json.dumps(
-        {
-            "ptdstream_journal": JOURNAL_VERSION,
-            "entries": [e.__dict__ for e in entries],
-        },
-        sort_keys=True,
-    ).encode()
+_PATH_FIELDS = ("target", "temp", "backup")
+
+
+def _dump(entries: Sequence[JournalEntry], folder: str) -> bytes:
+    """The journal's JSON, paths relative to ``folder`` (the journal's own)."""
+    rows = []
+    for e in entries:
+        row = dict(e.__dict__)
+        for name in _PATH_FIELDS:
+            if row[name] is not None:
+                row[name] = os.path.relpath(row[name], folder)
+        rows.append(row)
+    return json.dumps({"ptdstream_journal": JOURNAL_VERSION, "entries": rows}, sort_keys=True).encode()
 
 
 def read_journal(path: str) -> List[JournalEntry]:
@@ -96,9 +105,17 @@ def read_journal(path: str) -> List[JournalEntry]:
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read(16 << 20))
-        if data.get("ptdstream_journal") != JOURNAL_VERSION:
-            raise ValueError(f"version {data.get('ptdstream_journal')!r}")
-        return [JournalEntry(**e) for e in data["entries"]]
+        version = data.get("ptdstream_journal")
+        if version not in (1, JOURNAL_VERSION):
+            raise ValueError(f"version {version!r}")
+        folder = os.path.dirname(os.path.abspath(path))
+        entries = []
+        for row in data["entries"]:
+            if version >= 2:  # relative to where the journal is now, not where it was written
+                row = dict(row, **{k: os.path.normpath(os.path.join(folder, row[k]))
+                                   for k in _PATH_FIELDS if row[k] is not None})
+            entries.append(JournalEntry(**row))
+        return entries
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise RecoveryError(f"journal {path}: unreadable ({type(e).__name__}: {e}); left in place") from None
 
@@ -108,7 +125,7 @@ def _write_journal(path_for: str, entries: Sequence[JournalEntry]) -> str:
     temp, fd, lock_fd = tempfiles.create_locked(path_for, "tmp", 0o644)
     try:
         try:
-            view = memoryview(_dump(entries))
+            view = memoryview(_dump(entries, os.path.dirname(os.path.abspath(path_for))))
             while view:
                 view = view[os.write(fd, view):]
             fsops.fsync(fd, temp)
@@ -203,11 +220,13 @@ def _roll_forward(entries: Sequence[JournalEntry]) -> None:
 
 def _roll_back(entries: Sequence[JournalEntry]) -> None:
     for entry in reversed(entries):
-        if _identity(entry.target) == (entry.dev, entry.ino):
-            if entry.backup is not None and os.path.lexists(entry.backup):
-                fsops.replace(entry.backup, entry.target)
-            elif not entry.had_target:
-                fsops.unlink(entry.target)
+        if entry.backup is not None and os.path.lexists(entry.backup):
+            # The backup is the previous file (a hard link made before the journal):
+            # putting it back is right whether or not the new file got there, and in
+            # a copied folder, where no inode is the journal's, it is all we know.
+            fsops.replace(entry.backup, entry.target)
+        elif _identity(entry.target) == (entry.dev, entry.ino) and not entry.had_target:
+            fsops.unlink(entry.target)
         if _identity(entry.temp) == (entry.dev, entry.ino):
             fsops.unlink(entry.temp)
     for folder in _folders(entries):

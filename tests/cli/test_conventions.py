@@ -172,3 +172,19 @@ def test_ctrl_c_while_the_command_line_imports(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", interrupted)
     assert entry.main() == 130
     assert capsys.readouterr().err == "ptdstream: interrupted\n"
+
+
+def test_ctrl_c_while_reading_stdin_leaves_no_temp_file(monkeypatch, tmp_path):
+    import io
+    import types
+
+    from ptdstream.cli import common
+
+    class Interrupted(io.RawIOBase):
+        def readinto(self, b):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(common.sys, "stdin", types.SimpleNamespace(buffer=Interrupted(), isatty=lambda: False))
+    with pytest.raises(KeyboardInterrupt):
+        common.spool_stdin(str(tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -235,3 +235,38 @@ def test_a_live_writers_temp_file_is_kept_whatever_its_pid(tmp_path):
     os.close(lock_fd)
     journal.clean_folder(str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_moved_folder_recovers_itself(tmp_path):
+    """The journal's paths are relative to its folder: after ``mv``, recovery rolls
+    the moved folder forward (its inodes are the journal's) and loses nothing."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    _half_published(str(folder))
+    moved = tmp_path / "moved"
+    os.rename(folder, moved)
+    [(path, direction)] = journal.recover(str(moved))
+    assert direction == "forward" and os.path.dirname(path) == str(moved)
+    assert read_all(str(moved)) == {"a.ptd": b"new a", "b.pte": b"new b"}
+    assert not folder.exists()
+
+
+def test_recovering_a_copy_leaves_the_original_alone(tmp_path):
+    """A copied folder (new inodes): its recovery acts on the copy only, and puts
+    the whole old set back there (its temp files cannot be proved to be the set's);
+    the original's journal still completes it forward."""
+    import shutil
+
+    original = tmp_path / "original"
+    original.mkdir()
+    _half_published(str(original))
+    before = read_all(str(original))
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    [(_, direction)] = journal.recover(str(copy))
+    assert direction == "back"
+    assert read_all(str(copy)) == {"a.ptd": b"old a", "b.pte": b"old b"}
+    assert read_all(str(original)) == before  # untouched by the copy's recovery
+    [(_, direction)] = journal.recover(str(original))
+    assert direction == "forward"
+    assert read_all(str(original)) == {"a.ptd": b"new a", "b.pte": b"new b"}
