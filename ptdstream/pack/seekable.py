@@ -125,17 +125,7 @@ class SeekableReader:
                                   f"{entry.compressed_nbytes} bytes, {entry.nbytes} decompressed")
             out, extent, has_checksum = b"", 0, False
         else:
-            try:
-                extent, content, has_checksum = zstd_frame_extent(data)
-            except ValueError as e:
-                raise FormatError(f"{where}: not a zstd frame of the seek table's size: {e}") from None
-            if extent != entry.compressed_nbytes:
-                raise FormatError(f"{where}: the zstd frame is {extent} bytes, the seek table says "
-                                  f"{entry.compressed_nbytes}")
-            if content is not None and content != entry.nbytes:
-                raise FormatError(f"{where}: frame header says {content} decompressed bytes, "
-                                  f"the seek table says {entry.nbytes}")
-            self.all_frames_have_checksums &= has_checksum
+            extent, has_checksum = self._check_frame(entry, data, where)
             out = self._decompress(entry, data, where)
         if entry.checksum is not None:
             # zstd has checked its trailer against XXH64 of ``out``: the same value.
@@ -146,6 +136,26 @@ class SeekableReader:
         self.frames_decoded += 1
         self._cached = (entry.index, out) if cache else (-1, b"")
         return out
+
+    def _check_frame(self, entry: FrameEntry, data: memoryview, where: str) -> Tuple[int, bool]:
+        """``(extent, has checksum)`` of the zstd frame in ``data``, after checking its
+        extent and its header's content size against the seek table ``entry``.
+
+        Raises:
+            FormatError: not a zstd frame, or one that disagrees with the seek table.
+        """
+        try:
+            extent, content, has_checksum = zstd_frame_extent(data)
+        except ValueError as e:
+            raise FormatError(f"{where}: not a zstd frame of the seek table's size: {e}") from None
+        if extent != entry.compressed_nbytes:
+            raise FormatError(f"{where}: the zstd frame is {extent} bytes, the seek table says "
+                              f"{entry.compressed_nbytes}")
+        if content is not None and content != entry.nbytes:
+            raise FormatError(f"{where}: frame header says {content} decompressed bytes, "
+                              f"the seek table says {entry.nbytes}")
+        self.all_frames_have_checksums &= has_checksum
+        return extent, has_checksum
 
     def _decompress(self, entry: FrameEntry, data: memoryview, where: str) -> bytes:
         try:
@@ -177,17 +187,7 @@ class SeekableReader:
             return
         data = self._read_frame(entry)
         where = entry.where(self.path)
-        try:
-            extent, content, has_checksum = zstd_frame_extent(data)
-        except ValueError as e:
-            raise FormatError(f"{where}: not a zstd frame of the seek table's size: {e}") from None
-        if extent != entry.compressed_nbytes:
-            raise FormatError(f"{where}: the zstd frame is {extent} bytes, the seek table says "
-                              f"{entry.compressed_nbytes}")
-        if content is not None and content != entry.nbytes:
-            raise FormatError(f"{where}: frame header says {content} decompressed bytes, "
-                              f"the seek table says {entry.nbytes}")
-        self.all_frames_have_checksums &= has_checksum
+        extent, has_checksum = self._check_frame(entry, data, where)
         running = xxhash.xxh64()
         total = 0
         try:
