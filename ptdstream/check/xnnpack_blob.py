@@ -20,10 +20,7 @@ Mirrors ``backends/xnnpack/runtime/XNNHeader.cpp::XNNHeader::Parse`` and the sta
   segment index out of range, or data past the end of the file. Entries without a key
   lie inside the blob's constant data.
 
-Not mirrored: the graph itself (node ids remapped to defined values, tensor shapes and
-datatypes that ``xnn_define_*`` accept): a blob corrupted there passes verify and fails
-the runtime's init (25 of 273 random changes inside the blob of a small XNNPACK export,
-when this was written).
+The graph itself (node types, value ids, datatypes): :mod:`ptdstream.check.xnnpack_graph`.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from ..format.fb_tables import SCHEMAS
 from ..format.verifier import FlatbufferError, verify_buffer
+from .xnnpack_graph import check_xnnpack_graph
 from .runtime_rules import PtdMap, ProgramFile, RuleError, in_file, need, ptd_key
 
 MIN_SIZE = 30
@@ -97,6 +95,7 @@ def check_xnnpack_blob(read_blob: Callable[[int, int], bytes], nbytes: int, what
     externs = struct.unpack_from("<I", fb, pos)[0] if pos is not None else 0
     need(externs <= MAX_EXTERNS, _RULE, f"{what}: num_externs {externs} > {MAX_EXTERNS}")
     _check_values(fb, root, head[4:8] == b"XH00", cd_size, what, pte, ptds)
+    check_xnnpack_graph(fb, root, what)
 
 
 def _vector(fb: bytes, pos: Optional[int]) -> Tuple[int, int]:

@@ -1,0 +1,133 @@
+"""What ``XNNCompiler::compileModel`` checks in an XNNPACK graph, decided from the flatbuffer.
+
+Runs after :mod:`ptdstream.check.xnnpack_blob` (header, verification, constant data) on the
+same verified flatbuffer, and mirrors ``backends/xnnpack/runtime/XNNCompiler.cpp``:
+
+* ``defineTensor``: ``dq_datatype`` is ``xnn_datatype_invalid`` (or a value ``getDataType``
+  maps to it), or ``qint8`` on an EXTERNAL_INPUT value ("Only int8_t is supported for
+  dq_datatype"); a plain tensor's ``datatype`` is one ``xnn_define_tensor_value`` takes
+  (fp32, fp16, int32, pfp32, bf16); ``dims`` has at most ``XNN_MAX_TENSOR_DIMS`` (6)
+  entries; an ``external_id`` other than ``XNN_INVALID_VALUE_ID`` is below
+  ``num_externs`` (``xnn_define_*tensor_value``); an external input or output value has one;
+* ``getDefineNodeFunc``: every node's union type is one the compiler defines (not NONE,
+  not ``XNNScaledDotProductAttention``, not past the union), with its table present;
+* ``REMAP_ID``: every value id a node reads or writes (its ``*_id`` fields; for
+  ``ConcatenateN`` the first N inputs) is the ``id_out`` of a defined value, or
+  ``XNN_INVALID_VALUE_ID``.
+
+Not mirrored: what ``xnn_define_*`` and ``xnn_create_runtime_v4`` check of shapes and
+datatypes across a node's values.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Dict, Set
+
+from ..format.fb_tables import SCHEMAS
+from .runtime_rules import need
+
+INVALID_ID = 0xFFFFFFFF
+MAX_DIMS = 6  # XNN_MAX_TENSOR_DIMS
+EXTERNAL = 0x1 | 0x2
+DT_QINT8 = 3
+PLAIN_DATATYPES = {1, 2, 12, 13, 14}  # fp32, fp16, int32, pfp32, bf16
+KNOWN_DATATYPES = set(range(1, 15))  # getDataType's cases; others map to invalid
+SDPA = 36  # XNNScaledDotProductAttention: in the union, not in getDefineNodeFunc
+CAT_INPUTS = {32: 2, 33: 3, 34: 4, 38: 5}  # XNNConcatenate2/3/4/5
+_OBJECTS = SCHEMAS["xnnpack"]["objects"]
+_NODE_TABLES: Dict[int, str] = SCHEMAS["xnnpack"]["unions"]["fb_xnnpack.XNodeUnion"]
+_VALUE_RULE = "XNNCompiler.cpp::defineTensor"
+_NODE_RULE = "XNNCompiler.cpp::getDefineNodeFunc"
+_REMAP_RULE = "XNNCompiler.cpp::REMAP_ID"
+
+
+def _slot(type_name: str, field: str) -> int:
+    for name, slot, *_ in _OBJECTS[type_name][3]:
+        if name == field:
+            return slot
+    raise KeyError(field)
+
+
+def _field(fb: bytes, pos: int, type_name: str, field: str):
+    """Position of ``field`` in the (verified) table at ``pos``, or None."""
+    vtable = pos - struct.unpack_from("<i", fb, pos)[0]
+    vsize = struct.unpack_from("<H", fb, vtable)[0]
+    slot = _slot(type_name, field)
+    off = struct.unpack_from("<H", fb, vtable + slot)[0] if slot < vsize else 0
+    return pos + off if off else None
+
+
+def _scalar(fb: bytes, pos: int, type_name: str, field: str, fmt: str = "<I", default: int = 0) -> int:
+    at = _field(fb, pos, type_name, field)
+    return struct.unpack_from(fmt, fb, at)[0] if at is not None else default
+
+
+def _deref(fb: bytes, pos: int) -> int:
+    return pos + struct.unpack_from("<I", fb, pos)[0]
+
+
+def _tables(fb: bytes, root: int, field: str):
+    at = _field(fb, root, "fb_xnnpack.XNNGraph", field)
+    if at is None:
+        return []
+    vec = _deref(fb, at)
+    return [_deref(fb, vec + 4 + 4 * i) for i in range(struct.unpack_from("<I", fb, vec)[0])]
+
+
+def check_xnnpack_graph(fb: bytes, root: int, what: str) -> None:
+    """Refuse the verified XNNPACK graph at ``root`` of ``fb`` as ``compileModel`` would
+    (after the checks of :func:`~ptdstream.check.xnnpack_blob.check_xnnpack_blob`).
+
+    Raises:
+        RuleError: the first check the graph fails (rule names the upstream function).
+    """
+    externs = _scalar(fb, root, "fb_xnnpack.XNNGraph", "num_externs")
+    defined: Set[int] = {INVALID_ID}
+    for i, xv in enumerate(_tables(fb, root, "xvalues")):
+        defined.add(_check_value(fb, xv, externs, f"{what}: xvalue {i}"))
+    for i, node in enumerate(_tables(fb, root, "xnodes")):
+        _check_node(fb, node, defined, f"{what}: xnode {i}")
+
+
+def _check_value(fb: bytes, xv: int, externs: int, where: str) -> int:
+    """Checks one XValue (already known to be a (quantized) tensor value); returns its id_out."""
+    t = "fb_xnnpack.XNNTensorValue"
+    kind = _scalar(fb, xv, "fb_xnnpack.XValue", "xvalue_union_type", "<B")
+    tv = _deref(fb, _field(fb, xv, "fb_xnnpack.XValue", "xvalue_union"))
+    quantized = kind == 2
+    if quantized:
+        tv = _deref(fb, _field(fb, tv, "fb_xnnpack.XNNQuantizedTensorValue", "tensor_value"))
+    flags = _scalar(fb, tv, t, "flags")
+    dq = _scalar(fb, tv, t, "dq_datatype", "<h")
+    if dq in KNOWN_DATATYPES:
+        need(dq == DT_QINT8, _VALUE_RULE, f"{where}: dq_datatype {dq}: only int8_t is supported")
+        need(flags & 0x1, _VALUE_RULE, f"{where}: dynamic quantization of a value that is not an external input")
+    datatype = _scalar(fb, tv, t, "datatype", "<h")
+    if quantized or dq in KNOWN_DATATYPES:
+        need(datatype in KNOWN_DATATYPES, _VALUE_RULE, f"{where}: datatype {datatype} is invalid")
+    else:
+        need(datatype in PLAIN_DATATYPES, _VALUE_RULE,
+             f"{where}: datatype {datatype} is not one xnn_define_tensor_value takes")
+    dims = _field(fb, tv, t, "dims")
+    ndims = struct.unpack_from("<I", fb, _deref(fb, dims))[0] if dims is not None else 0
+    need(ndims <= MAX_DIMS, _VALUE_RULE, f"{where}: {ndims} dims > XNN_MAX_TENSOR_DIMS ({MAX_DIMS})")
+    ext = _scalar(fb, tv, t, "external_id", default=0)
+    need(ext == INVALID_ID or ext < externs, _VALUE_RULE, f"{where}: external_id {ext} >= num_externs {externs}")
+    need(not flags & EXTERNAL or ext != INVALID_ID, _VALUE_RULE, f"{where}: external value without an external_id")
+    return _scalar(fb, tv, t, "id_out")
+
+
+def _check_node(fb: bytes, node: int, defined: Set[int], where: str) -> None:
+    kind = _scalar(fb, node, "fb_xnnpack.XNode", "xnode_union_type", "<B")
+    need(kind in _NODE_TABLES and kind != SDPA, _NODE_RULE, f"{where}: unhandled node type {kind}")
+    at = _field(fb, node, "fb_xnnpack.XNode", "xnode_union")
+    need(at is not None, _NODE_RULE, f"{where}: node of type {kind} has no table")
+    table = _NODE_TABLES[kind]
+    body = _deref(fb, at)
+    ids = [name for name, *_ in _OBJECTS[table][3] if name.endswith("_id")]
+    if kind in CAT_INPUTS:
+        ids = [f"input{k + 1}_id" for k in range(CAT_INPUTS[kind])] + ["output_id"]
+    for name in ids:
+        vid = _scalar(fb, body, table, name)
+        need(vid in defined, _REMAP_RULE, f"{where}: {name} {vid} is not a defined value")
