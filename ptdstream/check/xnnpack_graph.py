@@ -15,14 +15,19 @@ same verified flatbuffer, and mirrors ``backends/xnnpack/runtime/XNNCompiler.cpp
   ``ConcatenateN`` the first N inputs) is the ``id_out`` of a defined value, or
   ``XNN_INVALID_VALUE_ID``.
 
+* ``xnn_subgraph_check_output_min_max``: a node with ``output_min_max`` that passes it to
+  XNNPACK has ``output_min < output_max`` (neither NaN; an absent field is the schema's
+  default, 0.0, as the serializer leaves out a ReLU's ``output_min``).
+
 Not mirrored: what ``xnn_define_*`` and ``xnn_create_runtime_v4`` check of shapes and
-datatypes across a node's values.
+datatypes across a node's values (at load the runtime does not compare a fully connected
+node's filter with its bias, input or output: shapes meet at the first execute).
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Dict, Set
+from typing import Dict, Tuple
 
 from ..format.fb_tables import SCHEMAS
 from .runtime_rules import need
@@ -34,6 +39,9 @@ DT_QINT8 = 3
 PLAIN_DATATYPES = {1, 2, 12, 13, 14}  # fp32, fp16, int32, pfp32, bf16
 KNOWN_DATATYPES = set(range(1, 15))  # getDataType's cases; others map to invalid
 SDPA = 36  # XNNScaledDotProductAttention: in the union, not in getDefineNodeFunc
+# nodes whose define passes output_min_max to xnn_subgraph_check_output_min_max: FullyConnected,
+# Clamp, Conv2d, AvgPooling2d, DepthwiseConv2d, MaxPooling2d, GlobalAvgPooling2d, ConvTranspose2d
+MIN_MAX_NODES = {2, 6, 7, 11, 13, 14, 19, 39}
 CAT_INPUTS = {32: 2, 33: 3, 34: 4, 38: 5}  # XNNConcatenate2/3/4/5
 _OBJECTS = SCHEMAS["xnnpack"]["objects"]
 _NODE_TABLES: Dict[int, str] = SCHEMAS["xnnpack"]["unions"]["fb_xnnpack.XNodeUnion"]
@@ -83,15 +91,17 @@ def check_xnnpack_graph(fb: bytes, root: int, what: str) -> None:
         RuleError: the first check the graph fails (rule names the upstream function).
     """
     externs = _scalar(fb, root, "fb_xnnpack.XNNGraph", "num_externs")
-    defined: Set[int] = {INVALID_ID}
+    defined: Dict[int, list] = {INVALID_ID: None}  # id_out -> dims (first definition wins)
     for i, xv in enumerate(_tables(fb, root, "xvalues")):
-        defined.add(_check_value(fb, xv, externs, f"{what}: xvalue {i}"))
+        vid, dims = _check_value(fb, xv, externs, f"{what}: xvalue {i}")
+        defined.setdefault(vid, dims)
     for i, node in enumerate(_tables(fb, root, "xnodes")):
         _check_node(fb, node, defined, f"{what}: xnode {i}")
 
 
-def _check_value(fb: bytes, xv: int, externs: int, where: str) -> int:
-    """Checks one XValue (already known to be a (quantized) tensor value); returns its id_out."""
+def _check_value(fb: bytes, xv: int, externs: int, where: str) -> Tuple[int, list]:
+    """Checks one XValue (already known to be a (quantized) tensor value); returns its
+    id_out and dims."""
     t = "fb_xnnpack.XNNTensorValue"
     kind = _scalar(fb, xv, "fb_xnnpack.XValue", "xvalue_union_type", "<B")
     tv = _deref(fb, _field(fb, xv, "fb_xnnpack.XValue", "xvalue_union"))
@@ -110,15 +120,17 @@ def _check_value(fb: bytes, xv: int, externs: int, where: str) -> int:
         need(datatype in PLAIN_DATATYPES, _VALUE_RULE,
              f"{where}: datatype {datatype} is not one xnn_define_tensor_value takes")
     dims = _field(fb, tv, t, "dims")
-    ndims = struct.unpack_from("<I", fb, _deref(fb, dims))[0] if dims is not None else 0
+    vec = _deref(fb, dims) if dims is not None else None
+    ndims = struct.unpack_from("<I", fb, vec)[0] if vec is not None else 0
     need(ndims <= MAX_DIMS, _VALUE_RULE, f"{where}: {ndims} dims > XNN_MAX_TENSOR_DIMS ({MAX_DIMS})")
     ext = _scalar(fb, tv, t, "external_id", default=0)
     need(ext == INVALID_ID or ext < externs, _VALUE_RULE, f"{where}: external_id {ext} >= num_externs {externs}")
     need(not flags & EXTERNAL or ext != INVALID_ID, _VALUE_RULE, f"{where}: external value without an external_id")
-    return _scalar(fb, tv, t, "id_out")
+    shape = list(struct.unpack_from(f"<{ndims}I", fb, vec + 4)) if ndims else []
+    return _scalar(fb, tv, t, "id_out"), shape
 
 
-def _check_node(fb: bytes, node: int, defined: Set[int], where: str) -> None:
+def _check_node(fb: bytes, node: int, defined: Dict[int, list], where: str) -> None:
     kind = _scalar(fb, node, "fb_xnnpack.XNode", "xnode_union_type", "<B")
     need(kind in _NODE_TABLES and kind != SDPA, _NODE_RULE, f"{where}: unhandled node type {kind}")
     at = _field(fb, node, "fb_xnnpack.XNode", "xnode_union")
@@ -131,3 +143,9 @@ def _check_node(fb: bytes, node: int, defined: Set[int], where: str) -> None:
     for name in ids:
         vid = _scalar(fb, body, table, name)
         need(vid in defined, _REMAP_RULE, f"{where}: {name} {vid} is not a defined value")
+    mm = _field(fb, node, "fb_xnnpack.XNode", "output_min_max")
+    if kind in MIN_MAX_NODES and mm is not None:
+        mm = _deref(fb, mm)
+        lo = _scalar(fb, mm, "fb_xnnpack.OutputMinMax", "output_min", "<f", 0)
+        hi = _scalar(fb, mm, "fb_xnnpack.OutputMinMax", "output_max", "<f", 0)
+        need(lo < hi, "xnn_subgraph_check_output_min_max", f"{where}: output range [{lo}, {hi}] is empty or NaN")
