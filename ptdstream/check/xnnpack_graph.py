@@ -17,7 +17,9 @@ same verified flatbuffer, and mirrors ``backends/xnnpack/runtime/XNNCompiler.cpp
 
 * ``xnn_subgraph_check_output_min_max``: a node with ``output_min_max`` that passes it to
   XNNPACK has ``output_min < output_max`` (neither NaN; an absent field is the schema's
-  default, 0.0, as the serializer leaves out a ReLU's ``output_min``).
+  default, 0.0, as the serializer leaves out a ReLU's ``output_min``);
+* ``xnn_create_runtime_v4`` packs the constant tensors: their bytes by dims and datatype,
+  in all, fit in physical memory (else ``xnn_status_out_of_memory``).
 
 Not mirrored: what ``xnn_define_*`` and ``xnn_create_runtime_v4`` check of shapes and
 datatypes across a node's values (at load the runtime does not compare a fully connected
@@ -27,7 +29,7 @@ node's filter with its bias, input or output: shapes meet at the first execute).
 from __future__ import annotations
 
 import struct
-from typing import Dict, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 from ..format.fb_tables import SCHEMAS
 from .runtime_rules import need
@@ -38,6 +40,9 @@ EXTERNAL = 0x1 | 0x2
 DT_QINT8 = 3
 PLAIN_DATATYPES = {1, 2, 12, 13, 14}  # fp32, fp16, int32, pfp32, bf16
 KNOWN_DATATYPES = set(range(1, 15))  # getDataType's cases; others map to invalid
+# bits per element of each datatype (fp32 fp16 qint8 quint8 qint32 qcint8 qcint32 qcint4 qdint8
+# qbint4 qpint8 int32 pfp32 bf16)
+BITS = dict(zip(range(1, 15), (32, 16, 8, 8, 32, 8, 32, 4, 8, 4, 8, 32, 32, 16)))
 SDPA = 36  # XNNScaledDotProductAttention: in the union, not in getDefineNodeFunc
 # nodes whose define passes output_min_max to xnn_subgraph_check_output_min_max: FullyConnected,
 # Clamp, Conv2d, AvgPooling2d, DepthwiseConv2d, MaxPooling2d, GlobalAvgPooling2d, ConvTranspose2d
@@ -83,7 +88,7 @@ def _tables(fb: bytes, root: int, field: str):
     return [_deref(fb, vec + 4 + 4 * i) for i in range(struct.unpack_from("<I", fb, vec)[0])]
 
 
-def check_xnnpack_graph(fb: bytes, root: int, what: str) -> None:
+def check_xnnpack_graph(fb: bytes, root: int, what: str, memory_limit: Optional[int] = None) -> None:
     """Refuse the verified XNNPACK graph at ``root`` of ``fb`` as ``compileModel`` would
     (after the checks of :func:`~ptdstream.check.xnnpack_blob.check_xnnpack_blob`).
 
@@ -91,17 +96,26 @@ def check_xnnpack_graph(fb: bytes, root: int, what: str) -> None:
         RuleError: the first check the graph fails (rule names the upstream function).
     """
     externs = _scalar(fb, root, "fb_xnnpack.XNNGraph", "num_externs")
-    defined: Dict[int, list] = {INVALID_ID: None}  # id_out -> dims (first definition wins)
+    defined: Set[int] = {INVALID_ID}
+    constant_nbytes = 0
     for i, xv in enumerate(_tables(fb, root, "xvalues")):
-        vid, dims = _check_value(fb, xv, externs, f"{what}: xvalue {i}")
-        defined.setdefault(vid, dims)
+        vid, nbytes = _check_value(fb, xv, externs, f"{what}: xvalue {i}")
+        defined.add(vid)
+        constant_nbytes += nbytes
+    if memory_limit is None:
+        from .runtime_load import default_planned_limit
+
+        memory_limit = default_planned_limit()
+    need(constant_nbytes <= memory_limit, "xnn_create_runtime_v4",
+         f"{what}: constant tensors of {constant_nbytes:,} bytes (by their dims) exceed the "
+         f"{memory_limit:,} bytes of memory XNNPACK packs them into (xnn_status_out_of_memory)")
     for i, node in enumerate(_tables(fb, root, "xnodes")):
         _check_node(fb, node, defined, f"{what}: xnode {i}")
 
 
-def _check_value(fb: bytes, xv: int, externs: int, where: str) -> Tuple[int, list]:
+def _check_value(fb: bytes, xv: int, externs: int, where: str) -> Tuple[int, int]:
     """Checks one XValue (already known to be a (quantized) tensor value); returns its
-    id_out and dims."""
+    id_out and, for a constant, its bytes by its dims and datatype (else 0)."""
     t = "fb_xnnpack.XNNTensorValue"
     kind = _scalar(fb, xv, "fb_xnnpack.XValue", "xvalue_union_type", "<B")
     tv = _deref(fb, _field(fb, xv, "fb_xnnpack.XValue", "xvalue_union"))
@@ -126,11 +140,16 @@ def _check_value(fb: bytes, xv: int, externs: int, where: str) -> Tuple[int, lis
     ext = _scalar(fb, tv, t, "external_id", default=0)
     need(ext == INVALID_ID or ext < externs, _VALUE_RULE, f"{where}: external_id {ext} >= num_externs {externs}")
     need(not flags & EXTERNAL or ext != INVALID_ID, _VALUE_RULE, f"{where}: external value without an external_id")
-    shape = list(struct.unpack_from(f"<{ndims}I", fb, vec + 4)) if ndims else []
-    return _scalar(fb, tv, t, "id_out"), shape
+    nbytes = 0
+    if _scalar(fb, tv, t, "constant_buffer_idx"):
+        count = 1
+        for d in struct.unpack_from(f"<{ndims}I", fb, vec + 4) if ndims else ():
+            count *= d
+        nbytes = (count * BITS.get(datatype, 8) + 7) // 8
+    return _scalar(fb, tv, t, "id_out"), nbytes
 
 
-def _check_node(fb: bytes, node: int, defined: Dict[int, list], where: str) -> None:
+def _check_node(fb: bytes, node: int, defined: Set[int], where: str) -> None:
     kind = _scalar(fb, node, "fb_xnnpack.XNode", "xnode_union_type", "<B")
     need(kind in _NODE_TABLES and kind != SDPA, _NODE_RULE, f"{where}: unhandled node type {kind}")
     at = _field(fb, node, "fb_xnnpack.XNode", "xnode_union")
