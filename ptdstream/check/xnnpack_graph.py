@@ -5,16 +5,16 @@ same verified flatbuffer, and mirrors ``backends/xnnpack/runtime/XNNCompiler.cpp
 
 * ``defineTensor``: ``dq_datatype`` is ``xnn_datatype_invalid`` (or a value ``getDataType``
   maps to it), or ``qint8`` on an EXTERNAL_INPUT value ("Only int8_t is supported for
-  dq_datatype"); a plain tensor's ``datatype`` is one ``xnn_define_tensor_value`` takes
-  (fp32, fp16, int32, pfp32, bf16); ``dims`` has at most ``XNN_MAX_TENSOR_DIMS`` (6)
+  dq_datatype"); a quantized value's parameters are of a type it handles; a plain
+  tensor's ``datatype`` is one ``xnn_define_tensor_value`` takes (fp32, fp16, int32,
+  pfp32, bf16), a quantized one's is not invalid; ``dims`` has at most ``XNN_MAX_TENSOR_DIMS`` (6)
   entries; an ``external_id`` other than ``XNN_INVALID_VALUE_ID`` is below
   ``num_externs`` (``xnn_define_*tensor_value``); an external input or output value has one;
 * ``getDefineNodeFunc``: every node's union type is one the compiler defines (not NONE,
   not ``XNNScaledDotProductAttention``, not past the union), with its table present;
 * ``REMAP_ID``: every value id a node reads or writes (its ``*_id`` fields; for
   ``ConcatenateN`` the first N inputs) is the ``id_out`` of a defined value, or
-  ``XNN_INVALID_VALUE_ID``.
-
+  ``XNN_INVALID_VALUE_ID``;
 * ``xnn_subgraph_check_output_min_max``: a node with ``output_min_max`` that passes it to
   XNNPACK has ``output_min < output_max`` (neither NaN; an absent field is the schema's
   default, 0.0, as the serializer leaves out a ReLU's ``output_min``);
@@ -43,6 +43,7 @@ KNOWN_DATATYPES = set(range(1, 15))  # getDataType's cases; others map to invali
 # bits per element of each datatype (fp32 fp16 qint8 quint8 qint32 qcint8 qcint32 qcint4 qdint8
 # qbint4 qpint8 int32 pfp32 bf16)
 BITS = dict(zip(range(1, 15), (32, 16, 8, 8, 32, 8, 32, 4, 8, 4, 8, 32, 32, 16)))
+QUANT_PARAMS = set(SCHEMAS["xnnpack"]["unions"]["fb_xnnpack.XNNQuantParams"])
 SDPA = 36  # XNNScaledDotProductAttention: in the union, not in getDefineNodeFunc
 # nodes whose define passes output_min_max to xnn_subgraph_check_output_min_max: FullyConnected,
 # Clamp, Conv2d, AvgPooling2d, DepthwiseConv2d, MaxPooling2d, GlobalAvgPooling2d, ConvTranspose2d
@@ -121,7 +122,11 @@ def _check_value(fb: bytes, xv: int, externs: int, where: str) -> Tuple[int, int
     tv = _deref(fb, _field(fb, xv, "fb_xnnpack.XValue", "xvalue_union"))
     quantized = kind == 2
     if quantized:
-        tv = _deref(fb, _field(fb, tv, "fb_xnnpack.XNNQuantizedTensorValue", "tensor_value"))
+        q = "fb_xnnpack.XNNQuantizedTensorValue"
+        params = _scalar(fb, tv, q, "quant_params_type", "<B")
+        need(params in QUANT_PARAMS and _field(fb, tv, q, "quant_params") is not None, _VALUE_RULE,
+             f"{where}: unhandled quantization parameters {params}")
+        tv = _deref(fb, _field(fb, tv, q, "tensor_value"))
     flags = _scalar(fb, tv, t, "flags")
     dq = _scalar(fb, tv, t, "dq_datatype", "<h")
     if dq in KNOWN_DATATYPES:
