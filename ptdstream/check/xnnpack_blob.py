@@ -18,7 +18,8 @@ Mirrors ``backends/xnnpack/runtime/XNNHeader.cpp::XNNHeader::Parse`` and the sta
   data map (``Method::init``: the .ptd's ``FlatTensorDataMap`` first, then the program's
   ``PteDataMap``): ``PteDataMap::get_data`` refuses a null key met before the match, a
   segment index out of range, or data past the end of the file. Entries without a key
-  lie inside the blob's constant data.
+  lie inside the blob's constant data. The runtime reads as many bytes as the value's
+  dims and datatype need (it does not check): they are within the data found.
 
 The graph itself (node types, value ids, datatypes): :mod:`ptdstream.check.xnnpack_graph`.
 """
@@ -30,7 +31,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from ..format.fb_tables import SCHEMAS
 from ..format.verifier import FlatbufferError, verify_buffer
-from .xnnpack_graph import check_xnnpack_graph
+from .xnnpack_graph import check_xnnpack_graph, tensor_nbytes
 from .runtime_rules import PtdMap, ProgramFile, RuleError, in_file, need, ptd_key
 
 MIN_SIZE = 30
@@ -141,8 +142,9 @@ def _check_values(fb: bytes, root: int, has_header: bool, cd_size: int, what: st
         if not has_header:
             need(buf_count > idx, rule, f"{where}: buffer_idx {idx} out of bounds for constant_buffer of size {buf_count}")
             entry = _deref(fb, buf_start + 4 * idx)
-            need(_table(fb, entry, _slot("fb_xnnpack.Buffer", "storage")) is not None, rule,
-                 f"{where}: null constant_buffer entry at buffer_idx {idx}")
+            storage = _table(fb, entry, _slot("fb_xnnpack.Buffer", "storage"))
+            need(storage is not None, rule, f"{where}: null constant_buffer entry at buffer_idx {idx}")
+            _fits(fb, tv, _vector(fb, storage)[1], where)
             continue
         need(has_data and idx < data_count, rule,
              f"{where}: buffer_idx {idx} out of bounds for constant_data of size {data_count}")
@@ -155,16 +157,27 @@ def _check_values(fb: bytes, root: int, has_header: bool, cd_size: int, what: st
             size = struct.unpack_from("<Q", fb, size_pos)[0] if size_pos is not None else 0
             need(offset <= cd_size and size <= cd_size - offset, rule,
                  f"{where}: constant data [{offset}, +{size}) outside the {cd_size}-byte region")
+            _fits(fb, tv, size, where)
             continue
         s = _deref(fb, kpos)
         key = fb[s + 4 : s + 4 + struct.unpack_from("<I", fb, s)[0]]
-        _resolve(key.split(b"\0", 1)[0], f"{where} (constant {idx})", pte, ptds)
+        _fits(fb, tv, _resolve(key.split(b"\0", 1)[0], f"{where} (constant {idx})", pte, ptds), where)
 
 
-def _resolve(key: bytes, what: str, pte: ProgramFile, ptds: Sequence[PtdMap]) -> None:
+def _fits(fb: bytes, tv: int, size: int, where: str) -> None:
+    """The constant's dims and datatype need no more than its ``size`` bytes of data: XNNPACK
+    reads (packs) that many bytes at init, past the data's end otherwise (a crash, or garbage)."""
+    want = tensor_nbytes(fb, tv)
+    need(want <= size, "XNNCompiler.cpp::defineTensor", f"{where}: dims and datatype need {want} bytes of "
+         f"constant data, {size} given")
+
+
+def _resolve(key: bytes, what: str, pte: ProgramFile, ptds: Sequence[PtdMap]) -> int:
+    """Bytes of the data ``key`` names."""
     for ptd in ptds:
-        if ptd_key(ptd, key) is not None:
-            return
+        entry = ptd_key(ptd, key)
+        if entry is not None:
+            return ptd.root.Segments(entry.SegmentIndex()).Size()
     p = pte.root
     rule = "PteDataMap::get_data"
     need(not p.NamedDataIsNone() or ptds, "Method::init", f"{what}: no named data map for key {key!r}")
@@ -177,5 +190,5 @@ def _resolve(key: bytes, what: str, pte: ProgramFile, ptds: Sequence[PtdMap]) ->
         need(idx < p.SegmentsLength(), rule, f"{what}: key {key!r} names segment {idx} of {p.SegmentsLength()}")
         seg = p.Segments(idx)
         in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, rule, f"{what}: data of {key!r}")
-        return
+        return seg.Size()
     raise RuleError(rule, f"{what}: key {key!r} is not in the program's or the .ptd files' named data")

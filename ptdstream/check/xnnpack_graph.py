@@ -145,13 +145,20 @@ def _check_value(fb: bytes, xv: int, externs: int, where: str) -> Tuple[int, int
     ext = _scalar(fb, tv, t, "external_id", default=0)
     need(ext == INVALID_ID or ext < externs, _VALUE_RULE, f"{where}: external_id {ext} >= num_externs {externs}")
     need(not flags & EXTERNAL or ext != INVALID_ID, _VALUE_RULE, f"{where}: external value without an external_id")
-    nbytes = 0
-    if _scalar(fb, tv, t, "constant_buffer_idx"):
-        count = 1
-        for d in struct.unpack_from(f"<{ndims}I", fb, vec + 4) if ndims else ():
-            count *= d
-        nbytes = (count * BITS.get(datatype, 8) + 7) // 8
+    nbytes = tensor_nbytes(fb, tv) if _scalar(fb, tv, t, "constant_buffer_idx") else 0
     return _scalar(fb, tv, t, "id_out"), nbytes
+
+
+def tensor_nbytes(fb: bytes, tv: int) -> int:
+    """Bytes of the (verified) XNNTensorValue at ``tv`` by its dims and datatype."""
+    t = "fb_xnnpack.XNNTensorValue"
+    dims = _field(fb, tv, t, "dims")
+    count = 1
+    if dims is not None:
+        vec = _deref(fb, dims)
+        for d in struct.unpack_from(f"<{struct.unpack_from('<I', fb, vec)[0]}I", fb, vec + 4):
+            count *= d
+    return (count * BITS.get(_scalar(fb, tv, t, "datatype", "<h"), 8) + 7) // 8
 
 
 def _check_node(fb: bytes, node: int, defined: Set[int], where: str) -> None:
