@@ -6,7 +6,8 @@ Mirrors ``backends/xnnpack/runtime/XNNHeader.cpp::XNNHeader::Parse`` and the sta
 * a blob shorter than 30 bytes (``XNNHeader::kMinSize``) is refused; with magic ``XH00`` at
   byte 4 the header gives ``flatbuffer_offset`` (u32 at 10), ``flatbuffer_size`` (u32 at 14,
   >= 8), ``constant_data_offset`` (u32 at 18), ``constant_data_size`` (u64 at 22), each
-  region inside the blob; without the magic the whole blob is the flatbuffer;
+  region inside the blob, the constant data after the flatbuffer; without the magic the
+  whole blob is the flatbuffer;
 * the flatbuffer identifier is ``XN00`` or ``XN01``; ``flatbuffers::Verifier`` accepts it
   as an ``XNNGraph`` (no identifier check, default limits); ``xvalues`` and ``xnodes``
   are present; ``num_externs <= 4096``;
@@ -82,6 +83,8 @@ def check_xnnpack_blob(read_blob: Callable[[int, int], bytes], nbytes: int, what
              f"{what}: flatbuffer [{fb_off}, +{fb_size}) outside the {nbytes}-byte blob")
         need(cd_off <= nbytes and cd_size <= nbytes - cd_off, rule,
              f"{what}: constant data [{cd_off}, +{cd_size}) outside the {nbytes}-byte blob")
+        need(cd_off >= fb_off and cd_off - fb_off >= fb_size, rule,
+             f"{what}: constant data at {cd_off} overlaps the flatbuffer [{fb_off}, +{fb_size})")
     fb = read_blob(fb_off, fb_size)
     need(fb[4:8] in (b"XN00", b"XN01"), _RULE, f"{what}: identifier {bytes(fb[4:8])!r} is not XN00 or XN01")
     try:
