@@ -9,21 +9,11 @@ detail)`` for each method. A failed detail names the rule's upstream function.
 
 from __future__ import annotations
 
-import os
 from typing import AbstractSet, List, Optional, Sequence, Tuple
 
 from ..format.fb_roots import flat_tensor_root, program_root
 from .runtime_method import check_method
-from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program
-
-
-def default_planned_limit() -> int:
-    """Bytes of physical memory: the runtime's binding allocates (and zeroes) every planned
-    buffer at load, so more than this cannot load here."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
+from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program, default_planned_limit
 
 
 def _read(path: str, nbytes: int) -> bytes:

@@ -87,6 +87,7 @@ matches by name here). Registration is checked against ``operators``/``backends`
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Sequence, Tuple
@@ -323,3 +324,12 @@ def ptd_key(ptd: PtdMap, key: bytes, need_layout: bool = False):
               f"{ptd.path}: key {key.decode(errors='replace')!r} has no tensor_layout")
         return e
     return None
+
+
+def default_planned_limit() -> int:
+    """Bytes of physical memory: the runtime's binding allocates (and zeroes) every planned
+    buffer at load, so more than this cannot load here."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40

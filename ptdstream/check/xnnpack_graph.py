@@ -32,7 +32,7 @@ import struct
 from typing import Dict, Optional, Set, Tuple
 
 from ..format.fb_tables import SCHEMAS
-from .runtime_rules import need
+from .runtime_rules import default_planned_limit, need
 
 INVALID_ID = 0xFFFFFFFF
 MAX_DIMS = 6  # XNN_MAX_TENSOR_DIMS
@@ -104,8 +104,6 @@ def check_xnnpack_graph(fb: bytes, root: int, what: str, memory_limit: Optional[
         defined.add(vid)
         constant_nbytes += nbytes
     if memory_limit is None:
-        from .runtime_load import default_planned_limit
-
         memory_limit = default_planned_limit()
     need(constant_nbytes <= memory_limit, "xnn_create_runtime_v4",
          f"{what}: constant tensors of {constant_nbytes:,} bytes (by their dims) exceed the "
