@@ -329,3 +329,19 @@ def write_all(fd: int, view: memoryview) -> None:
             raise OSError(f"write returned {n} with {len(view) - done} bytes left")
         done += n
 
+
+def raw_write_fsync(path: str, nbytes: int, buf: memoryview) -> float:
+    """Seconds to write ``nbytes`` bytes (``buf`` repeated) to a new ``path`` and fsync
+    it: the raw baseline every benchmark compares with. The file is left for the caller."""
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left:
+            n = min(len(buf), left)
+            write_all(fd, buf[:n])
+            left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t

@@ -21,8 +21,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import raw_write_fsync  # noqa: E402
 
 
 def rss() -> int:
@@ -125,14 +129,7 @@ def run(size_gib: int, out: str, piece: int) -> dict:
     # Raw write + fsync of the same byte count.
     buf = memoryview(bytearray(64 << 20))
     path = os.path.join(out, "raw.bin")
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    left = res["ptd_bytes"]
-    while left:
-        left -= os.write(fd, buf[: min(len(buf), left)])
-    os.fsync(fd)
-    os.close(fd)
-    res["raw_s"] = time.perf_counter() - t
+    res["raw_s"] = raw_write_fsync(path, res["ptd_bytes"], buf)
     os.remove(path)
 
     # Upstream-style: pageable 8 MiB .cpu() chunks + SHA-256 + write + fsync.

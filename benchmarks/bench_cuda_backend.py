@@ -55,7 +55,7 @@ import time
 from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
+from _measure import RssSampler, discard_file, files_under, raw_write_fsync, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -67,14 +67,7 @@ MiB = 1 << 20
 def child_raw(args) -> dict:
     path = os.path.join(args.out, "raw.bin")
     buf = memoryview(bytearray(64 * MiB))
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    left = args.nbytes
-    while left:
-        left -= os.write(fd, buf[: min(len(buf), left)])
-    os.fsync(fd)
-    os.close(fd)
-    seconds = time.perf_counter() - t
+    seconds = raw_write_fsync(path, args.nbytes, buf)
     discard_file(path)
     return {"seconds": seconds}
 

@@ -26,7 +26,7 @@ import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import discard_file, files_under, reset_peak_rss, status_kib  # noqa: E402
+from _measure import discard_file, files_under, raw_write_fsync, reset_peak_rss, status_kib  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -103,14 +103,7 @@ def run_ranks(world: int, layers: int, out: str) -> dict:
 def raw_write(nbytes: int, out: str) -> dict:
     buf = memoryview(bytearray(os.urandom(1 << 20) * 64))
     path = os.path.join(out, "raw.bin")
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    left = nbytes
-    while left:
-        left -= os.write(fd, buf[: min(len(buf), left)])
-    os.fsync(fd)
-    os.close(fd)
-    seconds = time.perf_counter() - t
+    seconds = raw_write_fsync(path, nbytes, buf)
     discard_file(path)
     return {"seconds": seconds}
 
