@@ -12,6 +12,11 @@ write + fsync of the same byte count from a reused host buffer; upstream-style
 fingerprint's speed, a second method re-adding every storage (same storages,
 new tensor objects) and a third adding equal copies in new storages, as a share
 of the first write; host RSS added by the ptdstream save.
+
+``--sweep WINDOW_MIB:INFLIGHT ...`` adds buffered ptdstream saves of the same
+store with other page-cache windows (``window_nbytes``) and writeback depths
+(``ptdstream.system.writeback.DEFAULT_INFLIGHT_WINDOWS``), each with its per-stage
+timeline, to find where a buffered save loses to the raw write.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class Peak:
         self.added = max(self.peak, rss()) - self.base
 
 
-def run(size_gib: int, out: str, piece: int) -> dict:
+def run(size_gib: int, out: str, piece: int, sweep=(), upstream_style: bool = True) -> dict:
     import torch
 
     from ptdstream import StreamingNamedDataStore
@@ -126,6 +131,26 @@ def run(size_gib: int, out: str, piece: int) -> dict:
     res["ptd_direct_identical_size"] = reports[0].nbytes == res["ptd_bytes"]
     os.remove(ptd)
 
+    # Buffered saves with other windows and writeback depths, with timelines.
+    from ptdstream.timeline import record_stages
+    from ptdstream.system import writeback as writeback_module
+
+    default_inflight = writeback_module.DEFAULT_INFLIGHT_WINDOWS
+    res["sweep"] = []
+    for window_mib, inflight in sweep:
+        writeback_module.DEFAULT_INFLIGHT_WINDOWS = inflight
+        try:
+            with record_stages() as timeline:
+                t = time.perf_counter()
+                write_data_files(store, out, chunk_nbytes=piece, direct=False,
+                                 window_nbytes=window_mib << 20)
+                seconds = time.perf_counter() - t
+        finally:
+            writeback_module.DEFAULT_INFLIGHT_WINDOWS = default_inflight
+        res["sweep"].append({"window_mib": window_mib, "inflight": inflight, "s": seconds,
+                             "timeline": timeline.to_dict()})
+        os.remove(ptd)
+
     # Raw write + fsync of the same byte count.
     buf = memoryview(bytearray(64 << 20))
     path = os.path.join(out, "raw.bin")
@@ -133,6 +158,9 @@ def run(size_gib: int, out: str, piece: int) -> dict:
     os.remove(path)
 
     # Upstream-style: pageable 8 MiB .cpu() chunks + SHA-256 + write + fsync.
+    if not upstream_style:
+        res["upstream_style_s"] = float("nan")
+        return res
     path = os.path.join(out, "upstream.bin")
     t = time.perf_counter()
     with open(path, "wb") as f:
@@ -169,6 +197,12 @@ def table(results) -> str:
                      f"equal copies: {r['readd_equal_copy_s'] * 1e3:.1f} ms "
                      f"({100 * r['readd_equal_copy_s'] / r['ptdstream_s']:.3f}%)")
         lines.append(f"     host RSS added by the ptdstream save: {r['ptdstream_rss_added'] / 2**20:.1f} MiB")
+        for row in r.get("sweep", ()):
+            lines.append(f"     buffered, window {row['window_mib']} MiB x {row['inflight']} in writeback: "
+                         f"{row['s']:.2f} s, {n / row['s'] / 1e9:.2f} GB/s, {r['raw_s'] / row['s']:.3f}x raw")
+            stages = sorted(row["timeline"]["stages"].items(), key=lambda kv: -kv[1]["seconds"])
+            for name, st in stages[:6]:
+                lines.append(f"         {name:<52} {st['seconds']:>7.2f} s")
         lines.append("")
     return "\n".join(lines)
 
@@ -179,11 +213,16 @@ def main() -> int:
     p.add_argument("--out", default="./bench-cuda-out")
     p.add_argument("--piece-mib", type=int, default=8)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--sweep", nargs="*", default=[], metavar="WINDOW_MIB:INFLIGHT",
+                   help="extra buffered saves, e.g. 64:4 128:8 256:8")
+    p.add_argument("--skip-upstream-style", action="store_true",
+                   help="leave out the upstream-style row (its column is then nan)")
     args = p.parse_args()
+    sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep]
     results = []
     try:
         for size in args.sizes_gib:
-            results.append(run(size, args.out, args.piece_mib << 20))
+            results.append(run(size, args.out, args.piece_mib << 20, sweep, not args.skip_upstream_style))
             print(table(results[-1:]), flush=True)
     finally:
         shutil.rmtree(args.out, ignore_errors=True)

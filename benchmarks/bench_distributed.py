@@ -11,8 +11,17 @@ import torch and executorch, build its shards, barrier, reset ``VmHWM``, ``write
 ``out/model.ptd``, barrier. Time: rank 0's wall time between the two barriers.
 Peak RSS: per rank, over its RSS before the call (its shards included in the
 baseline). ``raw``: one process ``write``\\ s the same number of bytes from one
-64 MiB buffer, then ``fsync``. The NCCL (GPU) half of the issue's benchmark is
-not here: it needs GPUs.
+64 MiB buffer, then ``fsync``, twice: after 20 s idle and at once after that
+(``raw`` is the faster; see ``raw_write``).
+
+``--backend nccl`` is the GPU half (one GPU per rank, NCCL; weights made on each
+rank's GPU): on two H200s of one host,
+
+    python benchmarks/bench_distributed.py --backend nccl --gib 16 --ranks 1,2 --out /tmp/bench-dist
+
+writes 16 GiB from one GPU and then from two ranks holding 8 GiB each; the table
+adds each rank's GPU peak (``max_memory_allocated``, reset after the shards are
+made, so it is what the save adds; "GPU held" is the shards).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ MiB = 1 << 20
 WIDTH = 4096
 
 
-def rank_main(rank: int, world: int, layers: int, out: str, result_dir: str) -> None:
+def rank_main(rank: int, world: int, layers: int, out: str, result_dir: str, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -44,19 +53,27 @@ def rank_main(rank: int, world: int, layers: int, out: str, result_dir: str) -> 
 
     from ptdstream.distributed import write_data_files
 
-    dist.init_process_group("gloo", init_method=f"file://{out}/.pg", rank=rank, world_size=world,
+    gpu = backend == "nccl"
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{out}/.pg", rank=rank, world_size=world,
                             timeout=timedelta(minutes=30))
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     rows = [len(c) for c in torch.arange(WIDTH).chunk(world)]
     rows += [0] * (world - len(rows))
     tensors = {}
     for layer in range(layers):
-        g = torch.Generator().manual_seed(layer * 1000 + rank)
-        local = torch.randn(rows[rank], WIDTH, generator=g)
+        g = torch.Generator(device=device).manual_seed(layer * 1000 + rank)
+        local = torch.randn(rows[rank], WIDTH, generator=g, device=device)
         tensors[f"layers.{layer}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                               shape=torch.Size([WIDTH, WIDTH]),
                                                               stride=(WIDTH, 1))
     local_nbytes = sum(t.to_local().numel() * 4 for t in tensors.values())
+    if gpu:
+        torch.cuda.synchronize()
+        gpu_held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     dist.barrier()
     base = status_kib("VmRSS") * 1024
     reset_peak_rss()
@@ -65,19 +82,23 @@ def rank_main(rank: int, world: int, layers: int, out: str, result_dir: str) -> 
     dist.barrier()
     seconds = time.perf_counter() - t
     peak = status_kib("VmHWM") * 1024
+    result = {"seconds": seconds, "peak_added": peak - base, "local_nbytes": local_nbytes,
+              "written": report.rank_nbytes, "files": report.files}
+    if gpu:
+        result["gpu_held"] = gpu_held
+        result["gpu_peak_added"] = torch.cuda.max_memory_allocated() - gpu_held
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"seconds": seconds, "peak_added": peak - base, "local_nbytes": local_nbytes,
-                   "written": report.rank_nbytes, "files": report.files}, f)
+        json.dump(result, f)
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, layers: int, out: str) -> dict:
+def run_ranks(world: int, layers: int, out: str, backend: str = "gloo") -> dict:
     import multiprocessing as mp
 
     results = os.path.join(out, ".results")
     os.makedirs(results, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, world, layers, out, results)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, layers, out, results, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -100,12 +121,21 @@ def run_ranks(world: int, layers: int, out: str) -> dict:
     return {"seconds": ranks[0]["seconds"], "ranks": ranks, "file_nbytes": size}
 
 
-def raw_write(nbytes: int, out: str) -> dict:
+def raw_write(nbytes: int, out: str, settle_s: float = 20.0) -> dict:
+    """Two raw writes: after ``settle_s`` idle seconds ("cold") and at once after it
+    ("warm"); ``seconds`` is the faster. On a VM whose host takes back idle guest
+    memory (this project's 2-core machine does: a 6 GiB write after 15 s idle runs
+    at 0.4 GB/s, at once after another at 2-3 GB/s), page cache that was freed a
+    while ago is slow to use again; a writer that keeps a few windows cached
+    barely sees it, one that fills the cache does."""
     buf = memoryview(bytearray(os.urandom(1 << 20) * 64))
     path = os.path.join(out, "raw.bin")
-    seconds = raw_write_fsync(path, nbytes, buf)
+    time.sleep(settle_s)
+    cold = raw_write_fsync(path, nbytes, buf)
     discard_file(path)
-    return {"seconds": seconds}
+    warm = raw_write_fsync(path, nbytes, buf)
+    discard_file(path)
+    return {"seconds": min(cold, warm), "cold_seconds": cold, "warm_seconds": warm}
 
 
 def main() -> int:
@@ -114,6 +144,8 @@ def main() -> int:
     parser.add_argument("--ranks", default="1,2,4", help="world sizes to run (default 1,2,4)")
     parser.add_argument("--out", default="./bench-dist", help="scratch folder (created, removed at the end)")
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="gloo: CPU ranks (default); nccl: one GPU per rank")
     args = parser.parse_args()
     layers = max(1, round(args.gib * 16))
     os.makedirs(args.out, exist_ok=True)
@@ -121,20 +153,25 @@ def main() -> int:
         results = {}
         for world in [int(w) for w in args.ranks.split(",")]:
             print(f"[{time.strftime('%H:%M:%S')}] {world} rank(s)", file=sys.stderr, flush=True)
-            results[world] = run_ranks(world, layers, os.path.abspath(args.out))
+            results[world] = run_ranks(world, layers, os.path.abspath(args.out), args.backend)
         nbytes = results[next(iter(results))]["file_nbytes"]
         print(f"[{time.strftime('%H:%M:%S')}] raw", file=sys.stderr, flush=True)
         raw = raw_write(nbytes, args.out)
+        gpu = args.backend == "nccl"
         head = (f"{'writer':<10} {'seconds':>8} {'GB/s':>6} {'x raw':>6} {'peak+ MiB/rank (max)':>21} "
-                f"{'held MiB/rank':>13}")
-        lines = [f"weights: {layers * WIDTH * WIDTH * 4 / GiB:.2f} GiB, file {nbytes:,} bytes", head, "-" * len(head)]
+                f"{'held MiB/rank':>13}" + (f" {'GPU held GiB/rank':>17} {'GPU peak+ MiB/rank':>18}" if gpu else ""))
+        lines = [f"weights: {layers * WIDTH * WIDTH * 4 / GiB:.2f} GiB ({args.backend}), file {nbytes:,} bytes",
+                 head, "-" * len(head)]
         for world, r in results.items():
             peak = max(x["peak_added"] for x in r["ranks"]) / MiB
             held = max(x["local_nbytes"] for x in r["ranks"]) / MiB
             lines.append(f"{f'{world} rank(s)':<10} {r['seconds']:>8.2f} {nbytes / r['seconds'] / 1e9:>6.2f} "
-                         f"{r['seconds'] / raw['seconds']:>6.2f} {peak:>21.0f} {held:>13.0f}")
-        lines.append(f"{'raw':<10} {raw['seconds']:>8.2f} {nbytes / raw['seconds'] / 1e9:>6.2f} {1.0:>6.2f} "
-                     f"{'-':>21} {'-':>13}")
+                         f"{r['seconds'] / raw['seconds']:>6.2f} {peak:>21.0f} {held:>13.0f}"
+                         + (f" {max(x['gpu_held'] for x in r['ranks']) / GiB:>17.2f}"
+                            f" {max(x['gpu_peak_added'] for x in r['ranks']) / MiB:>18.0f}" if gpu else ""))
+        for name, key in (("raw", "seconds"), ("raw cold", "cold_seconds"), ("raw warm", "warm_seconds")):
+            lines.append(f"{name:<10} {raw[key]:>8.2f} {nbytes / raw[key] / 1e9:>6.2f} "
+                         f"{raw[key] / raw['seconds']:>6.2f} {'-':>21} {'-':>13}")
         print("\n".join(lines))
         if args.json:
             with open(args.json, "w") as f:

@@ -157,8 +157,11 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
 
 
 def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
-    """pwrite this rank's pieces into the temp files; fsync; drop their pages."""
+    """pwrite this rank's pieces into the temp files, window by window to disk and
+    out of the page cache (:class:`~ptdstream.system.writeback.WritebackWindows`);
+    fsync; drop their pages."""
     from ..system.pagecache import drop_pages
+    from ..system.writeback import WritebackWindows
 
     ring = BufferRing(chunk_nbytes, count=1)
     written = 0
@@ -167,6 +170,7 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
         if not mine:
             continue
         fd = os.open(temp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        writeback = WritebackWindows(fd)
         try:
             for key, at in mine:
                 position = at + offsets[(key, rank)]
@@ -178,12 +182,15 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
                     view = memoryview(piece).cast("B")
                     while len(view):
                         n = os.pwrite(fd, view, position)
+                        writeback.written(position, n)
                         view, position, written = view[n:], position + n, written + n
+            writeback.close()
             os.fsync(fd)
             drop_pages(fd, 0, 0)
         except OSError as e:
             raise OSError(e.errno, f"rank {rank}: writing {temp} (for {target}) failed: {e.strerror}") from e
         finally:
+            writeback.close()
             os.close(fd)
     return written
 

@@ -42,7 +42,11 @@ def uses_direct_io(plan: SavePlan) -> bool:
     """Whether any payload comes from a CUDA tensor: there O_DIRECT measured
     faster (benchmarks/bench_cuda.py on an H200: 1.88 vs 1.64 GB/s for 8 GiB, 1.59
     vs 1.49 GB/s for 32 GiB); for CPU sources the measurements here were mixed,
-    so those keep buffered writes with page dropping."""
+    so those keep buffered writes with page dropping. Since writeback moved to
+    its own thread (:mod:`ptdstream.system.writeback`) buffered writes are on par
+    (32 GiB, one run: buffered 16.1, 17.1 and 25.2 s against O_DIRECT 18.0 s; 2
+    GiB: 1.36 against 1.96 s); O_DIRECT stays the choice until a run of
+    repeats says otherwise."""
     for _, extent in iter_sources(f.plan for f in plan.files):
         if getattr(extent.source, "device_kind", None) == "cuda":
             return True

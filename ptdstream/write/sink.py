@@ -7,11 +7,10 @@ Calls, in order: 1) open (the constructor creates the temp file); 2) ``write`` /
 idempotent. Used as a context manager, an exception inside the ``with`` aborts
 and a clean exit commits.
 
-Page cache: every ``window_nbytes`` written, writeback of that window is started
-(``sync_file_range(SYNC_FILE_RANGE_WRITE)``); once more than ``inflight_windows``
-windows are under writeback, the oldest is waited for and dropped
-(``POSIX_FADV_DONTNEED``). So a bounded number of windows of the output stay
-resident while writing (5 x 64 MiB by default), and none after ``sync``.
+Page cache: the output goes to disk window by window and leaves the page cache
+(:class:`ptdstream.system.writeback.WritebackWindows`), so a bounded number of
+windows stay resident while writing (11 x 64 MiB by default), and none after
+``sync``.
 
 On any failure: the temp file is removed, the target is untouched (absent, or the
 previous complete file). Temp files are named ``.<name>.ptdstream-<pid>-<hex>.tmp``
@@ -29,9 +28,6 @@ Not thread-safe.
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import ctypes.util
 import enum
 import errno
 import os
@@ -42,13 +38,12 @@ from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import StateError
 from ..system import fsops
 from ..system.pagecache import drop_pages
+from ..system.writeback import WritebackWindows
 from ..timeline import stage_timeline
 from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
 from . import tempfiles
 from .journal import RecoveryError, clean_folder
 
-#: Windows under writeback at once (see ``ChunkedFileSink``).
-DEFAULT_INFLIGHT_WINDOWS = 4
 #: O_DIRECT: bytes per write from the staging block, and the alignment of the
 #: last (padded, then truncated) block.
 DIRECT_BLOCK_NBYTES = CHUNK_NBYTES
@@ -80,25 +75,6 @@ def write_zeros(write: Callable[[memoryview], None], nbytes: int) -> None:
         write(view[:n])
         nbytes -= n
 
-_SYNC_FILE_RANGE_WAIT_BEFORE = 1
-_SYNC_FILE_RANGE_WRITE = 2
-_SYNC_FILE_RANGE_WAIT_AFTER = 4
-
-
-def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-
-
 class SinkState(enum.Enum):
     OPEN = "open"
     WRITING = "writing"
@@ -115,8 +91,9 @@ class ChunkedFileSink:
         window_nbytes: bytes between page-cache drops (64 MiB).
         drop_pages: drop written pages per window and after sync (default on).
         inflight_windows: windows under writeback before the oldest is waited for
-            and dropped (4: enough queue depth for a fast NVMe disk; at most
-            ``(inflight_windows + 1) * window_nbytes`` of output cached while writing).
+            and dropped (None: ``system.writeback.DEFAULT_INFLIGHT_WINDOWS``, 8; at
+            most ``(inflight_windows + 3) * window_nbytes`` of output cached while
+            writing).
         direct: write with ``O_DIRECT`` through aligned 8 MiB staging blocks (one
             memcpy, no page cache at all), ``direct_depth`` writes in flight
             (:class:`~ptdstream.write.direct_io.DirectBlockWriter`); where the file
@@ -140,7 +117,7 @@ class ChunkedFileSink:
         *,
         window_nbytes: int = WINDOW_NBYTES,
         drop_pages: bool = True,
-        inflight_windows: int = DEFAULT_INFLIGHT_WINDOWS,
+        inflight_windows: Optional[int] = None,
         direct: bool = False,
         write_fn: Callable[[int, memoryview], int] = os.write,
         direct_depth: int = DEFAULT_DIRECT_DEPTH,
@@ -153,9 +130,8 @@ class ChunkedFileSink:
         self.drop_pages = drop_pages
         self._write = write_fn
         self.nbytes = 0
-        self._window_start = 0
-        self._inflight: "collections.deque" = collections.deque()
-        self.inflight_windows = inflight_windows
+        self._inflight_windows = inflight_windows
+        self._writeback: Optional[WritebackWindows] = None
         self._fd: Optional[int] = None
         self._lock_fd: Optional[int] = None
         folder = os.path.dirname(self.publish_path)
@@ -186,6 +162,8 @@ class ChunkedFileSink:
         self.direct = bool(direct) and hasattr(os, "O_DIRECT")
         if self.direct:
             self._enable_direct(direct_depth, pwrite_fn)
+        if self.drop_pages and not self.direct:
+            self._writeback = WritebackWindows(self._fd, window_nbytes, self._inflight_windows)
         self.state = SinkState.OPEN
 
     def _enable_direct(self, depth: int, pwrite_fn) -> None:
@@ -241,9 +219,9 @@ class ChunkedFileSink:
         self._write_all(view, self.nbytes)
         if timeline is not None:
             timeline.add("buffered write", time.perf_counter() - t, len(view))
+        if self._writeback is not None:
+            self._writeback.written(self.nbytes, len(view))
         self.nbytes += len(view)
-        if self.drop_pages and self.nbytes - self._window_start >= self.window_nbytes:
-            self._end_window()
 
     def _write_all(self, view: memoryview, offset: int) -> None:
         total = len(view)
@@ -271,35 +249,12 @@ class ChunkedFileSink:
         """Append ``nbytes`` zero bytes."""
         write_zeros(self.write, nbytes)
 
-    def _end_window(self) -> None:
-        """Start writeback of the window just filled; once more than
-        ``inflight_windows`` are under writeback, wait for the oldest and drop it."""
-        start, end = self._window_start, self.nbytes
-        if _sync_file_range is not None:
-            timeline = stage_timeline()
-            t = time.perf_counter() if timeline is not None else 0.0
-            _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
-            self._inflight.append((start, end))
-            while len(self._inflight) > self.inflight_windows:
-                old_start, old_end = self._inflight.popleft()
-                _sync_file_range(
-                    self._fd,
-                    old_start,
-                    old_end - old_start,
-                    _SYNC_FILE_RANGE_WAIT_BEFORE
-                    | _SYNC_FILE_RANGE_WRITE
-                    | _SYNC_FILE_RANGE_WAIT_AFTER,
-                )
-                drop_pages(self._fd, old_start, old_end - old_start)
-            if timeline is not None:
-                timeline.add("writeback start + wait + drop", time.perf_counter() - t)
-        self._window_start = end
-
     def sync(self) -> None:
         """fsync the temp file and drop its pages; the data is durable but not yet visible."""
         self._expect(SinkState.OPEN, SinkState.WRITING)
         timeline = stage_timeline()
         t = time.perf_counter()
+        self._stop_writeback()
         if self._staging is not None:
             try:
                 if self._staging.finish():
@@ -325,6 +280,11 @@ class ChunkedFileSink:
         self._fd = None
         self.state = SinkState.SYNCED
 
+    def _stop_writeback(self) -> None:
+        if self._writeback is not None:
+            self._writeback.close()
+            self._writeback = None
+
     def publish(self) -> None:
         """Rename the temp file over the target and fsync the folder."""
         self._expect(SinkState.SYNCED)
@@ -347,6 +307,7 @@ class ChunkedFileSink:
         """Close and remove the temp file; the target is untouched. Idempotent."""
         if self.state in (SinkState.COMMITTED, SinkState.ABORTED):
             return
+        self._stop_writeback()
         if self._fd is not None:
             try:
                 os.close(self._fd)
