@@ -293,7 +293,7 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
                             "of a delegate or backend (XNNPACK names what it packs by the SHA-256 of the packed "
                             "bytes), which a checkpoint alone cannot recreate")
     elif foreign:
-        matches = xnn.match_keys(foreign, old_checkpoint, checkpoint, problems)
+        matches = xnn.match_keys(foreign, old_checkpoint, checkpoint, problems, _mapper(key_map))
     for t in order:
         try:
             ptd_file_name(t)  # a tag must name a file in out_dir
@@ -364,8 +364,9 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
         chunk_nbytes: piece size in bytes; window_nbytes: bytes between page drops.
         progress: ``True`` for a tqdm bar, a callable taking byte counts, or False.
         old_checkpoint: for a program with XNNPACK delegates and tagged external
-            weights (with ``like``): the weights it was exported with, same key
-            names as ``checkpoint``. Each XNNPACK key whose bytes are exactly one
+            weights (with ``like``): the weights it was exported with, with the
+            key names of ``checkpoint`` or the program's FQNs (``key_map`` then
+            gives each one's key in ``checkpoint``). Each XNNPACK key whose bytes are exactly one
             old tensor (stored untransformed) gets the new tensor's bytes under
             its SHA-256, and a new ``.pte`` is written to ``out_dir`` too: the old
             one with those keys replaced (:mod:`ptdstream.weights_xnnpack`);

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .sources import BufferRing, FileRangeSource
 
@@ -42,11 +42,14 @@ def sha256_of(source, ring: BufferRing) -> str:
     return h.hexdigest()
 
 
-def match_keys(xnn_keys: List[str], old, new, problems: List[str]) -> Dict[str, Tuple[str, str]]:
-    """``{old XNNPACK key: (checkpoint key, new XNNPACK key)}``; problems appended.
+def match_keys(xnn_keys: List[str], old, new, problems: List[str],
+               lookup: Optional[Callable[[str], Optional[str]]] = None) -> Dict[str, Tuple[str, str]]:
+    """``{old XNNPACK key: (new checkpoint's key, new XNNPACK key)}``; problems appended.
 
-    ``old`` and ``new`` are open checkpoints with the same key names (the old
-    weights, exported, and the new ones).
+    ``old`` and ``new`` are open checkpoints (the old weights, exported, and the
+    new ones). A tensor named ``n`` in ``old`` is ``n`` in ``new`` when ``new``
+    has that key, else ``lookup(n)`` (``write_ptd``'s ``key_map``: ``old`` named
+    as the program's FQNs, ``new`` by another prefix).
     """
     ring = BufferRing(count=1)
     wanted = set(xnn_keys)
@@ -69,15 +72,18 @@ def match_keys(xnn_keys: List[str], old, new, problems: List[str]) -> Dict[str, 
                             "transformed them (quantized, 4-bit packed, NHWC or swapped conv weight, cast to "
                             "fp32); re-export")
             continue
-        missing = [n for n in names if n not in new.entries]
+        renamed = {n: n if n in new.entries or lookup is None else (lookup(n) or n) for n in names}
+        missing = [n for n in names if renamed[n] not in new.entries]
         if missing:
-            problems.append(f"XNNPACK key {xkey!r}: {missing[0]!r} is not in {new.path}")
+            shown = missing[0] if renamed[missing[0]] == missing[0] else f"{missing[0]} -> {renamed[missing[0]]}"
+            problems.append(f"XNNPACK key {xkey!r}: {shown!r} is not in {new.path}")
             continue
-        bad = [n for n in names if (new.entries[n].dtype, new.entries[n].shape) !=
+        bad = [n for n in names if (new.entries[renamed[n]].dtype, new.entries[renamed[n]].shape) !=
                (old.entries[n].dtype, old.entries[n].shape)]
         if bad:
             problems.append(f"XNNPACK key {xkey!r}: {bad[0]!r} changed dtype or shape between the checkpoints")
             continue
+        names = [renamed[n] for n in names]
         digests = {sha256_of(new.source(n), ring) for n in names}
         if len(digests) != 1:
             problems.append(f"XNNPACK key {xkey!r}: {names} were equal in {old.path} and differ in {new.path}: "

@@ -431,6 +431,18 @@ def test_xnnpack_untransformed_weights_give_the_reexport_pte_and_ptd(tmp_path):
     # Without the old weights: refused, naming the XNNPACK keys.
     with pytest.raises(CheckpointMismatchError, match="for XNNPACK: like= the old .ptd files and old_checkpoint="):
         write_ptd(str(tmp_path / "A" / "model.pte"), new, str(out), like=like)
+    # New weights under another prefix, old ones under the program's FQNs: key_map serves both.
+    prefixed = _save_checkpoint("safetensors", {f"model.{k}": v for k, v in _state(model_b).items()},
+                                tmp_path / "prefixed")
+    out_map = tmp_path / "out_map"
+    out_map.mkdir()
+    write_ptd(str(tmp_path / "A" / "model.pte"), prefixed, str(out_map), like=like, old_checkpoint=old,
+              key_map={"": "model."})
+    for name, data in files_b.items():
+        assert (out_map / name).read_bytes() == data, name
+    with pytest.raises(CheckpointMismatchError) as info:
+        write_ptd(str(tmp_path / "A" / "model.pte"), prefixed, str(out_map), like=like, old_checkpoint=old)
+    assert any(p.startswith("XNNPACK key ") and p.endswith(f"is not in {prefixed}") for p in info.value.problems)
 
 
 @pytest.mark.slow

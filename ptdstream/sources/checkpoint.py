@@ -6,10 +6,12 @@ Kinds, each read through its own library:
 * ``.safetensors`` file, or a Hugging Face sharded checkpoint
   (``model.safetensors.index.json``, its ``weight_map`` naming each key's shard):
   ``safetensors.safe_open`` maps the file; each tensor is a view of that
-  mapping, read piece by piece with its pages paged out of the process after
-  each piece (:class:`~ptdstream.sources.mapped.MappedTensorSource`).
+  mapping, whose file range is read piece by piece with ``pread``, its pages
+  dropped after each piece (:class:`~ptdstream.sources.mapped.MappedTensorSource`
+  with ``read_file``; through the mapping if the file was replaced since).
 * a ``torch.save`` state dict (a flat ``{key: tensor}``): ``torch.load(mmap=True,
-  weights_only=True)``, read the same way.
+  weights_only=True)``, read the same way (through the mapping for an archive
+  of the other byte order, which ``torch.load`` swaps in memory).
 * a ``torch.distributed.checkpoint`` (DCP) directory: ``FileSystemReader``'s
   metadata gives every key's dtype and shape; the bytes are loaded with
   ``torch.distributed.checkpoint.load`` one tensor at a time, into a tensor
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -99,9 +102,10 @@ def _entry(key: str, tensor, where: str) -> CheckpointEntry:
     )
 
 
-def _mapped_source(tensor, label: str) -> Source:
-    """A paged-out-as-read source when the tensor lies in a file mapping, else a
-    plain tensor source."""
+def _mapped_source(tensor, label: str, read_file: bool = True) -> Source:
+    """A source read from the file with ``pread`` when the tensor lies in a file
+    mapping (the mapping is the checkpoint's own, never handed out, so it holds
+    the file's bytes), else a plain tensor source."""
     from ..system.pagecache import file_mapping
     from .mapped import MappedTensorSource
 
@@ -109,7 +113,7 @@ def _mapped_source(tensor, label: str) -> Source:
     if nbytes:
         mapping = file_mapping(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
         if mapping is not None:
-            return MappedTensorSource(tensor, mapping, label)
+            return MappedTensorSource(tensor, mapping, label, read_file=read_file)
     return TensorSource(tensor, label)
 
 
@@ -182,6 +186,19 @@ def _hf_weight_map(path: str) -> Dict[str, str]:
     return shards
 
 
+def _archive_byteorder(path: str) -> str:
+    """The byte order a ``torch.save`` archive records (``<archive>/byteorder``;
+    little when absent, as ``torch.load`` assumes); "unknown" if unreadable."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/byteorder") and n.count("/") == 1]
+            return archive.read(names[0]).decode("ascii").strip() if names else "little"
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError):
+        return "unknown"
+
+
 class TorchCheckpoint(Checkpoint):
     """A ``torch.save`` state dict, loaded with ``torch.load(mmap=True,
     weights_only=True)``: a flat ``{str: tensor}`` dict. Keys whose tensor is the
@@ -209,6 +226,7 @@ class TorchCheckpoint(Checkpoint):
         if bad:
             raise FormatError(f"{path}: {len(bad)} entries are not str -> tensor: {bad[:20]!r}")
         self._tensors = state
+        self._native = _archive_byteorder(path) == sys.byteorder
         seen: Dict[tuple, str] = {}
         for key, tensor in state.items():
             ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
@@ -219,7 +237,9 @@ class TorchCheckpoint(Checkpoint):
             self.entries[key] = _entry(key, tensor, path)
 
     def source(self, key: str) -> Source:
-        return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}")
+        # torch.load byte-swaps (in its private mapping) an archive saved with the
+        # other byte order: then only the mapping has the bytes to write.
+        return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", read_file=self._native)
 
     def close(self) -> None:
         self._tensors = {}

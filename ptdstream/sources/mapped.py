@@ -4,10 +4,12 @@ keeping it resident."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, LayoutError
 from ..system.pagecache import FileMapping, page_out, will_need
 from .base import BufferRing
+from .file import FileRangeSource
 from .tensor import TensorSource
 
 
@@ -22,13 +24,37 @@ class MappedTensorSource(TensorSource):
     under a mapping would otherwise kill the process with SIGBUS (a file
     replaced by rename is fine: the mapping keeps the old one).
 
+    With ``read_file=True`` (a mapping only ptdstream holds, so its memory is the
+    file's bytes: the checkpoints of :mod:`ptdstream.sources.checkpoint`) the
+    pieces are read from the file with ``pread`` instead
+    (:class:`~ptdstream.sources.file.FileRangeSource`), while the file at the
+    mapped path is still the mapped inode: 4.6x faster than faulting the mapping
+    in from a cold cache (3 GiB of safetensors: 0.98-1.08 s against 4.62 s here).
+    A file replaced since is read through the mapping, which keeps the old one.
+
     Raises:
-        IntegrityError: the checkpoint file was truncated.
+        IntegrityError: the checkpoint file was truncated, or (``read_file``)
+            changed while it was read.
     """
 
-    def __init__(self, tensor, mapping: FileMapping, label: str = "tensor") -> None:  # noqa: D107
+    def __init__(self, tensor, mapping: FileMapping, label: str = "tensor",  # noqa: D107
+                 read_file: bool = False) -> None:
         super().__init__(tensor, label)
         self.mapping = mapping
+        self.read_file = read_file
+
+    def _file_range(self) -> Optional[FileRangeSource]:
+        """The same bytes as a file range, if the mapped path is still the mapped file."""
+        m = self.mapping
+        if m.path.endswith(" (deleted)"):
+            return None
+        try:
+            source = FileRangeSource(m.path, m.offset + (self._address() - m.start), self.nbytes)
+        except (OSError, LayoutError):
+            return None
+        if source.identity[1] != m.inode:
+            return None  # replaced: only the mapping still has the handed-over bytes
+        return source
 
     def _check_file(self) -> None:
         m = self.mapping
@@ -49,6 +75,10 @@ class MappedTensorSource(TensorSource):
 
     def pieces(self, ring: BufferRing):
         self._check_file()
+        file_range = self._file_range() if self.read_file else None
+        if file_range is not None:
+            yield from file_range.pieces(ring)
+            return
         view = self._view()
         address = self._address()
         step = ring.chunk_nbytes

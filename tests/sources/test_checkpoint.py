@@ -84,3 +84,49 @@ def test_dcp_one_tensor_at_a_time(tmp_path):
         assert sources["w"].same_content(sources["other"]) is False
         assert sources["w"].same_content(sources["i"]) is None  # other sizes: the store never asks
         assert sources["w"].expected_fingerprint is not None  # checked again when written
+
+
+def test_mapped_checkpoints_are_read_from_the_file_while_it_is_the_mapped_one(tmp_path, monkeypatch):
+    """Pieces come from pread of the tensor's file range; after the file is replaced
+    (os.replace), from the mapping, which still holds the handed-over bytes."""
+    import os
+
+    import safetensors.torch as st
+
+    from ptdstream.sources import file as file_module
+
+    reads = []
+    real_pread = file_module.pread_exact
+    monkeypatch.setattr(file_module, "pread_exact",
+                        lambda fd, view, offset: reads.append((offset, len(view))) or real_pread(fd, view, offset))
+    path = tmp_path / "a.safetensors"
+    st.save_file({"w": STATE["w"], "h": STATE["h"]}, path)
+    with open_checkpoint(str(path)) as ckpt:
+        assert _bytes(ckpt.source("h")) == _raw(STATE["h"])
+        raw = path.read_bytes()
+        header_nbytes = int.from_bytes(raw[:8], "little")
+        data_start = 8 + header_nbytes + json.loads(raw[8 : 8 + header_nbytes])["h"]["data_offsets"][0]
+        assert reads[0] == (data_start, 64) and sum(n for _, n in reads) == 600
+        reads.clear()
+        st.save_file({"w": torch.zeros(3, 4), "h": torch.zeros(300, dtype=torch.bfloat16)}, tmp_path / "b")
+        os.replace(tmp_path / "b", path)
+        assert _bytes(ckpt.source("h")) == _raw(STATE["h"])
+        assert _bytes(ckpt.source("w")) == _raw(STATE["w"])
+        assert reads == []
+
+
+def test_torch_save_of_native_byte_order_is_read_from_the_file(tmp_path, monkeypatch):
+    from ptdstream.sources import file as file_module
+    from ptdstream.sources.checkpoint import _archive_byteorder
+
+    reads = []
+    real_pread = file_module.pread_exact
+    monkeypatch.setattr(file_module, "pread_exact",
+                        lambda fd, view, offset: reads.append(len(view)) or real_pread(fd, view, offset))
+    torch.save(STATE, tmp_path / "c.pt")
+    assert _archive_byteorder(str(tmp_path / "c.pt")) == "little"
+    assert _archive_byteorder(str(tmp_path / "missing.pt")) == "unknown"
+    with open_checkpoint(str(tmp_path / "c.pt")) as ckpt:
+        for key, t in STATE.items():
+            assert _bytes(ckpt.source(key)) == _raw(t)
+    assert sum(reads) == sum(t.numel() * t.element_size() for t in STATE.values())
