@@ -3,7 +3,6 @@ those weights (executorch 1.5.1), every checkpoint kind, every mismatch at once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -11,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from _checkpoints import save_checkpoint, state_of
 from conftest import Mlp, TiedLM, export, reference_files
 
 from ptdstream.errors import CheckpointMismatchError, FormatError
@@ -77,47 +77,6 @@ def exports(tmp_path_factory):
     return out
 
 
-def _state(model):
-    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-
-
-def _save_checkpoint(kind, state, folder):
-    """Write ``state`` as checkpoint ``kind``; return the path to hand write_ptd."""
-    import safetensors.torch as st
-
-    folder.mkdir(parents=True, exist_ok=True)
-    if kind == "torch":
-        path = folder / "ckpt.pt"
-        torch.save(state, path)
-    elif kind == "safetensors":
-        path = folder / "model.safetensors"
-        st.save_file(_untied(state), path)
-    elif kind == "hf-sharded":
-        keys = list(_untied(state))
-        shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
-        weight_map = {}
-        for name, part in shards.items():
-            st.save_file({k: state[k] for k in part}, folder / name)
-            weight_map.update({k: name for k in part})
-        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        path = folder  # the folder: found through its index
-    elif kind == "dcp":
-        import torch.distributed.checkpoint as dcp
-
-        path = folder / "dcp"
-        dcp.save(_untied(state), checkpoint_id=str(path), no_dist=True)
-    return str(path)
-
-
-def _untied(state):
-    """safetensors and DCP refuse (or duplicate) shared tensors: keep the first key of each."""
-    seen, out = set(), {}
-    for k, v in state.items():
-        if v.untyped_storage().data_ptr() not in seen:
-            seen.add(v.untyped_storage().data_ptr())
-            out[k] = v
-    return out
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "hf-sharded", "dcp"])
@@ -126,7 +85,7 @@ def test_ptd_equals_reexport_with_new_weights(exports, tmp_path, kind, model):
     folder, model_b, files = exports[model]
     assert files["A"]["model.pte"] == files["B"]["model.pte"]  # only the .ptd changes
     assert files["A"][PTD] != files["B"][PTD]
-    ckpt = _save_checkpoint(kind, _state(model_b), tmp_path / "ckpt")
+    ckpt = save_checkpoint(kind, state_of(model_b), tmp_path / "ckpt")
     out = tmp_path / "out"
     out.mkdir()
     # The program names the tied weight 'head.weight'; safetensors and DCP keep it
@@ -148,7 +107,7 @@ def test_runtime_runs_program_a_with_weights_b(exports, tmp_path):
     from executorch.runtime import Runtime
 
     folder, model_b, _ = exports["mlp"]
-    ckpt = _save_checkpoint("safetensors", _state(model_b), tmp_path)
+    ckpt = save_checkpoint("safetensors", state_of(model_b), tmp_path)
     write_ptd(str(folder / "A" / "model.pte"), ckpt, str(tmp_path))
     program = Runtime.get().load_program(str(folder / "A" / "model.pte"), data_path=str(tmp_path / PTD))
     x = torch.randn(2, 64)
@@ -179,7 +138,7 @@ def test_changed_equal_classes_are_reported_and_the_program_still_runs(tmp_path)
     files_a = reference_files(export(model_a, config=config, inputs=x), str(tmp_path / "A"))
     files_b = reference_files(export(model_b, config=config, inputs=x), str(tmp_path / "B"))
     assert files_a["model.pte"] != files_b["model.pte"]
-    ckpt = _save_checkpoint("safetensors", _state(model_b), tmp_path / "ckpt")
+    ckpt = save_checkpoint("safetensors", state_of(model_b), tmp_path / "ckpt")
     out = tmp_path / "out"
     out.mkdir()
     report = write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out))
@@ -203,8 +162,8 @@ def test_like_gives_tags_and_order_and_key_map(tmp_path):
     config = ExecutorchBackendConfig(external_constants=tag)
     model_b, files = _export_pair(Mlp, tmp_path, config)
     assert sorted(files["B"]) == ["first.ptd", "model.pte", "rest.ptd"]
-    state = {"model." + k: v for k, v in _state(model_b).items()}
-    ckpt = _save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    state = {"model." + k: v for k, v in state_of(model_b).items()}
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
     out = tmp_path / "out"
     out.mkdir()
     like = [str(tmp_path / "A" / "first.ptd"), str(tmp_path / "A" / "rest.ptd")]
@@ -223,13 +182,13 @@ def test_like_gives_tags_and_order_and_key_map(tmp_path):
 @pytest.mark.slow
 def test_every_mismatch_reported_at_once_and_nothing_written(exports, tmp_path):
     folder, model_b, _ = exports["mlp"]
-    state = _state(model_b)
+    state = state_of(model_b)
     del state["l2.bias"]
     state["l1.weight"] = state["l1.weight"].to(torch.float16)
     state["l2.weight"] = state["l2.weight"][:4].contiguous()
     state["l1.bias"] = state["l1.bias"].clone()
     state["stray"] = torch.zeros(3)
-    ckpt = _save_checkpoint("torch", state, tmp_path / "ckpt")
+    ckpt = save_checkpoint("torch", state, tmp_path / "ckpt")
     out = tmp_path / "out"
     out.mkdir()
     (out / PTD).write_bytes(b"previous")
@@ -267,7 +226,7 @@ def test_dim_order_mismatch_is_named(tmp_path):
     layouts = read_program_weights(str(tmp_path / "A" / "model.pte")).keys
     if list(layouts["conv.weight"].dim_order) == [0, 1, 2, 3]:
         pytest.skip("export made the weight row-major: nothing to check here")
-    ckpt = _save_checkpoint("safetensors", _state(model), tmp_path / "ckpt")
+    ckpt = save_checkpoint("safetensors", state_of(model), tmp_path / "ckpt")
     with pytest.raises(CheckpointMismatchError) as info:
         write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(tmp_path))
     assert info.value.problems == [
@@ -275,44 +234,11 @@ def test_dim_order_mismatch_is_named(tmp_path):
         f"{list(layouts['conv.weight'].dim_order)}"
     ]
     # A torch.save checkpoint keeps the channels-last strides: accepted, same bytes.
-    ckpt = _save_checkpoint("torch", {k: v.detach() for k, v in model.state_dict().items()}, tmp_path / "ckpt2")
+    ckpt = save_checkpoint("torch", {k: v.detach() for k, v in model.state_dict().items()}, tmp_path / "ckpt2")
     out = tmp_path / "out"
     out.mkdir()
     write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out))
     assert (out / PTD).read_bytes() == files[PTD]
-
-
-@pytest.mark.slow
-def test_xnnpack_tagged_weights_are_refused_by_key(tmp_path):
-    """XNNPACK 1.5.1 with tagged external weights names each packed weight by the
-    SHA-256 of its bytes (fp32 linear weights: untransformed); write_ptd refuses
-    them, naming the delegate and each key."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
-
-    torch.manual_seed(0)
-    model = Mlp().eval()
-    x = (torch.randn(2, 64),)
-    module = torch.export.export(model, x).module()
-    delegate_external_constants_pass_unlifted(module, lambda node: "model")
-    edge = to_edge_transform_and_lower(torch.export.export(module, x), partitioner=[XnnpackPartitioner()])
-    manager = edge.to_executorch()
-    reference_files(manager, str(tmp_path / "A"))
-    from ptdstream.format.reader import read_artifact
-
-    keys = [e.key for e in read_artifact(str(tmp_path / "A" / "model.ptd")).named]
-    expected = {hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
-                for t in model.state_dict().values()}
-    assert set(keys) == expected  # every key is the SHA-256 of the untransformed fp32 bytes
-    ckpt = _save_checkpoint("safetensors", _state(model), tmp_path / "ckpt")
-    with pytest.raises(CheckpointMismatchError) as info:
-        write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(tmp_path), like=[str(tmp_path / "A" / "model.ptd")],
-                  allow_extra=True)
-    problems = info.value.problems
-    assert problems[0].startswith("delegate: method 'forward' holds a XnnpackBackend delegate")
-    assert [p.split("'")[1] for p in problems[1:]] == keys
-    assert all("named data of a delegate or backend" in p for p in problems[1:])
 
 
 def test_checkpoint_errors(tmp_path):
@@ -349,7 +275,7 @@ def test_checkpoint_is_never_resident_whole(tmp_path, kind):
                                    inputs=(torch.randn(1, 1024),)), str(tmp_path / "A"))
     for p in model.parameters():
         torch.nn.init.normal_(p.data)
-    ckpt = _save_checkpoint(kind, _state(model), tmp_path / "ckpt")
+    ckpt = save_checkpoint(kind, state_of(model), tmp_path / "ckpt")
     path = ckpt
     peaks = []
     out = tmp_path / "out"
@@ -368,8 +294,8 @@ def test_cli(exports, tmp_path, capsys):
     from ptdstream.cli import main
 
     folder, model_b, files = exports["pair"]
-    state = {"model." + k: v for k, v in _state(model_b).items()}
-    ckpt = _save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    state = {"model." + k: v for k, v in state_of(model_b).items()}
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
     out = tmp_path / "out"
     out.mkdir()
     pte = str(folder / "A" / "model.pte")
@@ -380,107 +306,3 @@ def test_cli(exports, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing: 'a.weight' (FLOAT[8, 8] dim order [0, 1]) is not in" in err
     assert "extra: 4 checkpoint key(s) are not weights of the program" in err
-
-
-class EmbedMlp(torch.nn.Module):
-    """An embedding (left to the portable ops: an FQN constant) and two linears
-    (XNNPACK: fp32 weights stored untransformed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.e = torch.nn.Embedding(16, 64)
-        self.l1 = torch.nn.Linear(64, 32)
-        self.l2 = torch.nn.Linear(32, 8)
-
-    def forward(self, tokens):
-        return self.l2(torch.relu(self.l1(self.e(tokens))))
-
-
-def _export_xnnpack_tagged(model, inputs, folder):
-    """XNNPACK with its weights tagged 'model', other constants external: model.pte,
-    model.ptd (XNNPACK's SHA-256 keys), _default_external_constant.ptd (FQNs)."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
-
-    module = torch.export.export(model.eval(), inputs).module()
-    delegate_external_constants_pass_unlifted(module, lambda node: "model")
-    edge = to_edge_transform_and_lower(torch.export.export(module, inputs), partitioner=[XnnpackPartitioner()])
-    return reference_files(edge.to_executorch(ExecutorchBackendConfig(external_constants=True)), str(folder))
-
-
-@pytest.mark.slow
-def test_xnnpack_untransformed_weights_give_the_reexport_pte_and_ptd(tmp_path):
-    inputs = (torch.randint(0, 16, (2, 3)),)
-    torch.manual_seed(0)
-    model_a = EmbedMlp()
-    torch.manual_seed(1)
-    model_b = EmbedMlp()
-    files_a = _export_xnnpack_tagged(model_a, inputs, tmp_path / "A")
-    files_b = _export_xnnpack_tagged(model_b, inputs, tmp_path / "B")
-    assert sorted(files_b) == [PTD, "model.ptd", "model.pte"] and files_a["model.pte"] != files_b["model.pte"]
-    old = _save_checkpoint("safetensors", _state(model_a), tmp_path / "old")
-    new = _save_checkpoint("safetensors", _state(model_b), tmp_path / "new")
-    out = tmp_path / "out"
-    out.mkdir()
-    like = [str(tmp_path / "A" / PTD), str(tmp_path / "A" / "model.ptd")]
-    write_ptd(str(tmp_path / "A" / "model.pte"), new, str(out), like=like, old_checkpoint=old)
-    assert sorted(os.listdir(out)) == sorted(files_b)
-    for name, data in files_b.items():
-        assert (out / name).read_bytes() == data, name
-    # Without the old weights: refused, naming the XNNPACK keys.
-    with pytest.raises(CheckpointMismatchError, match="for XNNPACK: like= the old .ptd files and old_checkpoint="):
-        write_ptd(str(tmp_path / "A" / "model.pte"), new, str(out), like=like)
-    # New weights under another prefix, old ones under the program's FQNs: key_map serves both.
-    prefixed = _save_checkpoint("safetensors", {f"model.{k}": v for k, v in _state(model_b).items()},
-                                tmp_path / "prefixed")
-    out_map = tmp_path / "out_map"
-    out_map.mkdir()
-    write_ptd(str(tmp_path / "A" / "model.pte"), prefixed, str(out_map), like=like, old_checkpoint=old,
-              key_map={"": "model."})
-    for name, data in files_b.items():
-        assert (out_map / name).read_bytes() == data, name
-    with pytest.raises(CheckpointMismatchError) as info:
-        write_ptd(str(tmp_path / "A" / "model.pte"), prefixed, str(out_map), like=like, old_checkpoint=old)
-    assert any(p.startswith("XNNPACK key ") and p.endswith(f"is not in {prefixed}") for p in info.value.problems)
-
-
-@pytest.mark.slow
-def test_xnnpack_transformed_weights_are_refused_by_key(tmp_path):
-    """A conv weight goes to XNNPACK in NHWC: its key is the SHA-256 of bytes no
-    checkpoint tensor has, so it is refused by name (the bias is untransformed)."""
-
-    class Conv(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = torch.nn.Conv2d(3, 4, 3)
-
-        def forward(self, x):
-            return self.conv(x)
-
-    inputs = (torch.randn(1, 3, 8, 8),)
-    torch.manual_seed(0)
-    model_a = Conv()
-    files = _export_xnnpack_tagged(model_a, inputs, tmp_path / "A")
-    from ptdstream.format.reader import read_artifact
-
-    keys = [e.key for e in read_artifact(str(tmp_path / "A" / "model.ptd")).named]
-    old = _save_checkpoint("safetensors", _state(model_a), tmp_path / "old")
-    torch.manual_seed(1)
-    new = _save_checkpoint("safetensors", _state(Conv()), tmp_path / "new")
-    like = [str(tmp_path / "A" / n) for n in sorted(files) if n.endswith(".ptd")]
-    with pytest.raises(CheckpointMismatchError) as info:
-        write_ptd(str(tmp_path / "A" / "model.pte"), new, str(tmp_path), like=like, old_checkpoint=old)
-    bias_key = hashlib.sha256(_raw_bytes(model_a.conv.bias)).hexdigest()
-    transformed = [k for k in keys if k != bias_key]
-    assert len(transformed) == 1
-    assert info.value.problems == [
-        f"XNNPACK key {transformed[0]!r}: no tensor of {old} has these bytes: XNNPACK transformed them "
-        "(quantized, 4-bit packed, NHWC or swapped conv weight, cast to fp32); re-export",
-        "extra: 1 checkpoint key(s) are not weights of the program: 'conv.weight' "
-        "(allow_extra=True / --allow-extra to ignore them)",
-    ]
-
-
-def _raw_bytes(t) -> bytes:
-    return t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()

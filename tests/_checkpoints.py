@@ -1,0 +1,49 @@
+"""Checkpoints of a model's state dict in each kind write_ptd reads (tests' helper)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def state_of(model):
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+def save_checkpoint(kind, state, folder):
+    """Write ``state`` as checkpoint ``kind``; return the path to hand write_ptd."""
+    import safetensors.torch as st
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "torch":
+        path = folder / "ckpt.pt"
+        torch.save(state, path)
+    elif kind == "safetensors":
+        path = folder / "model.safetensors"
+        st.save_file(untied(state), path)
+    elif kind == "hf-sharded":
+        keys = list(untied(state))
+        shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        weight_map = {}
+        for name, part in shards.items():
+            st.save_file({k: state[k] for k in part}, folder / name)
+            weight_map.update({k: name for k in part})
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        path = folder  # the folder: found through its index
+    elif kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        path = folder / "dcp"
+        dcp.save(untied(state), checkpoint_id=str(path), no_dist=True)
+    return str(path)
+
+
+def untied(state):
+    """safetensors and DCP refuse (or duplicate) shared tensors: keep the first key of each."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        if v.untyped_storage().data_ptr() not in seen:
+            seen.add(v.untyped_storage().data_ptr())
+            out[k] = v
+    return out
