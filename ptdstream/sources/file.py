@@ -11,6 +11,11 @@ from ..system.pagecache import drop_pages
 from .base import BufferRing, Source
 
 
+#: Bytes from a range's start dropped after reading its prefix: more than the
+#: kernel reads ahead on one small read (128 KiB by default, a few MiB at most).
+PREFIX_DROP_NBYTES = 8 << 20
+
+
 class FileRangeSource(Source):
     """``length`` bytes of the file at ``path`` from byte ``offset``, read with pread.
 
@@ -57,8 +62,12 @@ class FileRangeSource(Source):
         return f"file {self.path} offset {self.offset}"
 
     def prefix(self, nbytes: int = 32) -> bytes:
+        """The first ``nbytes`` bytes; the pages read (and read ahead, up to
+        :data:`PREFIX_DROP_NBYTES`) are dropped again."""
         with open(self.path, "rb") as f:
-            return os.pread(f.fileno(), min(nbytes, self.nbytes), self.offset)
+            head = os.pread(f.fileno(), min(nbytes, self.nbytes), self.offset)
+            drop_pages(f.fileno(), self.offset, min(self.nbytes, PREFIX_DROP_NBYTES))
+            return head
 
     def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
         fd = os.open(self.path, os.O_RDONLY)

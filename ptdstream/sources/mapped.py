@@ -94,6 +94,9 @@ class MappedTensorSource(TensorSource):
 
     def prefix(self, nbytes: int = 32) -> bytes:
         self._check_file()
+        file_range = self._file_range() if self.read_file else None
+        if file_range is not None:
+            return file_range.prefix(nbytes)
         head = super().prefix(nbytes)
         # The fault maps (and reads ahead) more than the page it needs.
         page_out(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
