@@ -106,6 +106,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     """``[PieceInfo]`` and ``{key: (source, tensor, first bytes)}`` of this rank's pieces."""
     import torch
     from executorch.exir.tensor import dim_order_from_stride, scalar_type_enum
+    from executorch.exir.tensor_layout import TensorLayout
 
     try:
         from torch.distributed.tensor import DTensor, Shard
@@ -142,6 +143,10 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
                 piece = piece.contiguous()
         elif isinstance(tensor, torch.Tensor):
             piece, coordinate, sharded = tensor.detach(), 0, False
+            try:  # what the single-process store accepts: contiguous or channels_last
+                TensorLayout.from_tensor(piece)
+            except ValueError as e:
+                raise LayoutError(f"key {key!r}: {e}") from None
             scalar = int(scalar_type_enum(piece.dtype))
             sizes = tuple(int(s) for s in piece.shape)
             dim_order = tuple(int(d) for d in dim_order_from_stride(piece.stride())) if piece.dim() else ()

@@ -4,8 +4,9 @@ the page cache, so writing N bytes keeps only a few windows cached.
 Every ``window_nbytes`` written, a background thread starts writeback of that
 window (``sync_file_range(SYNC_FILE_RANGE_WRITE)``); once more than ``inflight``
 windows are under writeback, it waits for the oldest and drops it
-(``POSIX_FADV_DONTNEED``). At most ``(inflight + 3) * window_nbytes`` of the file
-are cached while writing (11 x 64 MiB by default).
+(``POSIX_FADV_DONTNEED``). About ``(inflight + 3) * window_nbytes`` of the file
+are cached while writing (11 x 64 MiB by default; :class:`WritebackWindows`
+gives the exact bound).
 
 Why a thread: ``SYNC_FILE_RANGE_WRITE`` blocks while the disk's queue is full.
 Called from the writer, it put the writer's copies into the page cache and the
@@ -32,6 +33,10 @@ from typing import Callable, Deque, Optional, Tuple
 from ..defaults import WINDOW_NBYTES
 from ..timeline import stage_timeline
 from .pagecache import drop_pages
+from .threads import wait_through_interrupts
+
+#: The largest page-cache folio on x86-64 and arm64 with 4 KiB pages (a PMD).
+_FOLIO_NBYTES = 2 << 20
 
 #: Windows under writeback at once (see the module docstring).
 DEFAULT_INFLIGHT_WINDOWS = 8
@@ -72,11 +77,15 @@ class WritebackWindows:
     their writeback (``SYNC_FILE_RANGE_WRITE``, which blocks while the disk's
     queue is full) and, once more than ``inflight`` are under writeback, waits
     for the oldest and drops it; so the writer's copies into the page cache
-    overlap the submissions, as with the kernel's own flusher threads. The
-    writer waits only when ``inflight + 2`` closed windows are not yet dropped:
-    at most ``(inflight + 3) * window_nbytes`` of the file are cached while
-    writing. :meth:`close` stops the thread; windows still under writeback are
-    left to the caller's fsync. Errors of ``sync_file_range`` are ignored (it is
+    overlap the submissions, as with the kernel's own flusher threads. A write
+    larger than a window is sent as several. The writer waits only when
+    ``inflight + 2`` sent windows are not yet dropped: at most ``(inflight + 3)
+    * window_nbytes + 2 MiB`` of the file (a window's drop reaches back to the
+    2 MiB block it starts in: the kernel drops only whole page-cache folios,
+    which a large write makes up to 2 MiB) plus the write just made are cached
+    while writing; ``inflight`` is at least 1. :meth:`close`
+    stops the thread; windows still under writeback are left to the caller's
+    fsync. Errors of ``sync_file_range`` are ignored (it is
     advice; the caller's fsync reports real write errors).
     """
 
@@ -88,29 +97,33 @@ class WritebackWindows:
         self._slots = threading.Semaphore(self.inflight + 2)
         self._windows: "queue.SimpleQueue[Optional[Tuple[int, int]]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        self._ended = threading.Event()
 
     def written(self, offset: int, nbytes: int) -> None:
         """Record that ``[offset, offset + nbytes)`` was written."""
         if nbytes <= 0:
             return
         if offset != self._end:
-            self._close_window()
+            self._send(self._start, self._end)
             self._start = offset
         self._end = offset + nbytes
-        if self._end - self._start >= self.window_nbytes:
-            self._close_window()
+        while self._end - self._start >= self.window_nbytes:  # a large write: several windows
+            self._send(self._start, self._start + self.window_nbytes)
+            self._start += self.window_nbytes
 
     def close(self) -> None:
-        """Stop the thread (idempotent). The last, partial window is not sent: the
-        caller's fsync writes it, and its drop after the fsync removes every page."""
+        """Stop the thread (idempotent), waiting for it even through Ctrl-C (the
+        interrupt is raised again once it has ended): the caller closes ``fd``
+        next. The last, partial window is not sent: the caller's fsync writes it,
+        and its drop after the fsync removes every page."""
         if self._thread is not None:
             self._windows.put(None)
-            self._thread.join()
+            interrupted = wait_through_interrupts(self._thread, self._ended)
             self._thread = None
+            if interrupted is not None:
+                raise interrupted
 
-    def _close_window(self) -> None:
-        start, end = self._start, self._end
-        self._start = end
+    def _send(self, start: int, end: int) -> None:
         if end <= start or _sync_file_range is None:
             return
         timeline = stage_timeline()
@@ -119,11 +132,18 @@ class WritebackWindows:
         if timeline is not None:
             timeline.add("writeback: writer waits for a window slot", time.perf_counter() - t)
         if self._thread is None:
+            self._ended = threading.Event()
             self._thread = threading.Thread(target=self._run, name="ptdstream-writeback", daemon=True)
             self._thread.start()
         self._windows.put((start, end))
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._ended.set()
+
+    def _serve(self) -> None:
         under_writeback: Deque[Tuple[int, int]] = collections.deque()
         while True:
             window = self._windows.get()
@@ -142,7 +162,13 @@ class WritebackWindows:
                     old_end - old_start,
                     _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER,
                 )
-                drop_pages(self._fd, old_start, old_end - old_start)
+                # From the start of the 2 MiB block that holds old_start: fadvise
+                # drops only the page-cache folios (pages, or up to 2 MiB after a
+                # large write) it covers whole, and the start of that block belongs
+                # to windows before, written and waited for already (so clean now).
+                # A folio that holds old_end goes with a later window.
+                first = old_start - old_start % _FOLIO_NBYTES
+                drop_pages(self._fd, first, old_end - first)
                 self._slots.release()
             if timeline is not None:
                 timeline.add("writeback thread: start + wait + drop", time.perf_counter() - t)

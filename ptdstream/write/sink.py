@@ -151,20 +151,24 @@ class ChunkedFileSink:
                 clean_folder(folder)
             except RecoveryError:
                 pass  # left for `recover`; this file is still published atomically
-        self.temp_path, self._fd, self._lock_fd = tempfiles.create_locked(self.publish_path)
-        try:
-            mode = os.stat(self.publish_path).st_mode & 0o7777
-        except OSError:
-            mode = None
-        if mode is not None:
-            os.fchmod(self._fd, mode)  # an update keeps the target's mode (0444 too)
         self._staging: Optional[DirectBlockWriter] = None
-        self.direct = bool(direct) and hasattr(os, "O_DIRECT")
-        if self.direct:
-            self._enable_direct(direct_depth, pwrite_fn)
-        if self.drop_pages and not self.direct:
-            self._writeback = WritebackWindows(self._fd, window_nbytes, self._inflight_windows)
+        self.temp_path, self._fd, self._lock_fd = tempfiles.create_locked(self.publish_path)
         self.state = SinkState.OPEN
+        try:
+            try:
+                mode = os.stat(self.publish_path).st_mode & 0o7777
+            except OSError:
+                mode = None
+            if mode is not None:
+                os.fchmod(self._fd, mode)  # an update keeps the target's mode (0444 too)
+            self.direct = bool(direct) and hasattr(os, "O_DIRECT")
+            if self.direct:
+                self._enable_direct(direct_depth, pwrite_fn)
+            if self.drop_pages and not self.direct:
+                self._writeback = WritebackWindows(self._fd, window_nbytes, self._inflight_windows)
+        except BaseException:  # Ctrl-C included: no caller holds this sink to abort it
+            self.abort()
+            raise
 
     def _enable_direct(self, depth: int, pwrite_fn) -> None:
         """Switch the temp file to O_DIRECT with a page-aligned staging block; keep
@@ -281,9 +285,9 @@ class ChunkedFileSink:
         self.state = SinkState.SYNCED
 
     def _stop_writeback(self) -> None:
-        if self._writeback is not None:
-            self._writeback.close()
-            self._writeback = None
+        writeback, self._writeback = self._writeback, None
+        if writeback is not None:
+            writeback.close()
 
     def publish(self) -> None:
         """Rename the temp file over the target and fsync the folder."""
@@ -307,7 +311,11 @@ class ChunkedFileSink:
         """Close and remove the temp file; the target is untouched. Idempotent."""
         if self.state in (SinkState.COMMITTED, SinkState.ABORTED):
             return
-        self._stop_writeback()
+        interrupted = None
+        try:
+            self._stop_writeback()  # its thread has ended even when Ctrl-C comes
+        except KeyboardInterrupt as e:
+            interrupted = e
         if self._fd is not None:
             try:
                 os.close(self._fd)
@@ -318,6 +326,8 @@ class ChunkedFileSink:
         fsops.unlink(self.temp_path)
         self._release_lock()
         self.state = SinkState.ABORTED
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> "ChunkedFileSink":
         return self

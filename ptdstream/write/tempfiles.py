@@ -85,10 +85,19 @@ def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> Tuple[
                 f"({os.strerror(e.errno or 0)}); the folder must exist and be writable",
                 path,
             ) from e
-        lock_fd = os.dup(fd)
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # waits for a cleaner that took it first
-        if _names(path, lock_fd):
-            return path, fd, lock_fd
+        lock_fd = None
+        try:
+            lock_fd = os.dup(fd)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # waits for a cleaner that took it first
+            if _names(path, lock_fd):
+                return path, fd, lock_fd
+        except BaseException:  # Ctrl-C included: leave no file behind
+            if lock_fd is not None and _names(path, lock_fd):
+                fsops.unlink(path)
+            for open_fd in (lock_fd, fd):
+                if open_fd is not None:
+                    os.close(open_fd)
+            raise
         os.close(lock_fd)
         os.close(fd)
     raise OSError(errno.EAGAIN, f"cannot keep a temp file for {target} in folder {folder}")

@@ -18,6 +18,7 @@ from ..errors import IntegrityError
 from ..format.plan import ExtentKind, FilePlan
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint, StreamingDigest, check_expected
+from ..system.threads import wait_through_interrupts
 from ..timeline import stage_timeline
 from .sink import Sink
 
@@ -44,15 +45,23 @@ class _WriterThread:
         self._idle = threading.Semaphore(1)
         self._ready = threading.Semaphore(0)
         self._piece = None
+        self._stopping = False
+        self._ended = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="ptdstream-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._ended.set()
+
+    def _serve(self) -> None:
         while True:
             self._ready.acquire()
             piece = self._piece
-            if piece is None:
+            if piece is None or self._stopping:
                 return
             try:
                 if self._error is None:
@@ -103,9 +112,21 @@ class _WriterThread:
         self._idle.acquire()
         self._piece = None
         self._ready.release()
-        self._thread.join()
+        interrupted = wait_through_interrupts(self._thread, self._ended)
+        if interrupted is not None:
+            raise interrupted
         if self._error is not None:
             raise self._error
+
+    def abort(self) -> Optional[KeyboardInterrupt]:
+        """Stop the thread after the write in progress, from whatever state a
+        hand-off was interrupted in (``close`` would wait for an idle slot that
+        the interrupted caller may hold). Waits through Ctrl-C and returns the
+        interrupt: the sink's file descriptor must not be closed while the thread
+        may still write to it (the number could be reused by another file)."""
+        self._stopping = True
+        self._ready.release()
+        return wait_through_interrupts(self._thread, self._ended)
 
 
 def write_plan(
@@ -137,13 +158,12 @@ def write_plan(
         writer = _WriterThread(sink)
         try:
             result = _write_extents(plan, writer, ring, progress)
-        except BaseException:
-            try:
-                writer.close()
-            except BaseException:  # noqa: BLE001 - the first error is the one to report
-                pass
+            writer.close()
+        except BaseException as e:
+            interrupted = writer.abort()  # the thread has ended when it returns
+            if interrupted is not None and not isinstance(e, KeyboardInterrupt):
+                raise interrupted from e
             raise
-        writer.close()
         return result
     return _write_extents(plan, sink, ring, progress)
 

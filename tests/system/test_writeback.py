@@ -98,3 +98,66 @@ def test_a_sink_aborted_mid_write_stops_its_writeback_thread(tmp_path):
     sink.abort()
     assert len(_writeback_threads()) == before
     assert os.listdir(tmp_path) == []
+
+
+def test_a_write_larger_than_a_window_is_sent_as_several(calls):
+    wb = WritebackWindows(fd=-1, window_nbytes=MiB, inflight=8)
+    wb.written(0, 3 * MiB + 5)
+    wb.close()
+    assert [c[1:3] for c in calls] == [(0, MiB), (MiB, 2 * MiB), (2 * MiB, 3 * MiB)]
+
+
+def test_drops_start_at_the_2mib_block_that_holds_a_window_start(calls):
+    """fadvise drops only whole folios (pages, or up to 2 MiB after a large write):
+    a drop reaches back to the 2 MiB block its window starts in."""
+    wb = WritebackWindows(fd=-1, window_nbytes=3 * MiB, inflight=1)
+    wb.written(256, 9 * MiB)  # three windows from offset 256: none starts on a page
+    wb.close()
+    drops = [c[1:] for c in calls if c[0] == "drop"]
+    assert drops == [(0, 256 + 3 * MiB), (2 * MiB, 256 + 6 * MiB)]
+
+
+@pytest.mark.skipif(writeback._sync_file_range is None, reason="needs Linux sync_file_range")
+def test_large_writes_into_small_windows_stay_bounded(tmp_path):
+    """8 MiB writes (page-cache folios up to 2 MiB) into 1 MiB windows: dropping
+    only each window's own range left every folio it shared (192 of 256 MiB cached)."""
+    window, inflight, piece = MiB, 2, os.urandom(8 * MiB)
+    path = str(tmp_path / "large.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    most = 0
+    try:
+        os.pwrite(fd, b"h" * 256, 0)
+        wb = WritebackWindows(fd, window_nbytes=window, inflight=inflight)
+        for i in range(12):
+            os.pwrite(fd, piece, 256 + i * len(piece))
+            wb.written(256 + i * len(piece), len(piece))
+            most = max(most, resident_nbytes(path))
+        wb.close()
+    finally:
+        os.close(fd)
+    bound = (inflight + 3) * window + 2 * MiB + len(piece)
+    assert most <= bound, f"{most} bytes cached, bound {bound}"
+
+
+@pytest.mark.skipif(writeback._sync_file_range is None, reason="needs Linux sync_file_range")
+def test_unaligned_windows_stay_bounded(tmp_path):
+    """Windows that start inside a page (a .ptd's payload after its header) and a
+    window that is not a page multiple: the cache stays within the bound."""
+    for window in (64 << 10, 6000):
+        inflight = 2
+        path = str(tmp_path / f"out{window}.bin")
+        piece = os.urandom(window)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        most = 0
+        try:
+            os.pwrite(fd, b"h" * 256, 0)
+            wb = WritebackWindows(fd, window_nbytes=window, inflight=inflight)
+            for i in range((16 * MiB) // window):
+                os.pwrite(fd, piece, 256 + i * window)
+                wb.written(256 + i * window, window)
+                most = max(most, resident_nbytes(path))
+            wb.close()
+        finally:
+            os.close(fd)
+        bound = (inflight + 3) * (window + 2 * 4096) + window
+        assert most <= bound, f"window {window}: {most} bytes cached, bound {bound}"
