@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+from ..system.threads import wait_through_interrupts
 from ..timeline import stage_timeline
 
 #: O_DIRECT writes in flight (I/O threads).
@@ -67,14 +68,21 @@ class DirectBlockWriter:
         self._current = memoryview(self._maps[0])
         self._used = 0
         self.nbytes = 0  # bytes staged so far (the file's logical size)
+        self._ended = [threading.Event() for _ in range(depth)]
         self._threads: List[threading.Thread] = [
-            threading.Thread(target=self._run, name=f"ptdstream-direct-{i}", daemon=True)
-            for i in range(depth)
+            threading.Thread(target=self._run, args=(ended,), name=f"ptdstream-direct-{i}", daemon=True)
+            for i, ended in enumerate(self._ended)
         ]
         for t in self._threads:
             t.start()
 
-    def _run(self) -> None:
+    def _run(self, ended: threading.Event) -> None:
+        try:
+            self._serve()
+        finally:
+            ended.set()
+
+    def _serve(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
@@ -164,13 +172,16 @@ class DirectBlockWriter:
         return padded
 
     def close(self) -> None:
-        """Stop the I/O threads (after the writes queued) and unmap the blocks. Idempotent."""
+        """Stop the I/O threads (after the writes queued) and unmap the blocks.
+        Idempotent. Waits for the threads even through Ctrl-C (raised again once
+        they have ended): the caller closes the file descriptor they write to."""
         if not self._threads:
             return
         for _ in self._threads:
             self._jobs.put(None)
-        for t in self._threads:
-            t.join()
+        interrupted = None
+        for t, ended in zip(self._threads, self._ended):
+            interrupted = wait_through_interrupts(t, ended) or interrupted
         self._threads = []
         self._current = None
         while not self._free.empty():
@@ -180,3 +191,5 @@ class DirectBlockWriter:
                 m.close()
             except BufferError:
                 pass
+        if interrupted is not None:
+            raise interrupted

@@ -198,9 +198,9 @@ class ChunkedFileSink:
         )
 
     def _release_staging(self) -> None:
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
 
     def _expect(self, *states: SinkState) -> None:
         if self.state not in states:
@@ -312,17 +312,19 @@ class ChunkedFileSink:
         if self.state in (SinkState.COMMITTED, SinkState.ABORTED):
             return
         interrupted = None
-        try:
-            self._stop_writeback()  # its thread has ended even when Ctrl-C comes
-        except KeyboardInterrupt as e:
-            interrupted = e
+        # The threads that write to or advise on the fd end first (even when Ctrl-C
+        # comes): closed under them, its number could be reused by another file.
+        for stop in (self._stop_writeback, self._release_staging):
+            try:
+                stop()
+            except KeyboardInterrupt as e:
+                interrupted = e
         if self._fd is not None:
             try:
                 os.close(self._fd)
             except OSError:
                 pass
             self._fd = None
-        self._release_staging()
         fsops.unlink(self.temp_path)
         self._release_lock()
         self.state = SinkState.ABORTED

@@ -110,3 +110,31 @@ def test_two_ctrl_c_during_a_slow_write_end_the_writer_before_its_fd_is_closed(t
         "files []",
         "unrelated 5",
     ], run.stdout + run.stderr[-2000:]
+
+
+def test_an_aborted_direct_sink_stops_its_io_threads_before_closing_its_fd(tmp_path):
+    """O_DIRECT writes queued when a save fails: every one still goes to the temp
+    file (closing the fd first would hand queued writes a closed or reused fd)."""
+    import time
+
+    seen = []
+
+    def slow_pwrite(fd, view, offset):
+        time.sleep(0.2)
+        try:
+            seen.append(os.fstat(fd).st_ino == inode)
+        except OSError:
+            seen.append(False)
+        return os.pwrite(fd, view, offset)
+
+    sink = ChunkedFileSink(str(tmp_path / "model.ptd"), direct=True, pwrite_fn=slow_pwrite)
+    if not sink.direct:
+        sink.abort()
+        pytest.skip("the file system refuses O_DIRECT")
+    inode = os.fstat(sink._fd).st_ino
+    for _ in range(3):
+        sink.write(bytes(8 << 20))  # three blocks queued behind slow writes
+    sink.abort()
+    assert seen and all(seen), seen
+    assert [t.name for t in threading.enumerate() if t.name.startswith("ptdstream-direct")] == []
+    assert os.listdir(tmp_path) == []
