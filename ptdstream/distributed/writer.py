@@ -195,8 +195,10 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
         except OSError as e:
             raise OSError(e.errno, f"rank {rank}: writing {temp} (for {target}) failed: {e.strerror}") from e
         finally:
-            writeback.close()
-            os.close(fd)
+            try:
+                writeback.close()  # its thread has ended, even when Ctrl-C comes
+            finally:
+                os.close(fd)
     return written
 
 
