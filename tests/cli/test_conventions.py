@@ -130,12 +130,18 @@ def test_broken_pipe_is_quiet(files):
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr and len(proc.stdout) == 10
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT back to its default, so Python installs its Ctrl-C
+    handler even when this test runs in a background job (which ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_imports_and_during_a_write(tmp_path):
     """SIGINT while torch imports (demo) and while pack writes: one line, exit 130,
     no traceback, no temp file left."""
     demo = subprocess.Popen([sys.executable, "-m", "ptdstream", "demo", "--out", str(tmp_path / "demo")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, preexec_fn=_sigint_default)
     time.sleep(1.5)  # importing torch and executorch
     demo.send_signal(signal.SIGINT)
     _, err = demo.communicate(timeout=120)
@@ -145,7 +151,7 @@ def test_ctrl_c_during_imports_and_during_a_write(tmp_path):
     with open(big, "wb") as f:
         f.write(os.urandom(1 << 20) * 300)
     pack = subprocess.Popen([sys.executable, "-m", "ptdstream", "pack", str(big), "-l", "19"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, preexec_fn=_sigint_default)
     deadline = time.monotonic() + 60
     while not any(".ptdstream-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -4,6 +4,7 @@ use are closed, and nothing is left behind."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -103,7 +104,8 @@ def test_two_ctrl_c_during_a_slow_write_end_the_writer_before_its_fd_is_closed(t
     script.write_text(textwrap.dedent(SLOW_SAVE_TWO_CTRL_C))
     folder = tmp_path / "out"
     folder.mkdir()
-    run = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # also in a background job
     assert run.stdout.splitlines() == [
         "KeyboardInterrupt",
         "threads []",
