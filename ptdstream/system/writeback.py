@@ -33,7 +33,7 @@ from typing import Callable, Deque, Optional, Tuple
 from ..defaults import WINDOW_NBYTES
 from ..timeline import stage_timeline
 from .pagecache import drop_pages
-from .threads import wait_through_interrupts
+from .threads import FdThread
 
 #: The largest page-cache folio on x86-64 and arm64 with 4 KiB pages (a PMD).
 _FOLIO_NBYTES = 2 << 20
@@ -96,8 +96,7 @@ class WritebackWindows:
         self._start = self._end = 0
         self._slots = threading.Semaphore(self.inflight + 2)
         self._windows: "queue.SimpleQueue[Optional[Tuple[int, int]]]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._ended = threading.Event()
+        self._thread: Optional[FdThread] = None
 
     def written(self, offset: int, nbytes: int) -> None:
         """Record that ``[offset, offset + nbytes)`` was written."""
@@ -118,7 +117,7 @@ class WritebackWindows:
         and its drop after the fsync removes every page."""
         if self._thread is not None:
             self._windows.put(None)
-            interrupted = wait_through_interrupts(self._thread, self._ended)
+            interrupted = self._thread.wait()
             self._thread = None
             if interrupted is not None:
                 raise interrupted
@@ -132,16 +131,8 @@ class WritebackWindows:
         if timeline is not None:
             timeline.add("writeback: writer waits for a window slot", time.perf_counter() - t)
         if self._thread is None:
-            self._ended = threading.Event()
-            self._thread = threading.Thread(target=self._run, name="ptdstream-writeback", daemon=True)
-            self._thread.start()
+            self._thread = FdThread(self._serve, "ptdstream-writeback")
         self._windows.put((start, end))
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        finally:
-            self._ended.set()
 
     def _serve(self) -> None:
         under_writeback: Deque[Tuple[int, int]] = collections.deque()

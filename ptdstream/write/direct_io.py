@@ -17,11 +17,10 @@ import errno
 import mmap
 import os
 import queue
-import threading
 import time
 from typing import Callable, List, Optional
 
-from ..system.threads import wait_through_interrupts
+from ..system.threads import FdThread
 from ..timeline import stage_timeline
 
 #: O_DIRECT writes in flight (I/O threads).
@@ -68,19 +67,7 @@ class DirectBlockWriter:
         self._current = memoryview(self._maps[0])
         self._used = 0
         self.nbytes = 0  # bytes staged so far (the file's logical size)
-        self._ended = [threading.Event() for _ in range(depth)]
-        self._threads: List[threading.Thread] = [
-            threading.Thread(target=self._run, args=(ended,), name=f"ptdstream-direct-{i}", daemon=True)
-            for i, ended in enumerate(self._ended)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, ended: threading.Event) -> None:
-        try:
-            self._serve()
-        finally:
-            ended.set()
+        self._threads: List[FdThread] = [FdThread(self._serve, f"ptdstream-direct-{i}") for i in range(depth)]
 
     def _serve(self) -> None:
         while True:
@@ -180,8 +167,8 @@ class DirectBlockWriter:
         for _ in self._threads:
             self._jobs.put(None)
         interrupted = None
-        for t, ended in zip(self._threads, self._ended):
-            interrupted = wait_through_interrupts(t, ended) or interrupted
+        for t in self._threads:
+            interrupted = t.wait() or interrupted
         self._threads = []
         self._current = None
         while not self._free.empty():

@@ -18,7 +18,7 @@ from ..errors import IntegrityError
 from ..format.plan import ExtentKind, FilePlan
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint, StreamingDigest, check_expected
-from ..system.threads import wait_through_interrupts
+from ..system.threads import FdThread
 from ..timeline import stage_timeline
 from .sink import Sink
 
@@ -46,16 +46,8 @@ class _WriterThread:
         self._ready = threading.Semaphore(0)
         self._piece = None
         self._stopping = False
-        self._ended = threading.Event()
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="ptdstream-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        finally:
-            self._ended.set()
+        self._thread = FdThread(self._serve, "ptdstream-writer")
 
     def _serve(self) -> None:
         while True:
@@ -112,7 +104,7 @@ class _WriterThread:
         self._idle.acquire()
         self._piece = None
         self._ready.release()
-        interrupted = wait_through_interrupts(self._thread, self._ended)
+        interrupted = self._thread.wait()
         if interrupted is not None:
             raise interrupted
         if self._error is not None:
@@ -126,7 +118,7 @@ class _WriterThread:
         may still write to it (the number could be reused by another file)."""
         self._stopping = True
         self._ready.release()
-        return wait_through_interrupts(self._thread, self._ended)
+        return self._thread.wait()
 
 
 def write_plan(
