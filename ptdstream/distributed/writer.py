@@ -105,7 +105,7 @@ def _broadcast(value: Any, error: Optional[BaseException], group) -> Any:
 def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alignment: int, rank: int):
     """``[PieceInfo]`` and ``{key: (source, tensor, first bytes)}`` of this rank's pieces."""
     import torch
-    from executorch.exir.tensor import dim_order_from_stride, scalar_type_enum
+    from executorch.exir.tensor import scalar_type_enum
     from executorch.exir.tensor_layout import TensorLayout
 
     try:
@@ -143,13 +143,13 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
                 piece = piece.contiguous()
         elif isinstance(tensor, torch.Tensor):
             piece, coordinate, sharded = tensor.detach(), 0, False
-            try:  # what the single-process store accepts: contiguous or channels_last
-                TensorLayout.from_tensor(piece)
+            try:  # the single-process store's layout: contiguous or channels_last only
+                layout = TensorLayout.from_tensor(piece)
             except ValueError as e:
                 raise LayoutError(f"key {key!r}: {e}") from None
-            scalar = int(scalar_type_enum(piece.dtype))
-            sizes = tuple(int(s) for s in piece.shape)
-            dim_order = tuple(int(d) for d in dim_order_from_stride(piece.stride())) if piece.dim() else ()
+            scalar = int(layout.scalar_type)
+            sizes = tuple(int(s) for s in layout.sizes)
+            dim_order = tuple(int(d) for d in layout.dim_order)
             total = piece.numel() * piece.element_size()
         else:
             raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
