@@ -11,6 +11,7 @@
 * :func:`discard_file`: drop a file's cached pages (dirty ones included) and
   remove it, so the next run writes fresh blocks from a cold cache.
 * :func:`xxh3_file`: xxh3-128 of a file, read in 8 MiB pieces.
+* :func:`timeline_lines`: a save's per-stage timeline (``ptdstream.timeline``) as table lines.
 * :func:`run_forked`: run a function in a forked child and return what it
   returns (pickled through a pipe); the child inherits the parent's memory
   copy-on-write, so objects built before the fork (an exported manager, a raw
@@ -345,3 +346,15 @@ def raw_write_fsync(path: str, nbytes: int, buf: memoryview) -> float:
     finally:
         os.close(fd)
     return time.perf_counter() - t
+
+
+def timeline_lines(timeline: dict, indent: str = "    ") -> List[str]:
+    """One line per stage: busy seconds, share of the save's wall time, GB/s."""
+    wall = timeline["wall_seconds"]
+    lines = [f"{indent}{'stage':<52} {'busy s':>7} {'% wall':>7} {'GiB':>7} {'GB/s':>7} {'calls':>7}"]
+    for name, st in sorted(timeline["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
+        rate = f"{st['GBps']:.2f}" if st["GBps"] else "-"
+        lines.append(f"{indent}{name:<52} {st['seconds']:>7.2f} {100 * st['seconds'] / wall:>6.1f}% "
+                     f"{st['nbytes'] / 2**30:>7.2f} {rate:>7} {st['calls']:>7}")
+    lines.append(f"{indent}{'save wall time':<52} {wall:>7.2f}")
+    return lines

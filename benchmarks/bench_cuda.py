@@ -31,7 +31,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import raw_write_fsync  # noqa: E402
+from _measure import raw_write_fsync, timeline_lines  # noqa: E402
 
 
 def rss() -> int:
@@ -200,9 +200,7 @@ def table(results) -> str:
         for row in r.get("sweep", ()):
             lines.append(f"     buffered, window {row['window_mib']} MiB x {row['inflight']} in writeback: "
                          f"{row['s']:.2f} s, {n / row['s'] / 1e9:.2f} GB/s, {r['raw_s'] / row['s']:.3f}x raw")
-            stages = sorted(row["timeline"]["stages"].items(), key=lambda kv: -kv[1]["seconds"])
-            for name, st in stages[:6]:
-                lines.append(f"         {name:<52} {st['seconds']:>7.2f} s")
+            lines += timeline_lines(row["timeline"], indent="         ")
         lines.append("")
     return "\n".join(lines)
 

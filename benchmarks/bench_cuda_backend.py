@@ -55,7 +55,8 @@ import time
 from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, files_under, raw_write_fsync, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
+from _measure import (RssSampler, discard_file, files_under, raw_write_fsync, reset_peak_rss,  # noqa: E402
+                      status_kib, timeline_lines, xxh3_file)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -309,18 +310,6 @@ def weight_handling_s(r: dict) -> float:
 
 def _rss_added(r: dict) -> int:
     return max([m["rss_added"] for m in r["materialize"]] + [r["save"]["rss_added"]])
-
-
-def timeline_lines(timeline: dict, indent: str = "    ") -> List[str]:
-    """One line per stage: busy seconds, share of the save's wall time, GB/s."""
-    wall = timeline["wall_seconds"]
-    lines = [f"{indent}{'stage':<52} {'busy s':>7} {'% wall':>7} {'GiB':>7} {'GB/s':>7} {'calls':>7}"]
-    for name, st in sorted(timeline["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
-        rate = f"{st['GBps']:.2f}" if st["GBps"] else "-"
-        lines.append(f"{indent}{name:<52} {st['seconds']:>7.2f} {100 * st['seconds'] / wall:>6.1f}% "
-                     f"{st['nbytes'] / GiB:>7.2f} {rate:>7} {st['calls']:>7}")
-    lines.append(f"{indent}{'save wall time':<52} {wall:>7.2f}")
-    return lines
 
 
 def table(results: List[dict], layers: int) -> str:
