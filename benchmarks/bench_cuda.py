@@ -17,6 +17,12 @@ of the first write; host RSS added by the ptdstream save.
 store with other page-cache windows (``window_nbytes``) and writeback depths
 (``ptdstream.system.writeback.DEFAULT_INFLIGHT_WINDOWS``), each with its per-stage
 timeline, to find where a buffered save loses to the raw write.
+
+``--alternate N`` then writes the same bytes N more times each way (raw write +
+fsync, ptdstream buffered, ptdstream O_DIRECT), the order rotated every round so
+that no mode always follows another or meets the disk idle first; the table
+gives each round and the medians. This is the run that chooses the default
+write mode for CUDA sources (:func:`ptdstream.write.set_writer.uses_direct_io`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -59,7 +66,33 @@ class Peak:
         self.added = max(self.peak, rss()) - self.base
 
 
-def run(size_gib: int, out: str, piece: int, sweep=(), upstream_style: bool = True) -> dict:
+def alternate(store, out: str, piece: int, nbytes: int, rounds: int) -> list:
+    """``rounds`` x (raw, buffered, O_DIRECT) writes of ``nbytes``, the order rotated each round."""
+    from ptdstream.save import write_data_files
+
+    buf = memoryview(bytearray(64 << 20))
+    ptd = os.path.join(out, "aoti_cuda_blob.ptd")
+    modes = ["raw", "buffered", "direct"]
+    results = []
+    for r in range(rounds):
+        order = modes[r % 3:] + modes[:r % 3]
+        row = {"order": order}
+        for mode in order:
+            if mode == "raw":
+                path = os.path.join(out, "raw.bin")
+                row["raw"] = raw_write_fsync(path, nbytes, buf)
+            else:
+                path = ptd
+                t = time.perf_counter()
+                write_data_files(store, out, chunk_nbytes=piece, direct=mode == "direct")
+                row[mode] = time.perf_counter() - t
+            os.remove(path)
+            os.sync()
+        results.append(row)
+    return results
+
+
+def run(size_gib: int, out: str, piece: int, sweep=(), upstream_style: bool = True, rounds: int = 0) -> dict:
     import torch
 
     from ptdstream import StreamingNamedDataStore
@@ -156,6 +189,7 @@ def run(size_gib: int, out: str, piece: int, sweep=(), upstream_style: bool = Tr
     path = os.path.join(out, "raw.bin")
     res["raw_s"] = raw_write_fsync(path, res["ptd_bytes"], buf)
     os.remove(path)
+    res["alternate"] = alternate(store, out, piece, res["ptd_bytes"], rounds)
 
     # Upstream-style: pageable 8 MiB .cpu() chunks + SHA-256 + write + fsync.
     if not upstream_style:
@@ -201,6 +235,18 @@ def table(results) -> str:
             lines.append(f"     buffered, window {row['window_mib']} MiB x {row['inflight']} in writeback: "
                          f"{row['s']:.2f} s, {n / row['s'] / 1e9:.2f} GB/s, {r['raw_s'] / row['s']:.3f}x raw")
             lines += timeline_lines(row["timeline"], indent="         ")
+        rows = r.get("alternate") or []
+        if rows:
+            lines.append(f"     alternating rounds ({len(rows)}), seconds (x raw of the round):")
+            for i, row in enumerate(rows, 1):
+                lines.append(f"       {i}: order {' > '.join(row['order'])}: raw {row['raw']:.2f}, "
+                             f"buffered {row['buffered']:.2f} ({row['raw'] / row['buffered']:.3f}x), "
+                             f"O_DIRECT {row['direct']:.2f} ({row['raw'] / row['direct']:.3f}x)")
+            med = {m: statistics.median(row[m] for row in rows) for m in ("raw", "buffered", "direct")}
+            wins = sum(row["buffered"] < row["direct"] for row in rows)
+            lines.append(f"       median: raw {med['raw']:.2f}, buffered {med['buffered']:.2f} "
+                         f"({med['raw'] / med['buffered']:.3f}x), O_DIRECT {med['direct']:.2f} "
+                         f"({med['raw'] / med['direct']:.3f}x); buffered faster in {wins} of {len(rows)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -215,12 +261,15 @@ def main() -> int:
                    help="extra buffered saves, e.g. 64:4 128:8 256:8")
     p.add_argument("--skip-upstream-style", action="store_true",
                    help="leave out the upstream-style row (its column is then nan)")
+    p.add_argument("--alternate", type=int, default=0, metavar="N",
+                   help="N rounds of raw / buffered / O_DIRECT writes of the same bytes, order rotated")
     args = p.parse_args()
     sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep]
     results = []
     try:
         for size in args.sizes_gib:
-            results.append(run(size, args.out, args.piece_mib << 20, sweep, not args.skip_upstream_style))
+            results.append(run(size, args.out, args.piece_mib << 20, sweep, not args.skip_upstream_style,
+                               args.alternate))
             print(table(results[-1:]), flush=True)
     finally:
         shutil.rmtree(args.out, ignore_errors=True)
