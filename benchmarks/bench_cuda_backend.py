@@ -21,7 +21,7 @@ after the other:
   per method), then ``write_to_file`` + ``write_tensor_data_to_file`` and an
   ``fsync`` of every file written;
 * ``ptdstream``: the same lowering inside :func:`ptdstream.executorch.cuda_backend.stream_cuda_weights`,
-  then ``ptdstream.save`` (fsync and rename included; O_DIRECT unless ``--direct 0``)
+  then ``ptdstream.save`` (fsync and rename included; buffered unless ``--direct 1``)
   with a per-stage timeline (:mod:`ptdstream.timeline`), then the same manager
   saved again in the other write mode (buffered / O_DIRECT), also timed by stage.
 
@@ -402,9 +402,9 @@ def main() -> int:
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     p.add_argument("--skip-upstream", action="store_true",
                    help="leave upstream's export out (its lowering is slow at 16 GiB)")
-    p.add_argument("--direct", type=int, choices=[0, 1], default=1,
-                   help="ptdstream's first save: 1 O_DIRECT (ptdstream's choice for CUDA sources, the "
-                        "default), 0 buffered; the manager is then saved again in the other mode")
+    p.add_argument("--direct", type=int, choices=[0, 1], default=0,
+                   help="ptdstream's first save: 0 buffered (ptdstream's default), 1 O_DIRECT; the "
+                        "manager is then saved again in the other mode")
     p.add_argument("--child", choices=["raw", "raw_direct", "upstream", "ptdstream"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)

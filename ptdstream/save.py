@@ -76,7 +76,7 @@ def save(
     window_nbytes: int = WINDOW_NBYTES,
     progress: Any = False,
     manifest: bool = False,
-    direct: Optional[bool] = None,
+    direct: bool = False,
 ) -> SaveReport:
     """Save ``manager`` as ``path`` (.pte) and every ``<tag>.ptd`` beside it.
 
@@ -96,9 +96,10 @@ def save(
         progress: ``True`` for a tqdm bar on stderr, a callable taking the bytes
             of each piece, or ``False``.
         direct: write with O_DIRECT (no page cache; falls back to buffered
-            writes where the file system refuses it). ``None`` (default): O_DIRECT
-            when a payload comes from a CUDA tensor, where it measured faster,
-            else buffered writes with page dropping.
+            writes where the file system refuses it). Default: buffered writes,
+            each window sent to disk by a writeback thread and dropped from the
+            page cache once written, for every source (on an H200 also the
+            faster for CUDA sources: :func:`ptdstream.write.set_writer.write_save_plan`).
         manifest: also write ``<stem>.manifest`` beside the .pte
             (:mod:`ptdstream.check.manifest`): piece digests, sections and key
             fingerprints of every file written, read back from disk once.
@@ -156,7 +157,7 @@ def write_data_files(
     chunk_nbytes: int = CHUNK_NBYTES,
     window_nbytes: int = WINDOW_NBYTES,
     progress: Optional[Callable[[int], None]] = None,
-    direct: Optional[bool] = None,
+    direct: bool = False,
 ) -> List["FileReport"]:
     """Write each external tag of ``store`` as ``folder/<tag>.ptd`` (embedding API).
 

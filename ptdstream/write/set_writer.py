@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
-from ..format.plan import FileRole, SavePlan, iter_sources
+from ..format.plan import FileRole, SavePlan
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint
 from .publish import folder_locks, publish_set
@@ -38,21 +38,6 @@ class FileReport:
         return "pte" if self.role is FileRole.PROGRAM else "ptd"
 
 
-def uses_direct_io(plan: SavePlan) -> bool:
-    """Whether any payload comes from a CUDA tensor: there O_DIRECT measured
-    faster (benchmarks/bench_cuda.py on an H200: 1.88 vs 1.64 GB/s for 8 GiB, 1.59
-    vs 1.49 GB/s for 32 GiB); for CPU sources the measurements here were mixed,
-    so those keep buffered writes with page dropping. Since writeback moved to
-    its own thread (:mod:`ptdstream.system.writeback`) buffered writes are on par
-    (32 GiB, one run: buffered 16.1, 17.1 and 25.2 s against O_DIRECT 18.0 s; 2
-    GiB: 1.36 against 1.96 s); O_DIRECT stays the choice until a run of
-    repeats says otherwise."""
-    for _, extent in iter_sources(f.plan for f in plan.files):
-        if getattr(extent.source, "device_kind", None) == "cuda":
-            return True
-    return False
-
-
 def write_save_plan(
     plan: SavePlan,
     *,
@@ -60,7 +45,7 @@ def write_save_plan(
     window_nbytes: int = WINDOW_NBYTES,
     progress: Optional[Callable[[int], None]] = None,
     sink_factory: Optional[Callable[[str], ChunkedFileSink]] = None,
-    direct: Optional[bool] = None,
+    direct: bool = False,
     extra_files: Optional[Callable[[List[ChunkedFileSink]], List[ChunkedFileSink]]] = None,
 ) -> List[FileReport]:
     """Write every file of ``plan`` to temp files, sync them all, then publish.
@@ -71,7 +56,13 @@ def write_save_plan(
         window_nbytes: bytes between page-cache drops.
         progress: called with the bytes of each piece written.
         sink_factory: makes the sink of a target path (tests inject faults).
-        direct: O_DIRECT writes; None chooses by :func:`uses_direct_io`.
+        direct: O_DIRECT writes instead of buffered writes with windowed
+            writeback (:mod:`ptdstream.system.writeback`). Buffered is the
+            default for every source: on an H200 with CUDA sources it was
+            faster in every same-run comparison since writeback moved to its
+            own thread (``benchmarks/bench_cuda.py --sizes-gib 16 --alternate 4``:
+            median 7.54 s buffered, 8.93 s O_DIRECT, 11.29 s raw write + fsync;
+            2 GiB, 10 methods: 1.24 against 1.72 s).
         extra_files: called with the synced sinks before publishing; returns more
             synced sinks (a manifest of the set, read back from the temp files)
             that are published in the same set, after the plan's files (it must
@@ -85,8 +76,6 @@ def write_save_plan(
         OSError: a write, fsync or rename failed (nothing published).
     """
     ring = BufferRing(chunk_nbytes, count=2)
-    if direct is None:
-        direct = uses_direct_io(plan)
     make = sink_factory or (
         lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct)
     )
