@@ -18,10 +18,12 @@ shares; found by size, sampled bytes and ``torch.equal``:
 :mod:`ptdstream.executorch.cuda_twins`), so no device memory is added. Only a
 storage with no such twin is copied on the device (at device bandwidth, no host
 copy), and that copy stays on the GPU until the manager is saved and dropped. A
-later method's storage that ``torch.equal`` finds equal to a kept source (the
-candidates are those with the same size and the same 64 sampled bytes) reuses
-it: no second copy and no second fingerprint, so a method that re-adds every
-weight costs one gather and one comparison per storage. Every kept source
+later method's storage whose bytes equal a kept source's reuses it: no second
+copy and no second fingerprint. A method that re-adds every
+weight costs one comparison per storage: the source kept for the same FQN in
+an earlier method is tried first (AOTI hands each method its own copy of every
+weight, in the same order); the probe and the other candidates only when that
+one differs. Every kept source
 carries its GPU fingerprint; the save recomputes it after copying the bytes out
 and refuses (naming the key) a twin that was changed in the meantime.
 Dedup classes are upstream's, except that a CUDA storage and a non-CUDA blob
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import adapter
-from .cuda_twins import PROBE_NBYTES, TwinFinder, probe
+from .cuda_twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 from .patching import shadowed
 
 __all__ = ["CudaWeightStats", "PROBE_NBYTES", "stream_cuda_weights"]
@@ -100,22 +102,27 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
     pending: Dict[str, CudaTensorSource] = {}
     kept: Dict[Tuple[int, bytes], List[CudaTensorSource]] = {}
     positions: Dict[Tuple[object, int], object] = {}
+    by_fqn: Dict[str, CudaTensorSource] = {}  # the source last chosen for each FQN
+    fqn_of: Dict[int, str] = {}  # storage data pointer -> FQN, for the current round
     warmed: set = set()
     stats = CudaWeightStats()
     rounds: List[Optional[TwinFinder]] = [None]
 
     def materialize(self, weights, *args, **kwargs):
         excluded = set()
-        for tensor, _ in weights.values():
+        for fqn, (tensor, _) in weights.items():
             try:
-                excluded.add(tensor.untyped_storage().data_ptr())
+                ptr = tensor.untyped_storage().data_ptr()
             except Exception:  # noqa: BLE001 - not a real tensor: nothing to exclude
-                pass
+                continue
+            excluded.add(ptr)
+            fqn_of[ptr] = fqn
         rounds[0] = TwinFinder(excluded, positions) if twins else None
         try:
             return real_materialize(self, weights, *args, **kwargs)
         finally:
             rounds[0] = None
+            fqn_of.clear()
 
     def write_storage(tensor, path):
         if not tensor.is_cuda:
@@ -126,38 +133,49 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
         flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
             storage, 0, (nbytes,), (1,)
         )
-        wanted = probe(flat, positions)
+        fqn = fqn_of.get(storage.data_ptr())
+        guess = by_fqn.get(fqn) if fqn is not None else None
         if flat.device not in warmed and flat.numel():
             warmed.add(flat.device)
-            # Load torch.equal's kernels now, with the first method's storages,
+            # Load the comparison's kernels now, with the first method's storages,
             # rather than on the first comparison of the next method (~25 ms).
             head = flat[: 1 << 16]  # large enough for the vectorized kernels
-            torch.equal(head.clone(), head)
-        for source in kept.get(wanted, ()):
-            if torch.equal(source._flat(), flat):
-                break  # a later method's equal storage: reuse the kept source
+            same_bytes(head.clone(), head)
+        if guess is not None and guess.nbytes == nbytes and same_bytes(guess._flat(), flat):
+            source = guess  # this FQN's storage of an earlier method, unchanged
         else:
-            finder = rounds[0]
-            if finder is None and twins:
-                finder = TwinFinder({storage.data_ptr()}, positions)
-            twin = finder.find(flat, wanted) if finder is not None and nbytes else None
-            label = f"CUDA weight storage ({nbytes} bytes)"
-            if twin is not None:
-                # A parameter the process holds with these bytes: keep a reference.
-                source = CudaTensorSource(twin, label=label + " held by a parameter")
-                stats.twin_nbytes += nbytes
-            else:
-                # Upstream frees (resizes to 0) the AOTI storage once it is written;
-                # keep a device-side copy (at device bandwidth) until ptdstream saves it.
-                source = CudaTensorSource(flat.clone(), label=label)
-                stats.copied_nbytes += nbytes
-            source._gpu_fingerprint = gpu_fingerprint(flat)
-            source.verify_on_write = True
-            kept.setdefault(wanted, []).append(source)
+            source = find_or_keep(flat, storage, nbytes)
+        if fqn is not None:
+            by_fqn[fqn] = source
         pending[path] = source
         stats.routed += 1
         stats.routed_nbytes += source.nbytes
         return source.gpu_fingerprint().digest
+
+    def find_or_keep(flat, storage, nbytes):
+        """A kept source with ``flat``'s bytes, else a new one (twin or device copy)."""
+        wanted = probe(flat, positions)
+        for source in kept.get(wanted, ()):
+            if same_bytes(source._flat(), flat):
+                return source  # a later method's equal storage: reuse the kept source
+        finder = rounds[0]
+        if finder is None and twins:
+            finder = TwinFinder({storage.data_ptr()}, positions)
+        twin = finder.find(flat, wanted) if finder is not None and nbytes else None
+        label = f"CUDA weight storage ({nbytes} bytes)"
+        if twin is not None:
+            # A parameter the process holds with these bytes: keep a reference.
+            source = CudaTensorSource(twin, label=label + " held by a parameter")
+            stats.twin_nbytes += nbytes
+        else:
+            # Upstream frees (resizes to 0) the AOTI storage once it is written;
+            # keep a device-side copy (at device bandwidth) until ptdstream saves it.
+            source = CudaTensorSource(flat.clone(), label=label)
+            stats.copied_nbytes += nbytes
+        source._gpu_fingerprint = gpu_fingerprint(flat)
+        source.verify_on_write = True
+        kept.setdefault(wanted, []).append(source)
+        return source
 
     class _FileBackedData(real_file_backed):
         @classmethod
@@ -180,4 +198,5 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
             yield stats
         finally:
             kept.clear()
+            by_fqn.clear()
             positions.clear()

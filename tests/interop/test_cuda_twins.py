@@ -72,3 +72,36 @@ def _ring():
     from ptdstream.sources import BufferRing
 
     return BufferRing(1 << 20, count=2)
+
+
+def _materialize(collector, weights, folder):
+    """One method's AOTI weights through upstream's ``materialize``: {fqn: source}."""
+    artifact = collector.CudaWeightCollector().materialize(
+        {fqn: (t, None) for fqn, t in weights.items()}, str(folder), lambda t: 1)
+    by_fqn = {e.fqn: e.storage_key for e in artifact.entries}
+    return {fqn: artifact.storages[key].source for fqn, key in by_fqn.items()}
+
+
+def test_later_methods_reuse_the_source_kept_for_their_fqn_and_compare_other_bytes_in_full(tmp_path):
+    from ptdstream.executorch.adapter import cuda_weight_collector
+    from ptdstream.executorch.cuda_backend import stream_cuda_weights
+
+    collector = cuda_weight_collector()
+    n = (1 << 20) + 8
+    p0, p1 = (torch.nn.Parameter(torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda"),
+                                 requires_grad=False) for _ in range(2))
+    const = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")  # no Parameter holds it
+    with stream_cuda_weights() as stats:
+        first = _materialize(collector, {"a": p0.clone(), "b": p1.clone(), "c": const.clone()}, tmp_path)
+        assert (stats.twin_nbytes, stats.copied_nbytes) == (2 * n, n)
+        second = _materialize(collector, {"a": p0.clone(), "b": p1.clone(), "c": const.clone()}, tmp_path)
+        assert all(second[k] is first[k] for k in "abc")  # same sources, nothing kept twice
+        # "a" now holds b's bytes, "b" bytes nobody holds that differ from b's in one byte only.
+        changed = p1.detach().clone()
+        changed[n // 2] += 1
+        third = _materialize(collector, {"a": p1.clone(), "b": changed, "c": const.clone()}, tmp_path)
+    assert third["a"] is first["b"] and third["c"] is first["c"]
+    assert third["b"] is not first["b"]
+    assert (stats.twin_nbytes, stats.copied_nbytes) == (2 * n, 2 * n)
+    assert bytes(b"".join(bytes(p) for p in third["b"].pieces(_ring()))) == bytes(changed.cpu().numpy())
+    assert stats.routed == 9
