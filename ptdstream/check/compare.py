@@ -26,7 +26,7 @@ from ..format.reader import Artifact, parse_artifact, read_artifact
 from ..progress import progress_callback
 from ..reports import Report
 from ..sources import BufferRing, as_source
-from ..system.pagecache import drop_pages
+from ..system.pagecache import drop_read
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class _FileFiller:
                 break
             got += n
         if got:
-            drop_pages(self.f.fileno(), self.pos, got)
+            drop_read(self.f.fileno(), self.pos, got, last=got < len(buf))
             if self.progress is not None:
                 self.progress(got)
         self.pos += got

@@ -165,6 +165,7 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
     """pwrite this rank's pieces into the temp files, window by window to disk and
     out of the page cache (:class:`~ptdstream.system.writeback.WritebackWindows`);
     fsync; drop their pages."""
+    from ..system.files import pwrite_all
     from ..system.pagecache import drop_pages
     from ..system.writeback import WritebackWindows
 
@@ -184,11 +185,10 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
                     raise IntegrityError(f"rank {rank}: key {key!r} changed since the plan (its first bytes "
                                          f"differ) before it was written to {temp} at offset {position}")
                 for piece in source.pieces(ring):
-                    view = memoryview(piece).cast("B")
-                    while len(view):
-                        n = os.pwrite(fd, view, position)
-                        writeback.written(position, n)
-                        view, position, written = view[n:], position + n, written + n
+                    n = pwrite_all(fd, piece, position)
+                    writeback.written(position, n)
+                    position += n
+                    written += n
             writeback.close()
             os.fsync(fd)
             drop_pages(fd, 0, 0)

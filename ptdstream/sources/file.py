@@ -7,21 +7,18 @@ from typing import Iterator, Optional, Tuple
 
 from ..errors import IntegrityError, LayoutError
 from ..system.files import pread_exact
-from ..system.pagecache import drop_pages
+from ..system.pagecache import READAHEAD_NBYTES, drop_pages, drop_read
 from .base import BufferRing, Source
 
 
-#: Bytes from a range's start dropped after reading its prefix: more than the
-#: kernel reads ahead on one small read (128 KiB by default, a few MiB at most).
-PREFIX_DROP_NBYTES = 8 << 20
 
 
 class FileRangeSource(Source):
     """``length`` bytes of the file at ``path`` from byte ``offset``, read with pread.
 
     Pieces are read into the ring's buffers; the file's pages are dropped from
-    the page cache after each piece (``POSIX_FADV_DONTNEED``), so a large source
-    does not fill the cache.
+    the page cache after each piece (:func:`~ptdstream.system.pagecache.drop_read`),
+    so a large source leaves at most a few MiB of the file cached.
 
     Raises:
         LayoutError: at construction, when the range lies beyond the file's end.
@@ -63,10 +60,10 @@ class FileRangeSource(Source):
 
     def prefix(self, nbytes: int = 32) -> bytes:
         """The first ``nbytes`` bytes; the pages read (and read ahead, up to
-        :data:`PREFIX_DROP_NBYTES`) are dropped again."""
+        :data:`~ptdstream.system.pagecache.READAHEAD_NBYTES`) are dropped again."""
         with open(self.path, "rb") as f:
             head = os.pread(f.fileno(), min(nbytes, self.nbytes), self.offset)
-            drop_pages(f.fileno(), self.offset, min(self.nbytes, PREFIX_DROP_NBYTES))
+            drop_pages(f.fileno(), self.offset, min(self.nbytes, READAHEAD_NBYTES))
             return head
 
     def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
@@ -84,7 +81,7 @@ class FileRangeSource(Source):
                         f"expected {self.nbytes} bytes from offset {self.offset}"
                     )
                 yield buf[:want]
-                drop_pages(fd, self.offset + done, want)
+                drop_read(fd, self.offset + done, want, last=done + want == self.nbytes)
                 done += want
             self._check_identity(fd, "while it was read")
         finally:

@@ -23,6 +23,21 @@ def pread_exact(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
+def pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+    """Write all of ``view`` to ``fd`` at file ``offset``, looping on short writes;
+    returns the bytes written (``view`` of any format counts in bytes).
+
+    Raises:
+        OSError: the write failed (ENOSPC, EIO, ...), as ``os.pwrite`` raises it.
+    """
+    view = memoryview(view).cast("B")
+    total = len(view)
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+    return total
+
+
 def check_regular_inputs(paths: Iterable[str]) -> None:
     """Refuse, before opening anything, inputs that are not regular files: a
     folder, a FIFO (opening it would block) or a device (it may never end).

@@ -15,7 +15,13 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _PAGE_NBYTES = mmap.PAGESIZE
-_FOLIO_NBYTES = 2 << 20  # the largest page-cache folio mapped by one PMD on x86-64/arm64 (4 KiB pages)
+#: The largest page-cache folio mapped by one PMD on x86-64/arm64 (4 KiB pages):
+#: after large reads and writes the kernel caches a file in folios up to this
+#: size, and ``POSIX_FADV_DONTNEED`` drops only the folios a range covers whole.
+FOLIO_NBYTES = 2 << 20
+#: Bytes past a sequential read that the kernel may have read ahead (128 KiB by
+#: default, a few MiB at most).
+READAHEAD_NBYTES = 8 << 20
 _MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4
 
 
@@ -58,6 +64,19 @@ def drop_pages(fd: int, offset: int, nbytes: int) -> None:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError:
             pass
+
+
+def drop_read(fd: int, offset: int, nbytes: int, last: bool = False) -> None:
+    """Drop the pages of a sequential read just made, ``[offset, offset + nbytes)``
+    of ``fd``, reaching back to the :data:`FOLIO_NBYTES` block it starts in (a
+    folio that straddles the previous piece's end is whole only now); ``last``:
+    the read's final piece, so also the folio that holds its end and what was
+    read ahead past it (:data:`READAHEAD_NBYTES`). Pages before ``offset`` in
+    that block are dropped too: clean pages cost only a second read.
+    Errors are ignored: it is advice."""
+    first = offset - offset % FOLIO_NBYTES
+    end = offset + nbytes + (READAHEAD_NBYTES if last else 0)
+    drop_pages(fd, first, end - first)
 
 
 class FileMapping(NamedTuple):
@@ -116,8 +135,8 @@ def page_out(address: int, nbytes: int, bounds: Tuple[int, int]) -> None:
     refuse it)."""
     if nbytes <= 0:
         return
-    start = max(bounds[0], address - address % _FOLIO_NBYTES)
+    start = max(bounds[0], address - address % FOLIO_NBYTES)
     end = address + nbytes
-    end = min(bounds[1], end + (-end) % _FOLIO_NBYTES)
+    end = min(bounds[1], end + (-end) % FOLIO_NBYTES)
     start -= start % _PAGE_NBYTES
     _libc.madvise(start, end - start, _MADV_PAGEOUT)

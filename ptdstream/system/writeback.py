@@ -32,11 +32,8 @@ from typing import Callable, Deque, Optional, Tuple
 
 from ..defaults import WINDOW_NBYTES
 from ..timeline import stage_timeline
-from .pagecache import drop_pages
+from .pagecache import FOLIO_NBYTES, drop_pages
 from .threads import FdThread
-
-#: The largest page-cache folio on x86-64 and arm64 with 4 KiB pages (a PMD).
-_FOLIO_NBYTES = 2 << 20
 
 #: Windows under writeback at once (see the module docstring).
 DEFAULT_INFLIGHT_WINDOWS = 8
@@ -110,6 +107,13 @@ class WritebackWindows:
             self._send(self._start, self._start + self.window_nbytes)
             self._start += self.window_nbytes
 
+    def flush(self) -> None:
+        """Send the current, partial window now (before a pause in writing: its
+        pages then leave the page cache with the windows that follow, or stay
+        clean and reclaimable, instead of dirty until the next write)."""
+        self._send(self._start, self._end)
+        self._start = self._end
+
     def close(self) -> None:
         """Stop the thread (idempotent), waiting for it even through Ctrl-C (the
         interrupt is raised again once it has ended): the caller closes ``fd``
@@ -158,7 +162,7 @@ class WritebackWindows:
                 # large write) it covers whole, and the start of that block belongs
                 # to windows before, written and waited for already (so clean now).
                 # A folio that holds old_end goes with a later window.
-                first = old_start - old_start % _FOLIO_NBYTES
+                first = old_start - old_start % FOLIO_NBYTES
                 drop_pages(self._fd, first, old_end - first)
                 self._slots.release()
             if timeline is not None:
