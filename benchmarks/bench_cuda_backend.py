@@ -25,6 +25,10 @@ after the other:
   with a per-stage timeline (:mod:`ptdstream.timeline`), then the same manager
   saved again in the other write mode (buffered / O_DIRECT), also timed by stage.
 
+``--no-twins --device-copy-budget-gib 0`` measures the spill path: every
+storage is copied through the pinned ring into an unlinked temp file while
+lowering and read back from it at the save.
+
 ``--skip-upstream`` leaves upstream's export out (3 minutes at 2 GiB with 10
 methods, over 5 at 16 GiB). GPU peak (``max_memory_allocated``) is reported for
 lowering and for the save apart; "CUDA context RSS" is the host memory that
@@ -184,7 +188,9 @@ def child_export(args) -> dict:
     res["rss_before_lowering"] = status_kib("VmRSS") * 1024
     reset_peak_rss()
     collector_module.CudaWeightCollector.materialize = materialize
-    routed = stream_cuda_weights() if args.variant == "ptdstream" else None
+    budget = None if args.device_copy_budget_gib < 0 else int(args.device_copy_budget_gib * GiB)
+    routed = (stream_cuda_weights(twins=not args.no_twins, device_copy_budget_nbytes=budget)
+              if args.variant == "ptdstream" else None)
     stats = routed.__enter__() if routed is not None else None
     real_write = collector_module._write_tensor_storage
     collector_module._write_tensor_storage = count_writes(real_write)
@@ -204,6 +210,7 @@ def child_export(args) -> dict:
     if stats is not None:
         res["routed"], res["routed_nbytes"], res["copied_nbytes"], res["twin_nbytes"] = (
             stats.routed, stats.routed_nbytes, stats.copied_nbytes, stats.twin_nbytes)
+        res["spilled_nbytes"] = stats.spilled_nbytes
     del edge, programs
     torch.cuda.synchronize()
     res["gpu_peak_lowering_nbytes"] = torch.cuda.max_memory_allocated()
@@ -273,7 +280,8 @@ def run_child(args, variant: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", args.out,
            "--result", result, "--layers", str(extra["layers"]), "--dim", str(extra["dim"]),
            "--nbytes", str(extra["nbytes"]), "--batches", *map(str, args.batches)]
-    cmd += ["--direct", str(int(args.direct))]
+    cmd += ["--direct", str(int(args.direct)), "--device-copy-budget-gib", str(args.device_copy_budget_gib)]
+    cmd += ["--no-twins"] if args.no_twins else []
     print(f"[{time.strftime('%H:%M:%S')}] {variant} ({extra['nbytes'] / GiB:.2f} GiB)", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     os.sync()
@@ -360,7 +368,8 @@ def table(results: List[dict], layers: int) -> str:
                      + ", ".join(f"{100 * s / first:.3f}%" for s in later)
                      + f" of the first (its materialize + save, {first:.2f} s); device copies kept: "
                      f"{ours.get('copied_nbytes', 0) / GiB:.2f} GiB, twins referenced: "
-                     f"{ours.get('twin_nbytes', 0) / GiB:.2f} GiB, for {ours.get('routed_nbytes', 0) / GiB:.2f} GiB routed")
+                     f"{ours.get('twin_nbytes', 0) / GiB:.2f} GiB, spilled: {ours.get('spilled_nbytes', 0) / GiB:.2f} "
+                     f"GiB, for {ours.get('routed_nbytes', 0) / GiB:.2f} GiB routed")
         lines.append(f"  per-stage timeline of the first save ({'O_DIRECT' if not other['direct'] else 'buffered'}):")
         lines += timeline_lines(ours["timeline"])
         lines.append(f"  per-stage timeline of the second save ({'O_DIRECT' if other['direct'] else 'buffered'}):")
@@ -405,6 +414,12 @@ def main() -> int:
     p.add_argument("--direct", type=int, choices=[0, 1], default=0,
                    help="ptdstream's first save: 0 buffered (ptdstream's default), 1 O_DIRECT; the "
                         "manager is then saved again in the other mode")
+    p.add_argument("--no-twins", action="store_true",
+                   help="ptdstream does not look for parameters holding a storage's bytes: every storage "
+                        "is copied on the device or, beyond the budget, spilled to disk")
+    p.add_argument("--device-copy-budget-gib", type=float, default=1.0,
+                   help="stream_cuda_weights' device copy budget (GiB; -1: none). With --no-twins and 0, "
+                        "every storage goes through the spill file")
     p.add_argument("--child", choices=["raw", "raw_direct", "upstream", "ptdstream"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)

@@ -15,17 +15,24 @@ Memory: upstream frees each AOTI storage once it has written it. For each
 distinct content, ptdstream keeps instead a reference to a CUDA parameter the
 process already holds with equal bytes (the model's, which the exported program
 shares; found by size, sampled bytes and ``torch.equal``:
-:mod:`ptdstream.executorch.cuda_twins`), so no device memory is added. Only a
-storage with no such twin is copied on the device (at device bandwidth, no host
-copy), and that copy stays on the GPU until the manager is saved and dropped. A
+:mod:`ptdstream.executorch.cuda_twins`), so no device memory is added. A storage
+with no such twin is copied on the device (at device bandwidth, no host copy)
+while the copies kept stay within ``device_copy_budget_nbytes`` (1 GiB by
+default), and that copy stays on the GPU until the manager is saved and
+dropped; beyond the budget it is spilled instead: copied through the pinned
+ring into an unlinked temp file (:mod:`ptdstream.sources.spill`, pages dropped)
+and read back from there at the save, which is what upstream does with every
+storage. So the GPU holds at most the budget more than upstream's export. A
 later method's storage whose bytes equal a kept source's reuses it: no second
 copy and no second fingerprint. A method that re-adds every
 weight costs one comparison per storage: the source kept for the same FQN in
 an earlier method is tried first (AOTI hands each method its own copy of every
 weight, in the same order); the probe and the other candidates only when that
-one differs. Every kept source
-carries its GPU fingerprint; the save recomputes it after copying the bytes out
-and refuses (naming the key) a twin that was changed in the meantime.
+one differs. A spilled storage is matched by its GPU fingerprint (as
+upstream matches every storage by its SHA-256). Every kept source carries its
+GPU fingerprint; the save recomputes it after copying the bytes out and refuses
+(naming the key) a twin that was changed in the meantime; spilled bytes are
+checked against the xxh3-128 digest taken when they were spilled.
 Dedup classes are upstream's, except that a CUDA storage and a non-CUDA blob
 with equal bytes are not merged (their digests differ in kind).
 
@@ -43,7 +50,11 @@ from . import adapter
 from .cuda_twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 from .patching import shadowed
 
-__all__ = ["CudaWeightStats", "PROBE_NBYTES", "stream_cuda_weights"]
+__all__ = ["CudaWeightStats", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "stream_cuda_weights"]
+
+#: Device memory (bytes) that copies of storages without a twin may take before
+#: the next ones are spilled to disk: the most the GPU holds beyond upstream's export.
+DEVICE_COPY_BUDGET_NBYTES = 1 << 30
 
 
 @dataclass
@@ -54,18 +65,25 @@ class CudaWeightStats:
     bytes (every method counted); ``copied_nbytes``: device memory (bytes) added
     for copies of storages that had no twin, each distinct content once;
     ``twin_nbytes``: bytes of distinct storages served by a parameter the process
-    already held (no memory added); ``upstream``: storages left to upstream's
-    path (CPU ones)."""
+    already held (no memory added); ``spilled_nbytes``: bytes of distinct
+    storages spilled to a temp file (beyond the device copy budget);
+    ``upstream``: storages left to upstream's path (CPU ones)."""
 
     routed: int = 0
     routed_nbytes: int = 0
     copied_nbytes: int = 0
     twin_nbytes: int = 0
+    spilled_nbytes: int = 0
     upstream: int = 0
 
 
 @contextlib.contextmanager
-def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> Iterator[CudaWeightStats]:
+def stream_cuda_weights(
+    trim_host_memory: bool = False,
+    twins: bool = True,
+    device_copy_budget_nbytes: Optional[int] = DEVICE_COPY_BUDGET_NBYTES,
+    spill_dir: Optional[str] = None,
+) -> Iterator[CudaWeightStats]:
     """While active, executorch's CUDA backend hands weight storages to ptdstream.
 
     Patches names of ``executorch.backends.cuda.cuda_weight_collector``
@@ -84,15 +102,24 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
             so by default they are skipped.
         twins: serve a storage from a CUDA ``nn.Parameter`` the process already
             holds with equal bytes (no device memory added) when there is one;
-            ``False``: always keep a device copy (the memory cost of the old path).
+            ``False``: never look for one (every storage is copied or spilled).
+        device_copy_budget_nbytes: device memory (bytes) the copies of storages
+            without a twin may take (1 GiB); a storage that does not fit is
+            spilled to an unlinked temp file in ``spill_dir`` instead. ``None``:
+            no limit (never spill); ``0``: spill every storage without a twin.
+        spill_dir: folder of the spill file (default: the folder upstream's
+            collector writes its own temp files to). It needs room for the
+            spilled bytes until the save.
 
     Raises:
         ImportError: executorch's CUDA backend is not importable.
+        OSError: while lowering, a spill that failed (names the folder and offset).
     """
     import torch
 
     from ..sources.cuda import CudaTensorSource
     from ..sources.cuda_fingerprint import gpu_fingerprint
+    from ..sources.spill import SpillFile, SpilledSource
     from .interop import SourceBackedData
 
     collector = adapter.cuda_weight_collector()
@@ -107,6 +134,15 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
     warmed: set = set()
     stats = CudaWeightStats()
     rounds: List[Optional[TwinFinder]] = [None]
+    spills: List[SpillFile] = []
+
+    def same(source, flat, fingerprints: List) -> bool:
+        """Whether ``source`` holds ``flat``'s bytes (``fingerprints``: flat's, once computed)."""
+        if isinstance(source, SpilledSource):
+            if not fingerprints:
+                fingerprints.append(gpu_fingerprint(flat))
+            return source.stands_for == fingerprints[0]
+        return same_bytes(source._flat(), flat)
 
     def materialize(self, weights, *args, **kwargs):
         excluded = set()
@@ -141,10 +177,11 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
             # rather than on the first comparison of the next method (~25 ms).
             head = flat[: 1 << 16]  # large enough for the vectorized kernels
             same_bytes(head.clone(), head)
-        if guess is not None and guess.nbytes == nbytes and same_bytes(guess._flat(), flat):
+        fingerprints: List = []
+        if guess is not None and guess.nbytes == nbytes and same(guess, flat, fingerprints):
             source = guess  # this FQN's storage of an earlier method, unchanged
         else:
-            source = find_or_keep(flat, storage, nbytes)
+            source = find_or_keep(flat, storage, nbytes, fingerprints, path)
         if fqn is not None:
             by_fqn[fqn] = source
         pending[path] = source
@@ -152,27 +189,38 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
         stats.routed_nbytes += source.nbytes
         return source.gpu_fingerprint().digest
 
-    def find_or_keep(flat, storage, nbytes):
-        """A kept source with ``flat``'s bytes, else a new one (twin or device copy)."""
+    def find_or_keep(flat, storage, nbytes, fingerprints, path):
+        """A kept source with ``flat``'s bytes, else a new one (twin, device copy or spill)."""
         wanted = probe(flat, positions)
         for source in kept.get(wanted, ()):
-            if same_bytes(source._flat(), flat):
+            if same(source, flat, fingerprints):
                 return source  # a later method's equal storage: reuse the kept source
         finder = rounds[0]
         if finder is None and twins:
             finder = TwinFinder({storage.data_ptr()}, positions)
         twin = finder.find(flat, wanted) if finder is not None and nbytes else None
         label = f"CUDA weight storage ({nbytes} bytes)"
+        if not fingerprints:
+            fingerprints.append(gpu_fingerprint(flat))
         if twin is not None:
             # A parameter the process holds with these bytes: keep a reference.
             source = CudaTensorSource(twin, label=label + " held by a parameter")
             stats.twin_nbytes += nbytes
-        else:
+        elif device_copy_budget_nbytes is None or stats.copied_nbytes + nbytes <= device_copy_budget_nbytes:
             # Upstream frees (resizes to 0) the AOTI storage once it is written;
             # keep a device-side copy (at device bandwidth) until ptdstream saves it.
             source = CudaTensorSource(flat.clone(), label=label)
             stats.copied_nbytes += nbytes
-        source._gpu_fingerprint = gpu_fingerprint(flat)
+        else:
+            # Over the budget: to disk, through the pinned ring, before upstream frees it.
+            if not spills:
+                spills.append(SpillFile(spill_dir or os.path.dirname(os.path.abspath(path))))
+            source = spills[0].append(CudaTensorSource(flat, label=label), label)
+            source.stands_for = fingerprints[0]
+            stats.spilled_nbytes += nbytes
+            kept.setdefault(wanted, []).append(source)
+            return source
+        source._gpu_fingerprint = fingerprints[0]
         source.verify_on_write = True
         kept.setdefault(wanted, []).append(source)
         return source
@@ -200,3 +248,4 @@ def stream_cuda_weights(trim_host_memory: bool = False, twins: bool = True) -> I
             kept.clear()
             by_fqn.clear()
             positions.clear()
+            spills.clear()  # the file lives on while its sources do

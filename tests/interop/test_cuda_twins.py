@@ -105,3 +105,51 @@ def test_later_methods_reuse_the_source_kept_for_their_fqn_and_compare_other_byt
     assert (stats.twin_nbytes, stats.copied_nbytes) == (2 * n, 2 * n)
     assert bytes(b"".join(bytes(p) for p in third["b"].pieces(_ring()))) == bytes(changed.cpu().numpy())
     assert stats.routed == 9
+
+
+def test_storages_without_a_twin_beyond_the_budget_are_spilled_and_saved_byte_identical(tmp_path):
+    from ptdstream import StreamingNamedDataStore
+    from ptdstream.executorch.adapter import cuda_weight_collector
+    from ptdstream.executorch.cuda_backend import stream_cuda_weights
+    from ptdstream.save import write_data_files
+    from ptdstream.sources.spill import SpilledSource
+
+    collector = cuda_weight_collector()
+    n = (3 << 20) + 5
+    consts = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda") for _ in range(3)]
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    before = torch.cuda.memory_allocated()
+    with stream_cuda_weights(device_copy_budget_nbytes=n, spill_dir=str(spill_dir)) as stats:
+        first = _materialize(collector, {f"c{i}": c.clone() for i, c in enumerate(consts)}, tmp_path)
+        kept_on_device = torch.cuda.memory_allocated() - before
+        # A later method: equal bytes in new storages reuse every source, the spilled ones too.
+        second = _materialize(collector, {f"c{i}": c.clone() for i, c in enumerate(consts)}, tmp_path)
+        # c2's bytes under another FQN are found by probe and GPU fingerprint.
+        third = _materialize(collector, {"other": consts[2].clone()}, tmp_path)
+    assert (stats.copied_nbytes, stats.spilled_nbytes, stats.twin_nbytes) == (n, 2 * n, 0)
+    assert kept_on_device < 2 * n  # one copy kept (plus the clones upstream would free)
+    assert not isinstance(first["c0"], SpilledSource)
+    assert isinstance(first["c1"], SpilledSource) and isinstance(first["c2"], SpilledSource)
+    assert all(second[k] is first[k] for k in first) and third["other"] is first["c2"]
+    assert os.listdir(spill_dir) == []  # the spill file has no name
+
+    spilled_store, plain = StreamingNamedDataStore(), StreamingNamedDataStore()
+    for i, c in enumerate(consts):
+        spilled_store.add_named_data(f"c{i}", first[f"c{i}"], alignment=16, external_tag="w")
+        plain.add_named_data(f"c{i}", bytes(c.cpu().numpy()), alignment=16, external_tag="w")
+    for name, store in (("a", spilled_store), ("b", plain)):
+        (tmp_path / name).mkdir()
+        write_data_files(store, str(tmp_path / name))
+    assert (tmp_path / "a" / "w.ptd").read_bytes() == (tmp_path / "b" / "w.ptd").read_bytes()
+
+
+def test_spill_budget_none_keeps_every_copy_on_the_device(tmp_path):
+    from ptdstream.executorch.adapter import cuda_weight_collector
+    from ptdstream.executorch.cuda_backend import stream_cuda_weights
+
+    collector = cuda_weight_collector()
+    consts = [torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    with stream_cuda_weights(device_copy_budget_nbytes=None, twins=False) as stats:
+        _materialize(collector, {f"c{i}": c.clone() for i, c in enumerate(consts)}, tmp_path)
+    assert (stats.copied_nbytes, stats.spilled_nbytes) == (2 << 20, 0)
