@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 from ..errors import IntegrityError, LayoutError
 from ..system.files import pread_exact
@@ -70,22 +70,34 @@ class FileRangeSource(Source):
         fd = os.open(self.path, os.O_RDONLY)
         try:
             self._check_identity(fd, "before it was read", fields=2)
-            done = 0
-            while done < self.nbytes:
-                buf = ring.next()
-                want = min(len(buf), self.nbytes - done)
-                got = pread_exact(fd, buf[:want], self.offset + done)
-                if got < want:
-                    raise IntegrityError(
-                        f"file {self.path}: ended at offset {self.offset + done + got}, "
-                        f"expected {self.nbytes} bytes from offset {self.offset}"
-                    )
-                yield buf[:want]
-                drop_read(fd, self.offset + done, want, last=done + want == self.nbytes)
-                done += want
+            yield from pread_pieces(fd, self.offset, self.nbytes, ring, lambda end: IntegrityError(
+                f"file {self.path}: ended at offset {end}, "
+                f"expected {self.nbytes} bytes from offset {self.offset}"
+            ))
             self._check_identity(fd, "while it was read")
         finally:
             os.close(fd)
+
+
+def pread_pieces(fd: int, offset: int, nbytes: int, ring: BufferRing,
+                 ended: Callable[[int], Exception]) -> Iterator[memoryview]:
+    """``nbytes`` bytes of ``fd`` from ``offset``, read with pread into the ring's
+    buffers and yielded piece by piece; each piece's pages are dropped once the
+    next one is asked for (:func:`~ptdstream.system.pagecache.drop_read`).
+
+    Raises:
+        Exception: ``ended(offset where the file ended)`` when it ends early.
+    """
+    done = 0
+    while done < nbytes:
+        buf = ring.next()
+        want = min(len(buf), nbytes - done)
+        got = pread_exact(fd, buf[:want], offset + done)
+        if got < want:
+            raise ended(offset + done + got)
+        yield buf[:want]
+        drop_read(fd, offset + done, want, last=done + want == nbytes)
+        done += want
 
 
 def _identity(st: os.stat_result) -> Tuple[int, int, int, int]:

@@ -28,10 +28,11 @@ from typing import Iterator, Optional
 
 from ..defaults import WINDOW_NBYTES
 from ..errors import IntegrityError
-from ..system.files import pread_exact, pwrite_all
-from ..system.pagecache import drop_pages, drop_read
+from ..system.files import pwrite_all
+from ..system.pagecache import drop_pages
 from ..system.writeback import WritebackWindows
 from .base import BufferRing, Source
+from .file import pread_pieces
 from .fingerprint import StreamingDigest
 
 #: Each spilled range starts on this boundary (bytes): whole pages, so that
@@ -164,18 +165,8 @@ class SpilledSource(Source):
         return os.pread(self.spill.fileno(), min(nbytes, self.nbytes), self.offset)
 
     def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
-        fd = self.spill.fileno()
-        done = 0
-        while done < self.nbytes:
-            buf = ring.next()
-            want = min(len(buf), self.nbytes - done)
-            got = pread_exact(fd, buf[:want], self.offset + done)
-            if got < want:
-                raise IntegrityError(f"{self.describe()}: the spill file ended at offset "
-                                     f"{self.offset + done + got}, {self.nbytes} bytes expected")
-            yield buf[:want]
-            drop_read(fd, self.offset + done, want, last=done + want == self.nbytes)
-            done += want
+        return pread_pieces(self.spill.fileno(), self.offset, self.nbytes, ring, lambda end: IntegrityError(
+            f"{self.describe()}: the spill file ended at offset {end}, {self.nbytes} bytes expected"))
 
     def gpu_fingerprint(self):
         """The fingerprint the bytes had where they came from (``stands_for``)."""
