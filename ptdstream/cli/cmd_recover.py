@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .common import EXIT_INVALID, EXIT_OK, add_command, print_error, print_json
+import os
+
+from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_json
 
 
 def register(subparsers) -> None:
@@ -26,6 +28,10 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from ..write.journal import RecoveryError, recover
 
+    for folder in args.folders:  # before touching any: a typo must not read as "all well"
+        if not os.path.isdir(folder):
+            what = "no such folder" if not os.path.exists(folder) else "not a folder (give the folder of the set)"
+            raise UsageError(f"ptdstream recover: {folder}: {what}")
     done, failed = [], []
     for folder in args.folders:
         try:

@@ -163,7 +163,7 @@ def exit_for(error: BaseException, command: Optional[str],
     if isinstance(error, IntegrityError):
         return EXIT_INVALID, f"ptdstream {command}: error: {error}"
     if isinstance(error, OSError):
-        what = error.strerror or type(error).__name__
+        what = error.strerror or str(error) or type(error).__name__
         if error.filename:
             written = _output_of(os.fspath(error.filename), outputs)
             if written is not None:
@@ -175,7 +175,7 @@ def exit_for(error: BaseException, command: Optional[str],
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "ptdstream: interrupted"
     return EXIT_INVALID, (f"ptdstream: {command} failed: {type(error).__name__}: {error} "
-                          "(set PTDSTREAM_DEBUG=1 for a traceback)")
+                          "(-v or PTDSTREAM_DEBUG=1 for a traceback)")
 
 
 def _output_of(path: str, outputs: Sequence[Optional[str]]) -> Optional[str]:

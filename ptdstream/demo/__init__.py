@@ -14,8 +14,9 @@ METHODS: Tuple[Tuple[str, int], ...] = (("forward", 8), ("prefill", 16))
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the demo's options (``--out``, ``--no-run``) to ``parser``; returns it."""
     parser.add_argument(
-        "--out", default="./ptdstream-demo",
-        help="folder for model.pte and model.ptd (default: %(default)s)",
+        "-o", "--out", "--output", dest="out", default="./ptdstream-demo",
+        help="scratch folder for model.pte and model.ptd, replaced there on every run "
+             "(default: %(default)s)",
     )
     parser.add_argument(
         "--no-run", action="store_true",

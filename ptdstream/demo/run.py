@@ -249,5 +249,6 @@ def main(args: argparse.Namespace, stream: Optional[TextIO] = None) -> int:
         progress = sys.stderr.isatty()
     result = run_demo(args.out, no_run=args.no_run, progress=bool(progress) and not quiet,
                       log=None if quiet else sys.stderr)
-    print(format_summary(result), file=stream)
+    if not quiet or result.exit_code:
+        print(format_summary(result), file=stream if not quiet else sys.stderr)
     return result.exit_code

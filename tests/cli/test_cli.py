@@ -182,7 +182,7 @@ def test_demo_failure_is_one_line(monkeypatch, capsys):
     rc, _, err = _run(capsys, "demo", "--no-run")
     assert rc == 1
     assert _one_line(err) == ("ptdstream: demo failed: RuntimeError: export failed with details "
-                              "(set PTDSTREAM_DEBUG=1 for a traceback)")
+                              "(-v or PTDSTREAM_DEBUG=1 for a traceback)")
 
 
 def test_python_dash_m_entry_point(tmp_path):
@@ -215,3 +215,15 @@ def test_non_utf8_file_names_are_printed_escaped(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "ptdstream", "verify", odd], capture_output=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert b"s\\udcff.pte" in proc.stdout or b"s\\xff.pte" in proc.stdout
+
+
+def test_demo_quiet_prints_the_summary_only_when_it_fails(monkeypatch, tmp_path, capsys):
+    import ptdstream.demo.run as demo_run
+
+    result = types.SimpleNamespace(exit_code=0)
+    monkeypatch.setattr(demo_run, "run_demo", lambda *a, **k: result)
+    monkeypatch.setattr(demo_run, "format_summary", lambda r: f"summary {r.exit_code}")
+    assert _run(capsys, "demo", "--out", tmp_path, "--no-run", "-q") == (0, "", "")
+    assert _run(capsys, "demo", "--out", tmp_path, "--no-run") == (0, "summary 0\n", "")
+    result.exit_code = 1
+    assert _run(capsys, "demo", "--out", tmp_path, "--no-run", "-q") == (1, "", "summary 1\n")

@@ -194,3 +194,12 @@ def test_ctrl_c_while_reading_stdin_leaves_no_temp_file(monkeypatch, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         common.spool_stdin(str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_an_os_error_without_errno_keeps_its_message(capsys):
+    from ptdstream.cli import main
+
+    assert main(["weights", "/nonexistent/model.pte", "--from", "/nonexistent/none.safetensors",
+                 "-o", "/nonexistent/out"]) == 2
+    err = capsys.readouterr().err
+    assert "FileNotFoundError" not in err and err.startswith("ptdstream: ") and "/nonexistent/" in err, err

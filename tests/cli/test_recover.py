@@ -52,3 +52,16 @@ def test_recover_exits_1_on_an_unreadable_journal(tmp_path, capsys):
     (tmp_path / ".b.pte.ptdstream-1-0000abcd.journal").write_bytes(b"{")
     assert cli_main(["recover", str(tmp_path)]) == 1
     assert "0000abcd.journal: unreadable" in capsys.readouterr().err
+
+
+def test_recover_of_a_missing_folder_or_a_file_is_a_usage_error_not_all_well(tmp_path, capsys):
+    (tmp_path / "model.pte").write_bytes(b"x")
+    for path, what in ((tmp_path / "nosuch", "no such folder"),
+                       (tmp_path / "model.pte", "not a folder (give the folder of the set)")):
+        assert cli_main(["recover", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", f"ptdstream recover: {path}: {what}\n")
+    assert cli_main(["recover", str(tmp_path), str(tmp_path / "nosuch"), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "ptdstream recover: " + str(tmp_path / "nosuch") + ": no such folder" in err
+    assert '"ok": true' not in out
