@@ -22,7 +22,7 @@ timeline, to find where a buffered save loses to the raw write.
 fsync, ptdstream buffered, ptdstream O_DIRECT), the order rotated every round so
 that no mode always follows another or meets the disk idle first; the table
 gives each round and the medians. This is the run that chooses the default
-write mode for CUDA sources (:func:`ptdstream.write.set_writer.uses_direct_io`).
+write mode for every source (buffered, since this run; ``direct=True`` for O_DIRECT).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import adapter
 from .cuda_twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
-from .patching import shadowed
+from .patching import is_shadowed, shadowed
 
 __all__ = ["CudaWeightStats", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "stream_cuda_weights"]
 
@@ -63,7 +63,8 @@ class CudaWeightStats:
 
     ``routed``/``routed_nbytes``: CUDA storages handed to ptdstream and their
     bytes (every method counted); ``copied_nbytes``: device memory (bytes) added
-    for copies of storages that had no twin, each distinct content once;
+    for copies of storages that had no twin, each distinct content once (in
+    the allocator's 512-byte blocks);
     ``twin_nbytes``: bytes of distinct storages served by a parameter the process
     already held (no memory added); ``spilled_nbytes``: bytes of distinct
     storages spilled to a temp file (beyond the device copy budget);
@@ -75,6 +76,15 @@ class CudaWeightStats:
     twin_nbytes: int = 0
     spilled_nbytes: int = 0
     upstream: int = 0
+
+
+#: The CUDA caching allocator's granularity (bytes): a copy takes whole blocks.
+_ALLOCATOR_BLOCK_NBYTES = 512
+
+
+def _blocks(nbytes: int) -> int:
+    """Device memory (bytes) a copy of ``nbytes`` bytes takes."""
+    return -(-nbytes // _ALLOCATOR_BLOCK_NBYTES) * _ALLOCATOR_BLOCK_NBYTES
 
 
 @contextlib.contextmanager
@@ -91,7 +101,7 @@ def stream_cuda_weights(
     which storages are being collected), the ``FileBackedData`` it uses and, unless
     ``trim_host_memory``, ``trim_host_memory``) and restores them when the last
     context exits (:func:`ptdstream.executorch.patching.shadowed`). Lower one model at a
-    time: a context entered while another is active keeps the first one's hooks.
+    time: entering a context while another is active raises.
 
     Args:
         trim_host_memory: keep upstream's ``gc.collect()`` + ``malloc_trim(0)``
@@ -113,7 +123,9 @@ def stream_cuda_weights(
 
     Raises:
         ImportError: executorch's CUDA backend is not importable.
-        OSError: while lowering, a spill that failed (names the folder and offset).
+        RuntimeError: a context is already active in this process.
+        OSError: at entry, a ``spill_dir`` that cannot hold a spill file; while
+            lowering, a spill that failed (names the folder and offset).
     """
     import torch
 
@@ -123,6 +135,11 @@ def stream_cuda_weights(
     from .interop import SourceBackedData
 
     collector = adapter.cuda_weight_collector()
+    if is_shadowed(collector, "_write_tensor_storage"):
+        raise RuntimeError("stream_cuda_weights is already active in this process: lower one model at a "
+                           "time (a second context would leave its budget, spill folder and stats unused)")
+    if spill_dir is not None:
+        SpillFile(spill_dir).close()  # a missing or read-only folder now, not in the middle of lowering
     real_write = collector._write_tensor_storage
     real_file_backed = collector.FileBackedData
     real_materialize = collector.CudaWeightCollector.materialize
@@ -206,11 +223,11 @@ def stream_cuda_weights(
             # A parameter the process holds with these bytes: keep a reference.
             source = CudaTensorSource(twin, label=label + " held by a parameter")
             stats.twin_nbytes += nbytes
-        elif device_copy_budget_nbytes is None or stats.copied_nbytes + nbytes <= device_copy_budget_nbytes:
+        elif device_copy_budget_nbytes is None or stats.copied_nbytes + _blocks(nbytes) <= device_copy_budget_nbytes:
             # Upstream frees (resizes to 0) the AOTI storage once it is written;
             # keep a device-side copy (at device bandwidth) until ptdstream saves it.
             source = CudaTensorSource(flat.clone(), label=label)
-            stats.copied_nbytes += nbytes
+            stats.copied_nbytes += _blocks(nbytes)
         else:
             # Over the budget: to disk, through the pinned ring, before upstream frees it.
             if not spills:

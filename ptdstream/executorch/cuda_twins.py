@@ -56,7 +56,7 @@ def as_bytes(tensor):
 
 
 def same_bytes(a, b) -> bool:
-    """Whether two 1-D ``uint8`` CUDA tensors hold the same bytes (one device sync).
+    """Whether two 1-D ``uint8`` tensors (CUDA or CPU; any strides) hold the same bytes (one device sync).
 
     Compared as ``int64`` words when both start on an 8-byte boundary and the
     length is a multiple of 8 (the comparison's boolean result is then 8x
@@ -67,7 +67,8 @@ def same_bytes(a, b) -> bool:
 
     if a.numel() != b.numel() or a.device != b.device:
         return False
-    if a.numel() % 8 == 0 and all(t.data_ptr() % 8 == 0 and t.storage_offset() % 8 == 0 for t in (a, b)):
+    if a.numel() % 8 == 0 and all(t.is_contiguous() and t.data_ptr() % 8 == 0 and t.storage_offset() % 8 == 0
+                                  for t in (a, b)):
         return bool(torch.equal(a.view(torch.int64), b.view(torch.int64)))
     return bool(torch.equal(a, b))
 

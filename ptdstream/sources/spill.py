@@ -7,9 +7,13 @@ runs; :func:`ptdstream.executorch.cuda_backend.stream_cuda_weights` keeps it on 
 device up to a budget and spills the rest here.
 
 A :class:`SpillFile` is one unlinked temp file (``O_TMPFILE`` where the file
-system has it, else a created and at once removed file): nobody else can open
-it, and it vanishes with the last :class:`SpilledSource` that reads it, or when
-the process ends, even after a crash. Each :meth:`SpillFile.append` streams a
+system has it, else a created and at once removed file): it has no name, and it vanishes with the last :class:`SpilledSource` that reads it, or when
+the process ends, even after a crash (where the file system has no
+``O_TMPFILE``, a kill between creating and removing its name leaves an empty
+``.ptdstream-spill-*`` file; on NFS the open, removed file shows as
+``.nfs*`` until it is closed). Other processes of the same user can still open
+it through ``/proc/PID/fd``; a change is refused at the save. On a tmpfs the
+spilled bytes stay in memory: give a folder on disk. Each :meth:`SpillFile.append` streams a
 source into it (through the source's own pieces: a CUDA tensor goes through the
 pinned ring), with bounded writeback (:class:`~ptdstream.system.writeback.WritebackWindows`),
 and digests the bytes (xxh3-128) on the way; the :class:`SpilledSource` it
@@ -20,6 +24,7 @@ and the writer refuses bytes that no longer match that digest
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import threading
@@ -41,14 +46,25 @@ SPILL_ALIGNMENT = 4096
 
 
 def _open_unlinked(folder: str) -> int:
-    """A read-write descriptor of a new, nameless file in ``folder``."""
-    flag = getattr(os, "O_TMPFILE", 0)
-    if flag:
-        try:
-            return os.open(folder, flag | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError:
-            pass  # a file system without O_TMPFILE: a named file, removed at once
-    fd, path = tempfile.mkstemp(prefix=".ptdstream-spill-", dir=folder)
+    """A read-write descriptor of a new, nameless file in ``folder``.
+
+    Raises:
+        OSError: ``folder`` is missing, not a folder or not writable (the
+            message names it as the spill folder).
+    """
+    try:
+        flag = getattr(os, "O_TMPFILE", 0)
+        if flag:
+            try:
+                return os.open(folder, flag | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EROFS):
+                    raise
+                # a file system without O_TMPFILE: a named file, removed at once
+        fd, path = tempfile.mkstemp(prefix=".ptdstream-spill-", dir=folder)
+    except OSError as e:
+        raise OSError(e.errno, f"spill folder {folder}: cannot create a spill file there: "
+                               f"{e.strerror}") from e
     try:
         os.unlink(path)
     except BaseException:
@@ -95,33 +111,43 @@ class SpillFile:
             set to the xxh3-128 digest of the bytes as spilled.
 
         Raises:
-            OSError: the write failed (ENOSPC names the folder); the range is
-                abandoned and the file stays usable for what was spilled before.
-            IntegrityError: ``source`` gave a different number of bytes than it said.
+            OSError: the write failed (ENOSPC, EFBIG: names the folder and the
+                offset of the failed write); the range is abandoned and the file
+                stays usable for what was spilled before. An error of the source
+                itself (reading its file) passes through unchanged.
+            IntegrityError: ``source`` gave a different number of bytes than it
+                said (refused as soon as it gives more), or the file was closed.
         """
         with self._lock:
+            fd = self.fileno()  # refuses a closed spill file
             offset = -(-self.nbytes // SPILL_ALIGNMENT) * SPILL_ALIGNMENT
             digest = StreamingDigest()
             done = 0
-            writeback = WritebackWindows(self._fd, self.window_nbytes)
+            writeback = WritebackWindows(fd, self.window_nbytes)
             try:
                 for piece in source.pieces(BufferRing(chunk_nbytes, count=2)):
-                    n = pwrite_all(self._fd, piece, offset + done)
-                    digest.update(piece)
-                    writeback.written(offset + done, n)
-                    done += n
+                    view = memoryview(piece).cast("B")
+                    if done + len(view) > source.nbytes:
+                        raise IntegrityError(f"{label}: {source.describe()} gave more than the "
+                                             f"{source.nbytes} bytes it said, when spilled to {self.folder}")
+                    try:
+                        pwrite_all(fd, view, offset + done)
+                    except OSError as e:
+                        at = getattr(e, "offset", offset + done)
+                        raise OSError(e.errno, f"{label}: spilling {source.nbytes} bytes to an unlinked "
+                                               f"temp file in {self.folder} at offset {at} failed: "
+                                               f"{e.strerror}") from e
+                    digest.update(view)
+                    writeback.written(offset + done, len(view))
+                    done += len(view)
                 writeback.flush()
                 writeback.close()
                 # The last windows are still under writeback: wait for them, so
                 # that the drop below leaves none of the range in the page cache.
-                os.fdatasync(self._fd)
-            except OSError as e:
-                raise OSError(e.errno, f"{label}: spilling {source.nbytes} bytes to an unlinked temp "
-                                       f"file in {self.folder} at offset {offset + done} failed: "
-                                       f"{e.strerror}") from e
+                os.fdatasync(fd)
             finally:
                 writeback.close()  # no thread outlives the call (nor touches a closed fd)
-                drop_pages(self._fd, offset, done)  # what is on disk now; the rest starts writeback
+                drop_pages(fd, offset, done)  # what is on disk now; the rest starts writeback
             if done != source.nbytes:
                 raise IntegrityError(f"{label}: {source.describe()} gave {done} bytes, not {source.nbytes}, "
                                      f"when spilled to {self.folder}")
@@ -131,11 +157,19 @@ class SpillFile:
             return spilled
 
     def fileno(self) -> int:
-        """The descriptor (valid while this object or a source of it lives)."""
+        """The descriptor (open while this object or a source of it lives).
+
+        Raises:
+            IntegrityError: the file was closed with :meth:`close` (its number
+                may belong to another file by now).
+        """
+        if not self._closer.alive:
+            raise IntegrityError(f"spill file in {self.folder}: closed; the bytes spilled to it are gone")
         return self._fd
 
     def close(self) -> None:
-        """Close the file now (idempotent); its sources can no longer be read."""
+        """Close the file now (idempotent); its sources can no longer be read
+        (they raise ``IntegrityError``)."""
         self._closer()
 
 

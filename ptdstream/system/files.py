@@ -28,12 +28,22 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> int:
     returns the bytes written (``view`` of any format counts in bytes).
 
     Raises:
-        OSError: the write failed (ENOSPC, EIO, ...), as ``os.pwrite`` raises it.
+        OSError: a write failed (ENOSPC, EIO, ... as ``os.pwrite`` raises
+            it), or made no progress (EIO); its ``offset``
+            attribute is the file offset (bytes) of the write that failed.
     """
     view = memoryview(view).cast("B")
     total = len(view)
     while len(view):
-        n = os.pwrite(fd, view, offset)
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            e.offset = offset  # where the failed write began, for the caller's message
+            raise
+        if n <= 0:
+            e = OSError(errno.EIO, "pwrite wrote nothing")
+            e.offset = offset
+            raise e
         view, offset = view[n:], offset + n
     return total
 

@@ -12,6 +12,7 @@ import ast
 import hashlib
 import importlib
 import inspect
+import os
 import pathlib
 
 import pytest
@@ -198,3 +199,26 @@ def test_stream_cuda_weights_patches_and_restores_the_collector(tmp_path):
     assert vars(collector.CudaWeightCollector)["materialize"] is materialize
     with stream_cuda_weights(trim_host_memory=True):
         assert vars(collector)["trim_host_memory"] is before["trim_host_memory"]
+
+
+def test_stream_cuda_weights_refuses_a_nested_context_and_an_unusable_spill_dir_at_entry(tmp_path):
+    """Runs without a GPU: both are refused before any lowering, and nothing stays patched."""
+    import re
+
+    from ptdstream.executorch.cuda_backend import stream_cuda_weights
+
+    collector = _upstream.cuda_weight_collector()
+    before = {name: vars(collector)[name] for name in _upstream.CUDA_COLLECTOR_PATCHED}
+    with stream_cuda_weights():
+        with pytest.raises(RuntimeError, match="stream_cuda_weights is already active in this process"):
+            with stream_cuda_weights(device_copy_budget_nbytes=0):
+                pass
+    (tmp_path / "a file").write_bytes(b"")
+    for bad in (tmp_path / "missing", tmp_path / "a file"):
+        with pytest.raises(OSError, match=rf"spill folder {re.escape(str(bad))}: cannot create a spill file there"):
+            with stream_cuda_weights(spill_dir=str(bad)):
+                pass
+    with stream_cuda_weights(spill_dir=str(tmp_path)):
+        pass
+    assert os.listdir(tmp_path) == ["a file"]
+    assert {name: vars(collector)[name] for name in _upstream.CUDA_COLLECTOR_PATCHED} == before
