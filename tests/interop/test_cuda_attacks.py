@@ -69,7 +69,7 @@ def test_brk2_two_fqns_sharing_one_storage_and_a_size_change_keep_byte_equality_
     assert m3["b"] is m1["b"] and m3["a"] is not m1["a"]
     assert _bytes_of(m1["a"]) == bytes(a0.cpu().numpy())
     assert _bytes_of(m3["a"]) == bytes(grown.cpu().numpy())
-    assert stats.copied_nbytes == 2 * n + grown.numel()
+    assert stats.copied_nbytes == sum(-(-k // 512) * 512 for k in (n, n, grown.numel()))  # allocator blocks
 
 
 def test_brk2_zero_byte_storages_route_copy_and_save(tmp_path):

@@ -68,6 +68,11 @@ def test_a_referenced_parameter_changed_before_the_save_is_refused_naming_the_ke
     assert os.listdir(out2) == []
 
 
+def _blocks(nbytes):
+    """Device memory of a copy: whole 512-byte blocks of the caching allocator."""
+    return -(-nbytes // 512) * 512
+
+
 def _ring():
     from ptdstream.sources import BufferRing
 
@@ -93,7 +98,7 @@ def test_later_methods_reuse_the_source_kept_for_their_fqn_and_compare_other_byt
     const = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")  # no Parameter holds it
     with stream_cuda_weights() as stats:
         first = _materialize(collector, {"a": p0.clone(), "b": p1.clone(), "c": const.clone()}, tmp_path)
-        assert (stats.twin_nbytes, stats.copied_nbytes) == (2 * n, n)
+        assert (stats.twin_nbytes, stats.copied_nbytes) == (2 * n, _blocks(n))
         second = _materialize(collector, {"a": p0.clone(), "b": p1.clone(), "c": const.clone()}, tmp_path)
         assert all(second[k] is first[k] for k in "abc")  # same sources, nothing kept twice
         # "a" now holds b's bytes, "b" bytes nobody holds that differ from b's in one byte only.
@@ -102,7 +107,7 @@ def test_later_methods_reuse_the_source_kept_for_their_fqn_and_compare_other_byt
         third = _materialize(collector, {"a": p1.clone(), "b": changed, "c": const.clone()}, tmp_path)
     assert third["a"] is first["b"] and third["c"] is first["c"]
     assert third["b"] is not first["b"]
-    assert (stats.twin_nbytes, stats.copied_nbytes) == (2 * n, 2 * n)
+    assert (stats.twin_nbytes, stats.copied_nbytes) == (2 * n, 2 * _blocks(n))
     assert bytes(b"".join(bytes(p) for p in third["b"].pieces(_ring()))) == bytes(changed.cpu().numpy())
     assert stats.routed == 9
 
@@ -120,14 +125,14 @@ def test_storages_without_a_twin_beyond_the_budget_are_spilled_and_saved_byte_id
     spill_dir = tmp_path / "spill"
     spill_dir.mkdir()
     before = torch.cuda.memory_allocated()
-    with stream_cuda_weights(device_copy_budget_nbytes=n, spill_dir=str(spill_dir)) as stats:
+    with stream_cuda_weights(device_copy_budget_nbytes=_blocks(n), spill_dir=str(spill_dir)) as stats:
         first = _materialize(collector, {f"c{i}": c.clone() for i, c in enumerate(consts)}, tmp_path)
         kept_on_device = torch.cuda.memory_allocated() - before
         # A later method: equal bytes in new storages reuse every source, the spilled ones too.
         second = _materialize(collector, {f"c{i}": c.clone() for i, c in enumerate(consts)}, tmp_path)
         # c2's bytes under another FQN are found by probe and GPU fingerprint.
         third = _materialize(collector, {"other": consts[2].clone()}, tmp_path)
-    assert (stats.copied_nbytes, stats.spilled_nbytes, stats.twin_nbytes) == (n, 2 * n, 0)
+    assert (stats.copied_nbytes, stats.spilled_nbytes, stats.twin_nbytes) == (_blocks(n), 2 * n, 0)
     assert kept_on_device < 2 * n  # one copy kept (plus the clones upstream would free)
     assert not isinstance(first["c0"], SpilledSource)
     assert isinstance(first["c1"], SpilledSource) and isinstance(first["c2"], SpilledSource)
