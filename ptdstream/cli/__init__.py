@@ -112,6 +112,7 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         if values.count("-") > 1:
             raise UsageError(f"ptdstream {args.command}: stdin (-) can be read once")
         path = spool_stdin()
+        args.stdin_spool = path  # errors name it as "-", not as the temp copy
         stack.callback(shutil.rmtree, os.path.dirname(path), True)
         spooled = [path if v == "-" else v for v in values]
         setattr(args, name, spooled if isinstance(value, list) else spooled[0])
@@ -131,6 +132,9 @@ def _report_error(error: BaseException, args: Optional[argparse.Namespace]) -> i
         except Exception:  # noqa: BLE001 - the outputs themselves were the problem
             outputs = ()
     code, message = exit_for(error, getattr(args, "command", None), outputs)
+    spool = getattr(args, "stdin_spool", None)
+    if spool:
+        message = message.replace(spool, "- (stdin)")
     print_error(message)
     if getattr(args, "json", False):
         try:

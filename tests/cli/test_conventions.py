@@ -61,6 +61,10 @@ def test_stdin_input_for_inspect_and_verify(files):
     assert found["file_nbytes"] == len(data) and os.path.basename(found["path"]) == "stdin"
     verified = ptdstream("verify", "-", "--against", files / "model.pte", input_bytes=data)
     assert verified.returncode == 0 and b"identical" in verified.stdout
+    junk = ptdstream("inspect", "-", input_bytes=b"junkjunkjunkjunk")
+    assert junk.returncode == 1
+    assert junk.stderr.decode() == ("ptdstream: invalid file: - (stdin): at offset 4: identifier b'junk' is "
+                                    "neither ET.. (.pte) nor FT.. (.ptd)\n")
 
 
 def _on_terminal(*argv, stdin_tty=False):
