@@ -7,19 +7,22 @@ runs; :func:`ptdstream.executorch.cuda_backend.stream_cuda_weights` keeps it on 
 device up to a budget and spills the rest here.
 
 A :class:`SpillFile` is one unlinked temp file (``O_TMPFILE`` where the file
-system has it, else a created and at once removed file): it has no name, and it vanishes with the last :class:`SpilledSource` that reads it, or when
-the process ends, even after a crash (where the file system has no
-``O_TMPFILE``, a kill between creating and removing its name leaves an empty
-``.ptdstream-spill-*`` file; on NFS the open, removed file shows as
-``.nfs*`` until it is closed). Other processes of the same user can still open
-it through ``/proc/PID/fd``; a change is refused at the save. On a tmpfs the
-spilled bytes stay in memory: give a folder on disk. Each :meth:`SpillFile.append` streams a
-source into it (through the source's own pieces: a CUDA tensor goes through the
-pinned ring), with bounded writeback (:class:`~ptdstream.system.writeback.WritebackWindows`),
-and digests the bytes (xxh3-128) on the way; the :class:`SpilledSource` it
-returns reads them back with ``pread`` at the save, dropping pages as it goes,
-and the writer refuses bytes that no longer match that digest
-(``expected_fingerprint``).
+system has it, else a created and at once removed file): it has no name, and
+it vanishes with the last :class:`SpilledSource` that reads it, or when the
+process ends, even after a crash. Each :meth:`SpillFile.append` streams a
+source into it (through the source's own pieces: a CUDA tensor goes through
+the pinned ring), with bounded writeback
+(:class:`~ptdstream.system.writeback.WritebackWindows`), and digests the bytes
+(xxh3-128) on the way; the :class:`SpilledSource` it returns reads them back
+with ``pread`` at the save, dropping pages as it goes, and the writer refuses
+bytes that no longer match that digest (``expected_fingerprint``).
+
+Limits: where the file system has no ``O_TMPFILE``, a kill between creating
+and removing the name leaves an empty ``.ptdstream-spill-*`` file, and on NFS
+the open, removed file shows as ``.nfs*`` until it is closed. Processes of
+the same user can still open it through ``/proc/PID/fd`` (a change is refused
+at the save). On a tmpfs the spilled bytes stay in memory: give a folder on
+disk.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 import tempfile
 import threading
 import weakref
-from typing import Iterator, Optional
+from typing import Iterator
 
 from ..defaults import WINDOW_NBYTES
 from ..errors import IntegrityError
@@ -205,8 +208,3 @@ class SpilledSource(Source):
     def gpu_fingerprint(self):
         """The fingerprint the bytes had where they came from (``stands_for``)."""
         return self.stands_for
-
-
-def spill_folder(hint: Optional[str]) -> str:
-    """``hint`` when given, else the system's temp folder."""
-    return hint if hint else tempfile.gettempdir()
