@@ -91,6 +91,24 @@ def reference_files(manager, folder: str) -> Dict[str, bytes]:
     return read_folder(folder)
 
 
+def export_xnnpack_mlp_tagged(folder) -> tuple:
+    """``Mlp`` lowered to XNNPACK with its weights tagged into ``w.ptd`` (executorch's
+    ``delegate_external_constants_pass_unlifted``), written by upstream to ``folder``;
+    returns the paths of ``model.pte`` and ``w.ptd``."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+
+    torch.manual_seed(0)
+    example = (torch.randn(2, 64),)
+    unlifted = torch.export.export(Mlp().eval(), example, strict=False).module()
+    delegate_external_constants_pass_unlifted(unlifted, gen_tag_fn=lambda node: "w")
+    edge = to_edge_transform_and_lower(torch.export.export(unlifted, example, strict=False),
+                                       partitioner=[XnnpackPartitioner()])
+    reference_files(edge.to_executorch(ExecutorchBackendConfig()), str(folder))
+    return os.path.join(folder, "model.pte"), os.path.join(folder, "w.ptd")
+
+
 def mapped_rss(path) -> int:
     """Bytes of ``path``'s mappings resident in this process (``/proc/self/smaps``)."""
     total, inside = 0, False

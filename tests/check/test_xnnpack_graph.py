@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from conftest import Mlp
+from conftest import export_xnnpack_mlp_tagged
 from ptdstream.check.structure import check_structure
 from ptdstream.format.reader import read_artifact
 
@@ -32,24 +31,6 @@ for i, p in enumerate(sys.argv[2:]):
 """
 
 
-def _export(folder):
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
-
-    torch.manual_seed(0)
-    example = (torch.randn(2, 64),)
-    unlifted = torch.export.export(Mlp().eval(), example, strict=False).module()
-    delegate_external_constants_pass_unlifted(unlifted, gen_tag_fn=lambda node: "w")
-    edge = to_edge_transform_and_lower(torch.export.export(unlifted, example, strict=False),
-                                       partitioner=[XnnpackPartitioner()])
-    manager = edge.to_executorch(ExecutorchBackendConfig())
-    with open(folder / "model.pte", "wb") as f:
-        manager.write_to_file(f)
-    manager.write_tensor_data_to_file(str(folder))
-    return str(folder / "model.pte"), str(folder / "w.ptd")
-
-
 def _runtime_loads(ptd, paths):
     """{path: True if the runtime loads every method} (a crash counts as a refusal)."""
     out, start = {}, 0
@@ -67,7 +48,7 @@ def _runtime_loads(ptd, paths):
 
 @pytest.mark.slow
 def test_verify_refuses_what_xnnpack_init_refuses(tmp_path):
-    pte, ptd = _export(tmp_path)
+    pte, ptd = export_xnnpack_mlp_tagged(tmp_path)
     assert check_structure(pte, [ptd]).ok, check_structure(pte, [ptd]).summary()
     seg = next(s for s in read_artifact(pte).segments if s.label.startswith("delegate blob"))
     data = open(pte, "rb").read()
