@@ -184,8 +184,9 @@ class SpilledSource(Source):
     (a CUDA storage's GPU fingerprint), for callers that matched them by it.
 
     Raises:
-        IntegrityError: while reading, when the file ends early (it cannot be
-            changed by anyone else: it has no name).
+        IntegrityError: while reading, when the file ends early or was closed
+            (bytes changed through ``/proc/PID/fd`` are refused by the writer,
+            against ``expected_fingerprint``).
     """
 
     def __init__(self, spill: SpillFile, offset: int, nbytes: int, label: str) -> None:  # noqa: D107

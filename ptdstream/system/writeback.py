@@ -32,7 +32,7 @@ from typing import Callable, Deque, Optional, Tuple
 
 from ..defaults import WINDOW_NBYTES
 from ..timeline import stage_timeline
-from .pagecache import FOLIO_NBYTES, drop_pages
+from .pagecache import drop_read
 from .threads import FdThread
 
 #: Windows under writeback at once (see the module docstring).
@@ -157,13 +157,12 @@ class WritebackWindows:
                     old_end - old_start,
                     _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER,
                 )
-                # From the start of the 2 MiB block that holds old_start: fadvise
-                # drops only the page-cache folios (pages, or up to 2 MiB after a
-                # large write) it covers whole, and the start of that block belongs
-                # to windows before, written and waited for already (so clean now).
-                # A folio that holds old_end goes with a later window.
-                first = old_start - old_start % FOLIO_NBYTES
-                drop_pages(self._fd, first, old_end - first)
+                # drop_read reaches back to the 2 MiB block that holds old_start
+                # (fadvise drops only whole folios, up to 2 MiB after a large
+                # write); that block's start belongs to windows before, written
+                # and waited for already (so clean now). A folio that holds
+                # old_end goes with a later window.
+                drop_read(self._fd, old_start, old_end - old_start)
                 self._slots.release()
             if timeline is not None:
                 timeline.add("writeback thread: start + wait + drop", time.perf_counter() - t)

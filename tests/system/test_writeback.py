@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from ptdstream.system import writeback
+from ptdstream.system import pagecache, writeback
 from ptdstream.system.pagecache import resident_nbytes
 from ptdstream.system.writeback import WritebackWindows
 from ptdstream.write.sink import ChunkedFileSink
@@ -23,7 +23,7 @@ def calls(monkeypatch):
     seen = []
     monkeypatch.setattr(writeback, "_sync_file_range",
                         lambda fd, start, n, flags: seen.append(("sync", start, start + n, flags)) or 0)
-    monkeypatch.setattr(writeback, "drop_pages", lambda fd, start, n: seen.append(("drop", start, start + n)))
+    monkeypatch.setattr(pagecache, "drop_pages", lambda fd, start, n: seen.append(("drop", start, start + n)))
     return seen
 
 
