@@ -20,7 +20,7 @@ after the other:
   storage to the host in 8 MiB ``.cpu()`` chunks, SHA-256s and writes it, once
   per method), then ``write_to_file`` + ``write_tensor_data_to_file`` and an
   ``fsync`` of every file written;
-* ``ptdstream``: the same lowering inside :func:`ptdstream.executorch.cuda_backend.stream_cuda_weights`,
+* ``ptdstream``: the same lowering inside :func:`ptdstream.hooks.cuda.backend.stream_cuda_weights`,
   then ``ptdstream.save`` (fsync and rename included; buffered unless ``--direct 1``)
   with a per-stage timeline (:mod:`ptdstream.timeline`), then the same manager
   saved again in the other write mode (buffered / O_DIRECT), also timed by stage.
@@ -122,7 +122,7 @@ def child_export(args) -> dict:
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     import ptdstream
-    from ptdstream.executorch.cuda_backend import stream_cuda_weights
+    from ptdstream.hooks.cuda.backend import stream_cuda_weights
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[

@@ -16,7 +16,7 @@ recipe of optimum-executorch 1.1.0 keeps every weight in the .pte):
 
 * ``upstream``: as is (executorch's ``write_to_file`` builds the whole file in memory);
 * ``install``: inside ``ptdstream.patch.installed()`` (the save streams);
-* ``ptdstream``: ``ptdstream.executorch.optimum.export``: installed, plus
+* ``ptdstream``: ``ptdstream.hooks.optimum.export``: installed, plus
   ``constants_by_reference()`` (the emitter) and ``xnnpack_constants_by_reference()``
   (XNNPACK's node visitor) around the whole export.
 
@@ -115,8 +115,8 @@ def child(args) -> dict:
     from executorch.exir import ExecutorchProgramManager
     from optimum.exporters.executorch import main_export
 
-    from ptdstream.executorch import install as patch
-    from ptdstream.executorch import optimum as pt_optimum
+    from ptdstream.hooks import install as patch
+    from ptdstream.hooks import optimum as pt_optimum
 
     out = os.path.join(args.out, args.variant)
     os.makedirs(out, exist_ok=True)

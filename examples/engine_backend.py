@@ -96,7 +96,7 @@ class BlobEngineBackend(BackendDetails):
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
-        from ptdstream.executorch.blobs import file_blob
+        from ptdstream.hooks.blobs import file_blob
 
         specs = {s.key: s.value for s in compile_specs}
         path, sha = _build_engine(edge_program, specs["engine_dir"].decode())

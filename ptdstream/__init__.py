@@ -86,22 +86,22 @@ __all__ = [
 
 def install() -> None:
     """Route executorch's save paths through ptdstream and record configs, until
-    :func:`uninstall`. See :mod:`ptdstream.executorch.install`."""
-    from .executorch.install import install as _install
+    :func:`uninstall`. See :mod:`ptdstream.hooks.install`."""
+    from .hooks.install import install as _install
 
     _install()
 
 
 def uninstall() -> None:
     """Undo :func:`install` (executorch's own methods are restored)."""
-    from .executorch.install import uninstall as _uninstall
+    from .hooks.install import uninstall as _uninstall
 
     _uninstall()
 
 
 def installed():
     """Context manager: :func:`install` inside, restored on exit."""
-    from .executorch.install import installed as _installed
+    from .hooks.install import installed as _installed
 
     return _installed()
 
@@ -110,8 +110,8 @@ def constants_by_reference():
     """Context manager: executorch's emitter keeps constants as references to their
     tensors, not ``bytes`` copies (wrap ``to_executorch()``).
 
-    See :func:`ptdstream.executorch.emitter.constants_by_reference`.
+    See :func:`ptdstream.hooks.emitter.constants_by_reference`.
     """
-    from .executorch.emitter import constants_by_reference as _constants_by_reference
+    from .hooks.emitter import constants_by_reference as _constants_by_reference
 
     return _constants_by_reference()

@@ -78,8 +78,8 @@ def read_program_weights(path: str) -> ProgramWeights:
         FormatError: not a valid ``.pte``.
     """
     from .errors import FormatError
-    from .executorch import adapter
-    from .executorch.untrusted import parse_program
+    from .upstream import adapter
+    from .upstream.untrusted import parse_program
     from .format.reader import read_artifact
 
     path = os.fspath(path)

@@ -165,7 +165,7 @@ def test_hostile_external_tag_is_refused_before_writing(tmp_path, tag):
 
 
 def test_recorded_config_is_used(tmp_path):
-    from ptdstream.executorch.install import record_backend_configs, stop_recording_backend_configs
+    from ptdstream.hooks.install import record_backend_configs, stop_recording_backend_configs
 
     record_backend_configs()
     try:

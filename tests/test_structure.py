@@ -19,13 +19,13 @@ PACKAGE = pathlib.Path(ptdstream.__file__).parent
 #: own layer or lower ones. Longest prefix wins.
 LAYERS = {
     "errors": 0, "defaults": 0, "reports": 0, "progress": 0, "timeline": 0, "system": 0,
-    "executorch.names": 0, "executorch.patching": 0, "executorch.adapter": 0, "executorch.untrusted": 0,
+    "upstream": 0,
     "format": 1, "sources": 1,
     "store": 2,
     "write": 3,
     "manager": 4, "check": 4, "pack": 4,
     "save": 5, "weights": 5, "weights_xnnpack": 5, "distributed": 5,
-    "executorch": 6,
+    "hooks": 6,
     "cli": 7, "demo": 7, "__main__": 7, "_entry": 7,
     "": 8,  # ptdstream/__init__.py: the public API re-exports every layer
 }
@@ -113,16 +113,54 @@ def test_no_import_cycles():
     assert cycles == []
 
 
+def _folder(module: str) -> str:
+    """The package folder (or top-level module) a module belongs to: ``write.sink`` -> ``write``."""
+    return module.split(".")[0]
+
+
+def test_no_two_folders_import_each_other():
+    """Folders as units (``hooks`` imports ``sources``, so nothing in ``sources`` may import
+    ``hooks``), function-level imports counted; cycles of any length are reported."""
+    graph: Dict[str, Set[str]] = {}
+    for module, targets in _imports(_modules()).items():
+        for target in targets:
+            if target and module and _folder(target) != _folder(module):
+                graph.setdefault(_folder(module), set()).add(_folder(target))
+    cycles = []
+
+    def reaches(start: str, goal: str) -> bool:
+        stack, seen = [start], set()
+        while stack:
+            node = stack.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                stack.extend(graph.get(node, ()))
+        return False
+
+    for folder, targets in sorted(graph.items()):
+        cycles += [f"{folder} <-> {t}" for t in sorted(targets) if folder < t and reaches(t, folder)]
+    assert cycles == []
+
+
+def test_the_folder_test_sees_a_folder_pair():
+    """The folder graph is built from the same import walk: hooks -> sources, never back."""
+    graph = _imports(_modules())
+    assert any(_folder(t) == "sources" for m, ts in graph.items() if _folder(m) == "hooks" for t in ts)
+    assert not any(_folder(t) == "hooks" for m, ts in graph.items() if _folder(m) == "sources" for t in ts)
+
+
 def test_the_layer_test_sees_function_level_and_relative_imports():
     graph = _imports(_modules())
     assert "sources.cuda" in graph["sources"]  # a function-level relative import in as_source
     assert "format.verifier" in graph["format.pte_reader"]
-    assert "save" in graph["executorch.install"]
+    assert "save" in graph["hooks.install"]
 
 
 def _upstream_state():
     """Every class attribute and module global ptdstream may patch, by identity."""
-    from ptdstream.executorch import adapter, untrusted
+    from ptdstream.upstream import adapter, untrusted
 
     owners = list(untrusted._generated_classes())
     owners += [adapter.emitter_module(), adapter.emitter_class(), adapter.export_verifier_module(),

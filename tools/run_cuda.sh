@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -m pytest -q -p no:cacheprovider -m cuda tests/sources/test_cuda.py tests/interop/test_cuda_backend.py tests/interop/test_cuda_twins.py
+python3 -m pytest -q -p no:cacheprovider -m cuda tests/sources/test_cuda.py tests/hooks/test_cuda_backend.py tests/hooks/test_cuda_twins.py
 python3 benchmarks/bench_cuda.py "$@"

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError
-from ..executorch import adapter
+from ..upstream import adapter
 from ..format.ptd import ptd_file_name
 from ..format.reader import Artifact, parse_artifact, read_artifact
 from ..progress import progress_callback

@@ -33,7 +33,7 @@ COMMANDS = (cmd_verify, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_ext
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``ptdstream`` command."""
     from .. import __version__
-    from ..executorch.names import CHECKED_VERSIONS
+    from ..upstream.names import CHECKED_VERSIONS
 
     parser = Parser(prog="ptdstream", description="Verify, inspect, checksum and pack ExecuTorch "
                     ".pte/.ptd artifacts written by ptdstream or by ExecuTorch itself.",

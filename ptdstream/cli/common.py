@@ -242,7 +242,7 @@ def quiet_third_party() -> None:
     try:
         os.dup2(devnull, 2)
         try:
-            from ..executorch import adapter
+            from ..upstream import adapter
 
             adapter.preload_serializer()
         except ImportError:

@@ -1,7 +1,13 @@
-"""``python -m ptdstream.demo``: ``ptdstream demo`` (see :mod:`ptdstream.cli.cmd_demo`)."""
+"""``python -m ptdstream.demo``: the demo's own options (``--out``, ``--no-run``); the
+``ptdstream demo`` command adds the CLI's common ones (:mod:`ptdstream.cli.cmd_demo`)."""
 
+import argparse
 import sys
 
-from ..cli import main
+from . import add_arguments
+from .run import main
 
-sys.exit(main(["demo", *sys.argv[1:]]))
+parser = add_arguments(argparse.ArgumentParser(
+    prog="python -m ptdstream.demo",
+    description="Export a small model, stream-save it with ptdstream, verify it (see `ptdstream demo --help`)."))
+sys.exit(main(parser.parse_args()))

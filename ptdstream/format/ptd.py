@@ -13,7 +13,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
-from ..executorch import adapter
+from ..upstream import adapter
 from ..sources.base import Source
 from ..sources.fingerprint import Fingerprint
 from ..system.files import case_insensitive

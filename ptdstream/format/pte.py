@@ -19,7 +19,7 @@ import copy
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ..executorch import adapter
+from ..upstream import adapter
 from ..sources import BufferRing, Source, as_source
 from ..sources.fingerprint import candidate_key
 from .layout import pack_subsegments, padding_required, pte_head

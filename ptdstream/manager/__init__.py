@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..executorch import adapter
+from ..upstream import adapter
 from ..format.plan import FileRole, PlannedFile, SavePlan
 from ..format.ptd import plan_data_files
 from ..sources.base import BufferRing

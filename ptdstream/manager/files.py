@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ..executorch import adapter
-from ..executorch.adapter import ManagerParts
+from ..upstream import adapter
+from ..upstream.adapter import ManagerParts
 from ..format.plan import DataEntry, FilePlan
 from ..format.pte import PteOptions, plan_pte
 from ..sources import Source, as_source

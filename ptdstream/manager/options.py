@@ -8,7 +8,7 @@ extraction. In order of preference:
 1. an explicit ``config`` (an ``ExecutorchBackendConfig`` or
    :class:`~ptdstream.format.pte.PteOptions`);
 2. the config recorded on the manager when it was built, once
-   :func:`ptdstream.install` (or ``executorch.install.record_backend_configs``) is active;
+   :func:`ptdstream.install` (or ``hooks.install.record_backend_configs``) is active;
 3. the parameters read back from the manager's own serialized output: the .ptd
    segment alignment is kept by its ``FlatTensorSerializer``; the rest is found by
    planning the metadata head (a few KiB; no payload is touched) for candidate
@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any, Iterator, List, Optional
 
 from ..errors import LayoutError
-from ..executorch import adapter
-from ..executorch.adapter import ManagerParts
+from ..upstream import adapter
+from ..upstream.adapter import ManagerParts
 from ..format.identity import HEADER_OFFSET, ExtendedHeader
 from ..format.layout import pack_subsegments
 from ..format.pte import PteOptions

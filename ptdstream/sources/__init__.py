@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..executorch import adapter
+from ..upstream import adapter
 from .base import BufferRing, Source
 from .file import FileRangeSource
 from .memory import MemorySource
@@ -43,7 +43,7 @@ def as_source(data, label: str = "data") -> Source:
         return MemorySource(data, label)
     provider = getattr(type(data), "__ptdstream_source__", None)
     if provider is not None:
-        return provider(data)  # ptdstream.executorch.interop types: the fast path
+        return provider(data)  # ptdstream.hooks.interop types: the fast path
     path = adapter.file_backed_path(data)
     if path is not None:
         return FileRangeSource(path, 0, len(data))

@@ -70,7 +70,7 @@ class CudaTensorSource(Source):
 
     #: Recompute the GPU fingerprint once every byte is copied out and refuse a
     #: difference from the cached one (set for sources that stand for bytes
-    #: someone else holds, e.g. :func:`ptdstream.executorch.cuda_backend.stream_cuda_weights`).
+    #: someone else holds, e.g. :func:`ptdstream.hooks.cuda.backend.stream_cuda_weights`).
     verify_on_write = False
 
     device_kind = "cuda"

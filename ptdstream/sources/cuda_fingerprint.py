@@ -32,7 +32,7 @@ import secrets
 import struct
 from typing import Dict, Tuple
 
-from ..executorch.adapter import int_mm
+from ..upstream.adapter import int_mm
 from .fingerprint import Fingerprint
 
 ROW_NBYTES = 4096

@@ -11,7 +11,7 @@ import pytest
 from ptdstream import StreamingNamedDataStore
 from ptdstream.save import write_data_files
 from ptdstream.sources import MemorySource
-from ptdstream.sources.spill import SpillFile
+from ptdstream.hooks.cuda.spill import SpillFile
 
 
 def _store(spill):

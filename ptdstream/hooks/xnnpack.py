@@ -1,0 +1,128 @@
+"""XNNPACK's constants by reference: the delegate keeps a reference to each weight's storage, not a copy.
+
+executorch 1.5.1's XNNPACK backend serializes every constant it takes in
+``backends/xnnpack/operators/node_visitor.py``,
+``NodeVisitor.get_serialized_buffer_index``: it takes the weight
+(``get_param_tensor``), makes it contiguous and fp32 (or quantizes, packs,
+permutes it), then calls ``bytes(array)`` twice on a ``ctypes`` view of the
+result's storage: once for the SHA-256 that names it, once for the copy it
+adds to the ``NamedDataStore``, where it stays until the manager is dropped.
+For a float model that is one more copy of nearly every weight.
+
+Inside :func:`xnnpack_constants_by_reference`, a ``bytes(array)`` call of that
+module whose ``array`` is exactly the storage of the parameter
+``get_param_tensor`` just returned (the weight went through unchanged: already
+contiguous, already the dtype XNNPACK keeps) returns a
+:class:`~ptdstream.constants.StorageReference` instead; the module's
+``hashlib.sha256`` of it streams the storage (the same digest, so the same
+key), and the ``NamedDataStore`` takes it as it takes a file
+(``FileBackedData``). A converted weight (quantized, packed, permuted, cast)
+is a new tensor at another address: it is copied as upstream does. A storage
+mapped from a file (safetensors, ``torch.load(mmap=True)``) is read piece by
+piece with its pages dropped, as under :func:`ptdstream.constants_by_reference`.
+
+The XNNPACK lowering runs in ``to_edge_transform_and_lower``: wrap that call
+(optimum-executorch: the whole ``main_export``). ``ptdstream.save`` and
+upstream's writers write the same bytes as without the context. The module's
+global names ``bytes``, ``hashlib`` and ``get_param_tensor`` are shadowed while
+a context is active (through :func:`ptdstream.upstream.patching.shadowed`);
+only the thread or task that entered a context gets references. The names are
+registered in :mod:`ptdstream.upstream.names` and checked by
+``tests/hooks/test_xnnpack.py``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import contextvars
+import ctypes
+import functools
+import itertools
+import threading
+from typing import Iterator
+
+from ..upstream import adapter
+from .emitter import reference
+from .interop import EMITTER_HASHLIB
+from ..upstream.patching import shadowed
+
+_entered: contextvars.ContextVar = contextvars.ContextVar("ptdstream_xnnpack_by_reference", default=())
+_open: set = set()
+_ids = itertools.count()
+_last = threading.local()  # the parameter get_param_tensor returned last in this thread
+
+
+def _active() -> bool:
+    return any(i in _open for i in _entered.get())
+
+
+def _tracking(real):
+    """Wrap ``get_param_tensor`` so that :func:`_node_visitor_bytes` knows the weight."""
+
+    @functools.wraps(real)
+    def get_param_tensor(*args, **kwargs):
+        tensor = real(*args, **kwargs)
+        if _active():
+            _last.tensor = tensor
+        return tensor
+
+    return get_param_tensor
+
+
+def _node_visitor_bytes(*args, **kwargs):
+    """``bytes`` as XNNPACK's node visitor module sees it inside a context."""
+    import torch
+
+    tensor = getattr(_last, "tensor", None)
+    if (
+        isinstance(tensor, torch.Tensor)
+        and len(args) == 1
+        and not kwargs
+        and isinstance(args[0], ctypes.Array)
+        and _active()
+    ):
+        storage = tensor.untyped_storage()
+        view = args[0]
+        if (
+            storage.device.type == "cpu"
+            and storage.nbytes() > 0
+            and ctypes.addressof(view) == storage.data_ptr()
+            and ctypes.sizeof(view) == storage.nbytes()
+        ):
+            return reference(storage)
+    return builtins.bytes(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def xnnpack_constants_by_reference() -> Iterator[None]:
+    """While active, XNNPACK's lowering keeps unchanged weights as references to their storages.
+
+    Wrap ``to_edge_transform_and_lower`` (where XNNPACK serializes its
+    constants). Host memory saved: one copy of every weight XNNPACK takes
+    unchanged (fp32 weights of a fp32 model, fp16/bf16 ones of a fp16/bf16
+    model); quantized weights are new tensors and copied as upstream does. Do
+    not change the weights in place before the save: ``ptdstream.save`` then
+    raises ``IntegrityError`` naming the key.
+
+    Applies to the calling thread or asyncio task; nests; the patches are
+    removed when the last context exits.
+
+    Raises:
+        ImportError: executorch's XNNPACK backend is not importable.
+    """
+    module = adapter.xnnpack_node_visitor_module()
+    context_id = next(_ids)
+    _open.add(context_id)
+    token = _entered.set(_entered.get() + (context_id,))
+    try:
+        with shadowed(module, "bytes", _node_visitor_bytes), shadowed(module, "hashlib", EMITTER_HASHLIB), \
+                shadowed(module, "get_param_tensor", _tracking(module.get_param_tensor)):
+            yield
+    finally:
+        _open.discard(context_id)
+        _last.tensor = None
+        try:
+            _entered.reset(token)
+        except ValueError:
+            pass  # exited in another thread: the id is closed, which is what counts

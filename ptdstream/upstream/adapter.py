@@ -1,0 +1,251 @@
+"""The door to executorch's internals: every private name, behind one accessor each.
+
+Names are resolved through :mod:`ptdstream.upstream.names` (the registry the
+tests check against each release); patches go through
+:mod:`ptdstream.upstream.patching`. Public executorch API (``exir.schema``,
+``TensorLayout``, ``ExecutorchProgramManager``) may be imported where it is used.
+This module imports nothing of ptdstream but the registry: every other layer may
+import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .names import CHECKED_VERSIONS, resolve
+
+__all__ = ["CHECKED_VERSIONS", "ManagerParts"]
+
+_CORD = "executorch.exir._serialize._cord"
+_FB = "executorch.exir._serialize._flatbuffer_program"
+_COLLECTOR = "executorch.backends.cuda.cuda_weight_collector"
+
+#: ``FileBackedData``'s private fields that ptdstream's subclasses set themselves
+#: (they have no file to stat): path (or None), size in bytes, SHA-256 (or None,
+#: computed lazily) and the finalizer that would remove a temp file (None).
+FILE_BACKED_FIELDS = ("_path", "_size", "_sha256", "_finalizer")
+
+
+# ------------------------------------------------------------------ builders
+
+
+def program_to_flatbuffer(program, constant_tensor_alignment, delegate_alignment) -> Tuple[bytes, int]:
+    """Upstream's Python-builder flatbuffer for a ``Program`` and its max alignment.
+
+    ``exir/_serialize/_flatbuffer_program.py::_program_to_flatbuffer``: the exact
+    builder ``serialize_pte_binary`` uses (flatc gives other bytes).
+    """
+    result = resolve(_FB, "_program_to_flatbuffer")(
+        program,
+        constant_tensor_alignment=constant_tensor_alignment,
+        delegate_alignment=delegate_alignment,
+    )
+    return bytes(result.data), result.max_alignment
+
+
+def flat_tensor_to_flatbuffer(flat_tensor) -> bytes:
+    """Upstream's FlatTensor flatbuffer (JSON through the bundled flatc).
+
+    ``extension/flat_tensor/serialize/serialize.py::_serialize_to_flatbuffer``.
+    """
+    fn = resolve("executorch.extension.flat_tensor.serialize.serialize", "_serialize_to_flatbuffer")
+    return bytes(fn(flat_tensor))
+
+
+def flatbuffer_to_program(data: bytes):
+    """Parse a trusted program flatbuffer into ``executorch.exir.schema.Program``
+    (the manager's own output; untrusted files are read by :mod:`ptdstream.format`, or by
+    :mod:`.untrusted` where executorch's dataclasses are needed)."""
+    return resolve(_FB, "_flatbuffer_to_program")(data)
+
+
+def external_tensor_layouts(program) -> Dict[str, Any]:
+    """``{fqn: TensorLayout}`` of the program's external tensors, as upstream
+    computes them for the emitter's constants
+    (``exir/_serialize/_serialize.py::_extract_external_tensor_layouts``)."""
+    return resolve("executorch.exir._serialize._serialize", "_extract_external_tensor_layouts")(program)
+
+
+# ------------------------------------------------------------------ FileBackedData
+
+
+def file_backed_data_type() -> type:
+    """executorch's ``FileBackedData`` (``exir/_serialize/_cord.py``)."""
+    return resolve(_CORD, "FileBackedData")
+
+
+def file_backed_path(data: Any) -> Optional[str]:
+    """The path behind an executorch ``FileBackedData`` (private ``_path``), else None.
+
+    ptdstream's own subclasses without a file return None.
+    """
+    try:
+        cls = file_backed_data_type()
+    except ImportError:  # pragma: no cover - executorch is a dependency
+        return None
+    if isinstance(data, cls):
+        return data._path
+    return None
+
+
+def init_file_backed(obj: Any, path: Optional[str], nbytes: int, sha256: Optional[bytes] = None) -> None:
+    """Set the private fields of a ``FileBackedData`` subclass instance that does not
+    call ``FileBackedData.__init__`` (no file to stat): see :data:`FILE_BACKED_FIELDS`."""
+    obj._path, obj._size, obj._sha256, obj._finalizer = path, nbytes, sha256, None
+
+
+def cached_sha256(obj: Any) -> Optional[bytes]:
+    """A ``FileBackedData``'s cached SHA-256 (None until computed)."""
+    return obj._sha256
+
+
+def set_cached_sha256(obj: Any, digest: Optional[bytes]) -> None:
+    """Record a ``FileBackedData``'s SHA-256 (32 bytes) so it is not computed again."""
+    obj._sha256 = digest
+
+
+def cord_items(cord) -> Sequence[Any]:
+    """The pieces of an executorch ``Cord``, in order: bytes-likes and ``FileBackedData``."""
+    return cord._buffers
+
+
+# ------------------------------------------------------------------ the manager
+
+
+@dataclass(frozen=True)
+class ManagerParts:
+    """What a save needs from an ``ExecutorchProgramManager`` (its private fields).
+
+    Attributes:
+        program: the emitter's ``executorch.exir.schema.Program``, constants inline.
+        mutable_data: the emitter's ``List[Buffer]`` of mutable data, or None.
+        external_constant_buffer: the emitter's external constants (bytes-likes).
+        external_constant_map: ``{tag: {fqn: index into external_constant_buffer}}``.
+        named_data: the backends' ``NamedDataStoreOutput``, or None.
+        ptd_segment_alignment: bytes; the manager's ``FlatTensorSerializer``'s.
+        pte_head: the bytes before the first segment of the manager's own
+            serialized .pte (its metadata head; used to read layout parameters back).
+    """
+
+    program: Any
+    mutable_data: Optional[List[Any]]
+    external_constant_buffer: List[Any]
+    external_constant_map: Dict[str, Dict[str, int]]
+    named_data: Any
+    ptd_segment_alignment: int
+    pte_head: bytes
+
+
+def manager_parts(manager) -> ManagerParts:
+    """The :class:`ManagerParts` of an ``ExecutorchProgramManager`` (no payload copied)."""
+    emitter = manager._emitter_output
+    items = cord_items(manager._pte_data)
+    head = items[0] if items else b""
+    return ManagerParts(
+        program=emitter.program,
+        mutable_data=emitter.mutable_data,
+        external_constant_buffer=emitter.external_constant_buffer or [],
+        external_constant_map=emitter.external_constant_map or {},
+        named_data=manager._named_data,
+        ptd_segment_alignment=manager._data_serializer.config.segment_alignment,
+        pte_head=head if isinstance(head, bytes) else bytes(head),
+    )
+
+
+def reference_cords(manager) -> Tuple[Any, Dict[str, Any]]:
+    """The manager's own serialized output: the .pte ``Cord`` and ``{tag: Cord}``."""
+    return manager._pte_data, dict(manager._tensor_data or {})
+
+
+#: The attribute :func:`ptdstream.install` records a manager's config under.
+RECORDED_CONFIG_ATTR = "_ptdstream_backend_config"
+
+
+def recorded_backend_config(manager) -> Tuple[bool, Any]:
+    """``(True, config)`` when the manager was built while configs were recorded
+    (``config`` is an ``ExecutorchBackendConfig``; a manager built with none gets
+    the default one), else ``(False, None)``."""
+    if not hasattr(manager, RECORDED_CONFIG_ATTR):
+        return False, None
+    config = getattr(manager, RECORDED_CONFIG_ATTR)
+    if config is None:
+        from executorch.exir import ExecutorchBackendConfig
+
+        config = ExecutorchBackendConfig()
+    return True, config
+
+
+def manager_class() -> type:
+    """``executorch.exir.ExecutorchProgramManager``."""
+    from executorch.exir import ExecutorchProgramManager
+
+    return ExecutorchProgramManager
+
+
+def backend_config_argument(init, args: tuple, kwargs: dict) -> Any:
+    """The ``backend_config`` a call ``ExecutorchProgramManager.__init__(*args, **kwargs)``
+    passes (None when not given), bound by the real signature."""
+    import inspect
+
+    bound = inspect.signature(init).bind(*args, **kwargs)
+    return bound.arguments.get("backend_config")
+
+
+# ------------------------------------------------------------------ patched modules
+
+
+def emitter_module():
+    """executorch's emitter module (``exir/emit/_emitter.py``)."""
+    return resolve("executorch.exir.emit._emitter")
+
+
+def emitter_class():
+    """``exir/emit/_emitter.py::_Emitter``."""
+    return resolve("executorch.exir.emit._emitter", "_Emitter")
+
+
+def tensor_spec_storage(spec) -> Any:
+    """The ``torch.UntypedStorage`` of an emitter ``TensorSpec`` (None if unset)."""
+    return getattr(spec, "storage", None)
+
+
+def tensor_spec_fqn(spec) -> Optional[str]:
+    """The fully qualified name the emitter knows for ``spec`` (None if unknown)."""
+    return getattr(getattr(spec, "extra_tensor_info", None), "fully_qualified_name", None)
+
+
+def xnnpack_node_visitor_module():
+    """XNNPACK's node visitor module (``backends/xnnpack/operators/node_visitor.py``):
+    ``NodeVisitor.get_serialized_buffer_index`` copies each constant with ``bytes``."""
+    return resolve("executorch.backends.xnnpack.operators.node_visitor")
+
+
+def export_verifier_module():
+    """torch's export verifier module (``torch/_export/verifier.py``)."""
+    return resolve("torch._export.verifier")
+
+
+#: Names of ``executorch.backends.cuda.cuda_weight_collector`` that
+#: :func:`ptdstream.hooks.cuda.backend.stream_cuda_weights` replaces while
+#: active (see :data:`ptdstream.upstream.names.NAMES`).
+CUDA_COLLECTOR_PATCHED = ("_write_tensor_storage", "FileBackedData", "trim_host_memory")
+
+
+def cuda_weight_collector():
+    """executorch's CUDA backend weight collector module (``backends/cuda/cuda_weight_collector.py``).
+
+    Raises:
+        ImportError: executorch's CUDA backend is not importable.
+    """
+    return resolve(_COLLECTOR)
+
+
+def int_mm(a, b):
+    """``torch._int_mm(a, b)``: exact int8 x int8 -> int32 matrix product on CUDA."""
+    return resolve("torch", "_int_mm")(a, b)
+
+
+def preload_serializer() -> None:
+    """Import torch and executorch's serializer (slow, noisy imports) now."""
+    resolve(_FB, "_program_to_flatbuffer")

@@ -1,0 +1,109 @@
+"""The registry of every private executorch and torch name ptdstream relies on.
+
+Checked against executorch 1.5.1 (:data:`CHECKED_VERSIONS`). Code outside
+:mod:`ptdstream.executorch` reaches none of these names: it calls the accessors
+of :mod:`ptdstream.upstream.adapter`, which resolve them through
+:func:`resolve` (an unregistered name raises ``KeyError``). ``tests/executorch/
+test_upstream.py`` imports every entry of :data:`NAMES`, checks every
+:data:`FIELDS` entry on real objects and fails loudly, naming it, when a release
+renames or removes one. Supporting a newer executorch release starts here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+#: executorch releases the names below were checked against.
+CHECKED_VERSIONS = ("1.5.1",)
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """A private module-level name: ``module`` imported, then ``attribute`` (dotted,
+    ``""`` for the module itself) looked up; ``use`` says what ptdstream does with it."""
+
+    module: str
+    attribute: str
+    use: str
+
+    def resolve(self) -> Any:
+        """Import and return the object.
+
+        Raises:
+            ImportError: the module is gone (or its package is not installed).
+            AttributeError: the attribute is gone.
+        """
+        obj: Any = importlib.import_module(self.module)
+        for part in filter(None, self.attribute.split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+
+@dataclass(frozen=True)
+class PrivateField:
+    """A private instance attribute ptdstream reads or sets on executorch objects."""
+
+    owner: str
+    field: str
+    use: str
+
+
+_SER = "executorch.exir._serialize"
+_FB = f"{_SER}._flatbuffer_program"
+_COLLECTOR = "executorch.backends.cuda.cuda_weight_collector"
+
+NAMES: Tuple[PrivateName, ...] = (
+    PrivateName(f"{_SER}._cord", "FileBackedData", "data that lives in a file; ptdstream subclasses it"),
+    PrivateName(f"{_SER}._cord", "Cord", "the manager's serialized output, streamed by verify"),
+    PrivateName(_FB, "_program_to_flatbuffer", "the Python-builder .pte flatbuffer (flatc gives other bytes)"),
+    PrivateName(_FB, "_flatbuffer_to_program", "parse the manager's own metadata head (trusted input)"),
+    PrivateName(_FB, "_convert_from_flatbuffer_dataclass", "object API -> schema dataclasses (untrusted parse)"),
+    PrivateName(_FB, "_patch_generated_flatbuffer_aliases", "upstream's own alias fix before an object-API parse"),
+    PrivateName(f"{_SER}.generated.executorch_flatbuffer", "", "generated *T classes, counted in an untrusted parse"),
+    PrivateName(f"{_SER}.generated.executorch_flatbuffer.Program", "ProgramT", "object-API root of a program"),
+    PrivateName(f"{_SER}._serialize", "_extract_external_tensor_layouts", "layouts of emitter constants in a .ptd"),
+    PrivateName("executorch.extension.flat_tensor.serialize.serialize", "_serialize_to_flatbuffer",
+                "the FlatTensor flatbuffer (JSON through the bundled flatc)"),
+    PrivateName("executorch.exir.emit._emitter", "", "module globals 'bytes' and 'hashlib' shadowed by emitter.py"),
+    PrivateName("executorch.exir.emit._emitter", "_Emitter", "the emitter class whose method emitter.py wraps"),
+    PrivateName("executorch.exir.emit._emitter", "_Emitter._tensor_spec_to_evalue",
+                "copies a constant with the module's only bytes() call"),
+    PrivateName("executorch.exir.emit._emitter", "_Emitter._emit_delegate", "hashes and keeps processed_bytes"),
+    PrivateName("torch._export.verifier", "", "module global 'bytes' shadowed by blobs.py"),
+    PrivateName("executorch.backends.xnnpack.operators.node_visitor", "",
+                "module globals 'bytes', 'hashlib' and 'get_param_tensor' shadowed by xnnpack.py"),
+    PrivateName("executorch.backends.xnnpack.operators.node_visitor", "NodeVisitor.get_serialized_buffer_index",
+                "copies each XNNPACK constant with bytes() into the NamedDataStore"),
+    PrivateName(_COLLECTOR, "", "executorch's CUDA backend weight collector (cuda_backend.py)"),
+    PrivateName(_COLLECTOR, "_write_tensor_storage", "replaced: copies one AOTI storage to a file, returns SHA-256"),
+    PrivateName(_COLLECTOR, "FileBackedData", "replaced: move_from(path, sha256) turns that file into named data"),
+    PrivateName(_COLLECTOR, "trim_host_memory", "replaced: gc.collect + malloc_trim around each method"),
+    PrivateName("torch", "_int_mm", "exact int8 matrix product of the GPU fingerprint"),
+)
+
+FIELDS: Tuple[PrivateField, ...] = (
+    PrivateField("executorch.exir.ExecutorchProgramManager", "_emitter_output", "program, mutable data, external constants"),
+    PrivateField("executorch.exir.ExecutorchProgramManager", "_named_data", "the backends' NamedDataStoreOutput"),
+    PrivateField("executorch.exir.ExecutorchProgramManager", "_data_serializer", "the FlatTensorSerializer's config"),
+    PrivateField("executorch.exir.ExecutorchProgramManager", "_pte_data", "the .pte Cord (reference for verify)"),
+    PrivateField("executorch.exir.ExecutorchProgramManager", "_tensor_data", "{tag: Cord} (reference for verify)"),
+    PrivateField(f"{_SER}._cord.Cord", "_buffers", "the Cord's pieces (bytes or FileBackedData)"),
+    PrivateField(f"{_SER}._cord.FileBackedData", "_path", "set by ptdstream's FileBackedData subclasses"),
+    PrivateField(f"{_SER}._cord.FileBackedData", "_size", "set by ptdstream's FileBackedData subclasses"),
+    PrivateField(f"{_SER}._cord.FileBackedData", "_sha256", "set by ptdstream's FileBackedData subclasses"),
+    PrivateField(f"{_SER}._cord.FileBackedData", "_finalizer", "set by ptdstream's FileBackedData subclasses"),
+)
+
+_BY_KEY: Dict[Tuple[str, str], PrivateName] = {(n.module, n.attribute): n for n in NAMES}
+
+
+def resolve(module: str, attribute: str = "") -> Any:
+    """The registered private name ``module`` + ``attribute``, imported.
+
+    Raises:
+        KeyError: the name is not in :data:`NAMES` (register it first).
+        ImportError, AttributeError: it is registered but gone from this release.
+    """
+    return _BY_KEY[(module, attribute)].resolve()
