@@ -17,6 +17,12 @@ Three ways in:
 The package map is in docs/ARCHITECTURE.md.
 """
 
+# First: in the ptdstream command, Ctrl-C from here on is one line and exit 130
+# (ptdstream._entry); in any other program this does nothing.
+from ._entry import guard_startup as _guard_startup
+
+_guard_startup()
+
 import importlib
 
 from .errors import FormatError, IntegrityError, LayoutError, PtdstreamError, StateError

@@ -1,16 +1,123 @@
-"""The ``ptdstream`` command's entry point: Ctrl-C while the command's own modules
-import is reported like Ctrl-C anywhere else (one line, exit 130)."""
+"""The ``ptdstream`` command's entry point and its Ctrl-C handling at start-up and exit.
+
+In the ``ptdstream`` process (the console script, or ``python -m ptdstream``), a
+SIGINT is one line on stderr (``ptdstream: interrupted``) and exit 130 from the
+first line of ``ptdstream/__init__.py`` on, never a traceback, never carried on:
+
+* start-up (imports, argument parsing): the handler installed by
+  :func:`guard_startup` writes the line and ends the process at once
+  (``os._exit(130)``). Nothing has been created yet, and a handler that exits
+  cannot be swallowed (a ``KeyboardInterrupt`` raised inside an ``except
+  BaseException``, a finalizer or a callback can be);
+* the command (from when :func:`ptdstream.cli.main` has parsed the arguments,
+  before it reads stdin or touches a file): Python's own handler again, so
+  ``KeyboardInterrupt`` unwinds through the clean-up and ``cli.main`` reports it;
+* after the command returned: a SIGINT ends the process with the command's exit
+  code (its output is flushed first), with no traceback from the interpreter's
+  shutdown.
+
+Only the main thread of the ``ptdstream`` process is affected, and only while
+SIGINT has Python's default handler: ``import ptdstream`` in any other program,
+an inherited ``SIG_IGN`` (a background job) and in-process calls of
+:func:`main` keep theirs. Before the interpreter runs ``ptdstream/__init__.py``
+(its own start-up, ``site``) a SIGINT is the interpreter's to handle.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+
+__all__ = ["guard_startup", "is_command", "main"]
+
+_LINE = b"ptdstream: interrupted\n"
+_INTERRUPTED = 130
+
+
+def is_command() -> bool:
+    """Whether this process is the ``ptdstream`` command: the console script
+    (``sys.argv[0]`` named ``ptdstream``) or ``python -m ptdstream``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0).lower() in ("ptdstream", "ptdstream.exe", "ptdstream-script.py"):
+        return True
+    if argv0 == "-m":  # python -m: sys.argv[0] is "-m" while the package imports
+        orig = list(getattr(sys, "orig_argv", ()))
+        return any(a == "-mptdstream" or (a == "-m" and orig[i + 1 : i + 2] == ["ptdstream"])
+                   for i, a in enumerate(orig))
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "ptdstream.__main__"
+
+
+def _exit_interrupted(signum, frame) -> None:
+    """Start-up: the one line, then exit 130 at once."""
+    try:
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - stderr may be closed or mid-write
+        pass
+    try:
+        os.write(2, _LINE)
+    except OSError:
+        pass
+    os._exit(_INTERRUPTED)
+
+
+_exit_interrupted.ptdstream_startup = True  # type: ignore[attr-defined]
+_exit_interrupted.ptdstream_handler = True  # type: ignore[attr-defined]
+
+
+def _swap(handler) -> bool:
+    """Install ``handler`` for SIGINT if Python's default handler or one of ours is in
+    place (main thread only); True if it was installed."""
+    try:
+        current = signal.getsignal(signal.SIGINT)
+        if current is not signal.default_int_handler and not getattr(current, "ptdstream_handler", False):
+            return False
+        signal.signal(signal.SIGINT, handler)
+    except (ValueError, OSError):  # not the main thread
+        return False
+    return True
+
+
+def guard_startup() -> bool:
+    """In the ``ptdstream`` process (:func:`is_command`), make SIGINT exit at once with
+    the one line until the arguments are parsed; elsewhere do nothing. True if installed."""
+    return is_command() and _swap(_exit_interrupted)
+
+
+def _end_startup() -> None:
+    """Give SIGINT back to Python's handler (``KeyboardInterrupt``) if the start-up
+    handler is in place; anything else is left as it is (``cli.main`` does the same)."""
+    if getattr(signal.getsignal(signal.SIGINT), "ptdstream_startup", False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _finish(code: int) -> int:
+    """After the command returned ``code``: flush its output, then let a SIGINT end
+    the process with ``code`` (only in the ``ptdstream`` process)."""
+    if not is_command():
+        _end_startup()
+        return code
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: cli.main has reported what it could
+            pass
+
+    def finished(signum, frame) -> None:
+        os._exit(code)
+
+    finished.ptdstream_handler = True  # type: ignore[attr-defined]
+    _swap(finished)
+    return code
 
 
 def main() -> int:
     """Import the command line and run it (see :func:`ptdstream.cli.main`)."""
+    guard_startup()  # already done by ptdstream/__init__.py in the ptdstream process
     try:
         from .cli import main as run
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # only where the start-up handler is not installed
         print("ptdstream: interrupted", file=sys.stderr)
-        return 130
-    return run()
+        return _finish(_INTERRUPTED)
+    return _finish(run())

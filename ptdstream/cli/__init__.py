@@ -64,6 +64,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = _parse(parser, argv)
         if args is None:
             return EXIT_USAGE
+        _end_startup()  # before any file is touched: Ctrl-C raises KeyboardInterrupt, clean-up runs
         if args.imports_torch and not args.verbose:
             quiet_third_party()
         with contextlib.ExitStack() as stack:
@@ -81,6 +82,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args is None and "--json" in (sys.argv[1:] if argv is None else argv):
             args = argparse.Namespace(json=True, command=None)  # a usage error of a --json run
         return _report_error(e, args)
+
+
+def _end_startup() -> None:
+    """Give SIGINT back to Python's handler if the entry point's start-up handler
+    (``ptdstream._entry``: one line, exit 130 at once) is in place."""
+    import signal
+
+    if getattr(signal.getsignal(signal.SIGINT), "ptdstream_startup", False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _parse(parser: argparse.ArgumentParser, argv) -> Optional[argparse.Namespace]:
