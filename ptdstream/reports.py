@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, ClassVar, Tuple
+from typing import Any, ClassVar
 
 
 class Report:
     """Mixin for report dataclasses: ``summary()``, ``to_dict()``, ``to_json() -> str``."""
 
     #: Properties added to :meth:`to_dict` beside the dataclass fields (``"ok"``, ``"gbps"``...).
-    derived: ClassVar[Tuple[str, ...]] = ()
+    derived: ClassVar[tuple[str, ...]] = ()
 
     def summary(self) -> str:
         """Text for people: one line or a few."""

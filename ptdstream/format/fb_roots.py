@@ -8,14 +8,12 @@ without checks. Neither imports torch nor executorch.
 
 from __future__ import annotations
 
-from typing import Union
-
 from .flat_tensor_fb.FlatTensor import FlatTensor
 from .program_fb.Program import Program
 from .program_fb.Tensor import Tensor
 from .verifier import verify_buffer
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 def program_root(buf: Buffer) -> Program:

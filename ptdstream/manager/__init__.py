@@ -8,7 +8,7 @@ what); ``options`` finds the layout parameters the manager was built with;
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from ..upstream import adapter
 from ..format.plan import FileRole, PlannedFile, SavePlan
@@ -26,8 +26,8 @@ def plan_manager(
     path: str,
     *,
     config: Any = None,
-    data_dir: Optional[str] = None,
-    ring: Optional[BufferRing] = None,
+    data_dir: str | None = None,
+    ring: BufferRing | None = None,
 ) -> SavePlan:
     """Plan every file ``save`` would write, without writing anything.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def pread_exact(fd: int, view: memoryview, offset: int) -> int:
