@@ -26,7 +26,7 @@ class Report:
 
     def to_dict(self) -> dict:
         """The fields (nested dataclasses as dicts) and the :attr:`derived` properties."""
-        out = dataclasses.asdict(self)  # type: ignore[call-overload]
+        out = dataclasses.asdict(self)  # type: ignore[call-overload]  # every Report is a dataclass
         for name in self.derived:
             out[name] = getattr(self, name)
         return out

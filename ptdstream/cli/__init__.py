@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     for stream in (sys.stdout, sys.stderr):
         try:  # file names need not be UTF-8: print them escaped, never fail on them
-            stream.reconfigure(errors="backslashreplace")
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # AttributeError is caught
         except (AttributeError, ValueError):
             pass
     args = None

@@ -67,7 +67,8 @@ class PeakRssSampler:
     def __exit__(self, *exc) -> None:
         if self._use_proc:
             self._stop.set()
-            self._thread.join()
+            if self._thread is not None:
+                self._thread.join()
             self._sample()
         else:
             self._peak = self._maxrss_nbytes()

@@ -40,12 +40,17 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 from collections.abc import Iterator
 
 from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_embedding
 from . import DATA_TAG, METHODS
 from .rss import PeakRssSampler
+
+if TYPE_CHECKING:  # imported where they are used: torch and the writer load only when the demo runs
+    from ..check.compare import CompareReport
+    from ..save import SaveReport
+    from .model import TinyLM
 
 
 class Stages:
@@ -72,8 +77,8 @@ class Stages:
 class DemoBuild:
     """The eager model, its lowered manager and the export timings (seconds)."""
 
-    model: object  # ptdstream.demo.model.TinyLM
-    manager: object  # executorch ExecutorchProgramManager
+    model: TinyLM
+    manager: Any  # executorch ExecutorchProgramManager
     export_seconds: float
     lower_seconds: float
 
@@ -135,10 +140,10 @@ class DemoResult:
     """Everything the demo measured; ``exit_code`` is 0 only when all checks pass."""
 
     build: DemoBuild
-    report: object  # ptdstream.SaveReport
+    report: SaveReport
     rss_added_nbytes: int
     rss_method: str
-    files: tuple[object, ...]  # ptdstream.check.compare.CompareReport, the .pte first
+    files: tuple[CompareReport, ...]  # the .pte first
     tied: TiedEmbedding
     runtime: RuntimeCheck | None  # None with --no-run
 

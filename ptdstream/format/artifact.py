@@ -10,7 +10,8 @@ import bisect
 import functools
 from dataclasses import dataclass
 from itertools import pairwise
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..errors import FormatError
 from .identity import HEADER_OFFSET, ExtendedHeader, FlatTensorHeader
@@ -134,12 +135,13 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
 
 
-def check_index(name: str, base: int, spans, index: int, what: str) -> None:
+def check_index(name: str, base: int, spans: Sequence[tuple[int, int]], index: int, what: str) -> None:
     if not 0 <= index < len(spans):
         raise fail(name, base, f"{what} names segment {index}, but there are {len(spans)} segments")
 
 
-def subsegments(name, base, spans, index, offsets, what) -> tuple[int, ...]:
+def subsegments(name: str, base: int, spans: Sequence[tuple[int, int]], index: int, offsets: Iterable[int],
+                what: str) -> tuple[int, ...]:
     check_index(name, base, spans, index, f"{what} segment")
     seg_offset, seg_nbytes = spans[index]
     values = tuple(int(o) for o in offsets)
@@ -152,14 +154,15 @@ def subsegments(name, base, spans, index, offsets, what) -> tuple[int, ...]:
     return values
 
 
-def label(labels: dict[int, list], index: int, label: str, key: str | None = None) -> None:
+def label(labels: dict[int, list[Any]], index: int, label: str, key: str | None = None) -> None:
     """First reference names a segment; named-data keys accumulate on a named segment."""
     entry = labels.setdefault(index, [label, []])
     if key is not None and entry[0] == label:
         entry[1].append(key)
 
 
-def segments_of(name, base, spans, labels, limit, has_header) -> tuple[Segment, ...]:
+def segments_of(name: str, base: int, spans: Sequence[tuple[int, int]], labels: dict[int, list[Any]], limit: int,
+                has_header: bool) -> tuple[Segment, ...]:
     out = []
     for i, (offset, size) in enumerate(spans):
         if offset < 0 or size < 0:

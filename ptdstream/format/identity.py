@@ -147,7 +147,7 @@ class FlatTensorHeader:
         (length,) = struct.unpack_from("<I", data, 4)
         if length < cls.LENGTH:
             return None
-        fields = struct.unpack_from("<QQQQ", data, 8)
-        return cls(*fields, length=length)
+        offset, size, base, data_size = struct.unpack_from("<QQQQ", data, 8)
+        return cls(offset, size, base, data_size, length=length)
 
 

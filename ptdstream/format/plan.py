@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ..sources.base import Source
 from ..sources.fingerprint import PREFIX_NBYTES, Fingerprint
@@ -184,7 +184,7 @@ def assemble(
     )
 
 
-def iter_sources(plans: Iterable[FilePlan]):
+def iter_sources(plans: Iterable[FilePlan]) -> Iterator[tuple[FilePlan, Extent]]:
     """Every payload extent of ``plans``, in write order."""
     for plan in plans:
         for e in plan.extents:

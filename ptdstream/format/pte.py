@@ -18,10 +18,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..upstream import adapter
 from ..sources import BufferRing, Source, as_source
-from ..sources.fingerprint import candidate_key
+from ..sources.fingerprint import CandidateKey, candidate_key
 from .layout import pack_subsegments, padding_required, pte_head
 from .plan import DataEntry, Extent, FilePlan, SegmentPlan, assemble, named_segments, place
 
@@ -46,7 +47,7 @@ class PteOptions:
     delegate_alignment: int | None = None
 
     @staticmethod
-    def from_backend_config(config) -> PteOptions:
+    def from_backend_config(config: Any) -> PteOptions:
         """Take the four fields from an ``ExecutorchBackendConfig``."""
         return PteOptions(
             extract_delegate_segments=config.extract_delegate_segments,
@@ -57,8 +58,8 @@ class PteOptions:
 
 
 def _packed_segment(
-    buffers: Sequence, alignment: int | None, label: str
-) -> tuple:
+    buffers: Sequence[Any], alignment: int | None, label: str
+) -> tuple[tuple[Extent, ...], list[int], int]:
     """Parts and offsets of tensors packed in one segment (constant or mutable)."""
     sizes = [len(b.storage) for b in buffers]
     offsets, total = pack_subsegments(sizes, alignment)
@@ -75,7 +76,7 @@ def _packed_segment(
     return tuple(parts), list(offsets), total
 
 
-def _extract_delegates(program, segments: list[SegmentPlan]) -> None:
+def _extract_delegates(program: Any, segments: list[SegmentPlan]) -> None:
     """Move non-empty inline delegate blobs into segments, deduplicated by content.
 
     Modifies the metadata ``program`` in place exactly as upstream's
@@ -83,9 +84,9 @@ def _extract_delegates(program, segments: list[SegmentPlan]) -> None:
     """
     from executorch.exir.schema import BackendDelegateDataReference, DataLocation
 
-    remaining = []
-    seen = set()
-    by_candidate: dict[tuple, list[tuple]] = {}
+    remaining: list[Any] = []
+    seen: set[int] = set()
+    by_candidate: dict[CandidateKey, list[tuple[Source, int]]] = {}
     for plan in program.execution_plan:
         for delegate in plan.delegates:
             if delegate.processed.location != DataLocation.INLINE:
@@ -129,7 +130,7 @@ def _extract_delegates(program, segments: list[SegmentPlan]) -> None:
     program.backend_delegate_data = remaining
 
 
-def _find_equal(by_candidate: dict[tuple, list[tuple]], source: Source) -> int | None:
+def _find_equal(by_candidate: dict[CandidateKey, list[tuple[Source, int]]], source: Source) -> int | None:
     """Index of an earlier delegate blob with the same bytes (exact comparison)."""
     for other, index in by_candidate.get(candidate_key(source), ()):
         if other is source or _same_bytes(other, source):
@@ -146,9 +147,9 @@ def _same_bytes(a: Source, b: Source) -> bool:
 
 
 def plan_pte(
-    program,
+    program: Any,
     *,
-    mutable_data: Sequence | None = None,
+    mutable_data: Sequence[Any] | None = None,
     named_buffers: Sequence[Source] = (),
     named_data: Mapping[str, DataEntry] | None = None,
     options: PteOptions = PteOptions(),

@@ -10,6 +10,7 @@ is never read.
 
 from __future__ import annotations
 
+from typing import Any
 
 from .artifact import (
     Artifact,
@@ -59,8 +60,9 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
                    f"flatbuffer verification: {e.what}") from None
     spans = [(s.Offset(), s.Size()) for s in map(program.Segments, range(program.SegmentsLength()))]
     limit = base + data_nbytes if header is not None and header.length >= ExtendedHeader.LENGTH else nbytes
-    labels: dict[int, list] = {}
-    const_index, const_offsets = None, ()
+    labels: dict[int, list[Any]] = {}
+    const_index: int | None = None
+    const_offsets: tuple[int, ...] = ()
     cs = program.ConstantSegment()
     if cs is not None and cs.OffsetsLength() > 0:
         const_index = cs.SegmentIndex()
@@ -92,11 +94,11 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
     )
 
 
-def _offsets(sub) -> tuple[int, ...]:
+def _offsets(sub: Any) -> tuple[int, ...]:
     return tuple(sub.Offsets(j) for j in range(sub.OffsetsLength()))
 
 
-def _external_tensors(program) -> tuple[ExternalTensor, ...]:
+def _external_tensors(program: Any) -> tuple[ExternalTensor, ...]:
     """Tensors the program marks EXTERNAL, by fully qualified name (first one wins)."""
     found: dict[str, ExternalTensor] = {}
     for plan in map(program.ExecutionPlan, range(program.ExecutionPlanLength())):

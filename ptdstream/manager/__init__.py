@@ -52,7 +52,7 @@ def plan_manager(
     folder = data_dir if data_dir is not None else (os.path.dirname(path) or ".")
     store = StreamingNamedDataStore(ring)
     found = data_files(parts, store)
-    planned_data = ()
+    planned_data: tuple[PlannedFile, ...] = ()
     if found is not None:
         planned_data = plan_data_files(found.buffers, found.external_data, folder,
                                        segment_alignment=parts.ptd_segment_alignment,

@@ -60,7 +60,7 @@ def infer_options(manager, parts: ManagerParts | None = None) -> PteOptions:
     for options in _candidates(parts):
         plan = plan_program(parts, options, "probe.pte")
         head = plan.extents[0].data
-        if head[: len(reference)] == reference and len(head) >= len(reference):
+        if head is not None and head[: len(reference)] == reference and len(head) >= len(reference):
             return options
     raise LayoutError(
         "could not read the layout parameters back from the manager's output; "

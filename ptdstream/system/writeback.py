@@ -139,6 +139,9 @@ class WritebackWindows:
         self._windows.put((start, end))
 
     def _serve(self) -> None:
+        sync_file_range = _sync_file_range
+        if sync_file_range is None:  # submit() starts this thread only when it is there
+            return
         under_writeback: collections.deque[tuple[int, int]] = collections.deque()
         while True:
             window = self._windows.get()
@@ -147,11 +150,11 @@ class WritebackWindows:
             timeline = stage_timeline()
             t = time.perf_counter() if timeline is not None else 0.0
             start, end = window
-            _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
+            sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
             under_writeback.append(window)
             while len(under_writeback) > self.inflight:
                 old_start, old_end = under_writeback.popleft()
-                _sync_file_range(
+                sync_file_range(
                     self._fd,
                     old_start,
                     old_end - old_start,

@@ -71,7 +71,7 @@ def external_tensor_layouts(program) -> dict[str, Any]:
 # ------------------------------------------------------------------ FileBackedData
 
 
-def file_backed_data_type() -> type:
+def file_backed_data_type() -> type[Any]:
     """executorch's ``FileBackedData`` (``exir/_serialize/_cord.py``)."""
     return resolve(_CORD, "FileBackedData")
 
