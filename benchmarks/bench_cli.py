@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from _measure import MiB, median  # noqa: E402
+from _measure import MiB, median  # noqa: E402 - after the sys.path entries that find it
 
 GiB = 1 << 30
 PY = sys.executable
