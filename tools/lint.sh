@@ -19,7 +19,7 @@ gate() {  # gate NAME CMD...: run CMD, print its wall time, remember a failure
   if "$@"; then echo "-- $name passed ($((SECONDS - start)) s)"; else echo "-- $name FAILED ($((SECONDS - start)) s)"; failed=1; fi
 }
 unexplained() {  # suppressions with no reason after their codes (flatc's generated *_fb/ excluded)
-  ! git ls-files -z -- '*.py' ':!:*_fb/*' | xargs -0 grep -nE \
+  ! git ls-files -z -- '*.py' ':!:*_fb/*' | xargs -0 grep -HnE \
     -e '#[[:space:]]*noqa(:[[:space:]]*[A-Z]+[0-9]+([[:space:]]*,[[:space:]]*[A-Z]+[0-9]+)*)?[[:space:]]*$' \
     -e '#[[:space:]]*type:[[:space:]]*ignore(\[[^]]*\])?[[:space:]]*$'
 }
