@@ -30,7 +30,8 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any
+from collections.abc import Callable, Iterable
 
 MiB = 1 << 20
 PIECE_NBYTES = 8 * MiB
@@ -72,11 +73,11 @@ class RssMonitor:
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
-        self._sampler: Optional["RssSampler"] = None
+        self._sampler: RssSampler | None = None
         self._hwm_ok = False
         self.baseline_nbytes = 0
         self.sampled_peak_nbytes = 0
-        self.hwm_peak_nbytes: Optional[int] = None
+        self.hwm_peak_nbytes: int | None = None
         self.added_nbytes = 0
 
     def start(self) -> None:
@@ -169,7 +170,7 @@ def resident_nbytes(path: str) -> int:
         return _resident_fincore(path)
 
 
-def files_under(folder: str) -> List[str]:
+def files_under(folder: str) -> list[str]:
     """Every regular file under ``folder`` (temp files included), sorted."""
     found = []
     for root, _dirs, names in os.walk(folder):
@@ -205,7 +206,7 @@ def fsync_dir(folder: str) -> None:
 # ---------------------------------------------------------------- machine noise
 
 
-def device_written_nbytes(path: str) -> Optional[int]:
+def device_written_nbytes(path: str) -> int | None:
     """Bytes written so far to the block device holding ``path`` (``/sys/dev/block``)."""
     st = os.stat(path)
     try:
@@ -221,7 +222,7 @@ def loadavg1() -> float:
         return float(f.read().split()[0])
 
 
-def _cpu_times() -> Tuple[int, int]:
+def _cpu_times() -> tuple[int, int]:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
@@ -237,7 +238,7 @@ def busy_cores(window_s: float = 0.25) -> float:
     return ncpu * (busy1 - busy0) / max(1, total1 - total0)
 
 
-def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.3) -> Tuple[float, float]:
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.3) -> tuple[float, float]:
     """Wait (at most ``max_wait_s``) until other processes use < ``threshold_cores`` CPUs.
 
     Call it while this process is idle. Returns ``(seconds waited, busy cores last seen)``.
@@ -348,7 +349,7 @@ def raw_write_fsync(path: str, nbytes: int, buf: memoryview) -> float:
     return time.perf_counter() - t
 
 
-def timeline_lines(timeline: dict, indent: str = "    ") -> List[str]:
+def timeline_lines(timeline: dict, indent: str = "    ") -> list[str]:
     """One line per stage: busy seconds, share of the save's wall time, GB/s."""
     wall = timeline["wall_seconds"]
     lines = [f"{indent}{'stage':<52} {'busy s':>7} {'% wall':>7} {'GiB':>7} {'GB/s':>7} {'calls':>7}"]

@@ -40,19 +40,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from _measure import MiB, median  # noqa: E402
+from _measure import MiB, median  # noqa: E402 - after the sys.path entries that find it
 
 GiB = 1 << 30
 PY = sys.executable
 
 
-def _exports(folder: str) -> Dict[str, Tuple[str, ...]]:
+def _exports(folder: str) -> dict[str, tuple[str, ...]]:
     """Three small exports: {name: (pte, [ptd])}. Imports torch (not timed)."""
     import warnings
 
@@ -80,7 +80,7 @@ def _exports(folder: str) -> Dict[str, Tuple[str, ...]]:
     return out
 
 
-def timed(cmd: Sequence[str], stdout=subprocess.DEVNULL) -> Tuple[float, int, int]:
+def timed(cmd: Sequence[str], stdout=subprocess.DEVNULL) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes, exit code) of ``cmd`` as its own process."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
         start = time.perf_counter()
@@ -91,7 +91,7 @@ def timed(cmd: Sequence[str], stdout=subprocess.DEVNULL) -> Tuple[float, int, in
     return wall, int(lines[-1]) * 1024 if lines else 0, rc
 
 
-def small(files: Dict[str, Tuple[str, ...]], runs: int) -> List[Tuple[str, str, float, float, int, bool]]:
+def small(files: dict[str, tuple[str, ...]], runs: int) -> list[tuple[str, str, float, float, int, bool]]:
     rows = []
     lib = ("import sys; from ptdstream.check.structure import check_structure; "
            "sys.exit(0 if check_structure(sys.argv[1], sys.argv[2:]).ok else 1)")
@@ -128,7 +128,7 @@ def _drop(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
-def _make_large(folder: str, nbytes: int) -> Tuple[str, str]:
+def _make_large(folder: str, nbytes: int) -> tuple[str, str]:
     block = os.urandom(64 * MiB)
     paths = (os.path.join(folder, "a.bin"), os.path.join(folder, "b.bin"))
     for p in paths:
@@ -144,7 +144,7 @@ def _make_large(folder: str, nbytes: int) -> Tuple[str, str]:
     return paths
 
 
-def large(folder: str, nbytes: int, runs: int) -> List[Tuple[str, float, bool]]:
+def large(folder: str, nbytes: int, runs: int) -> list[tuple[str, float, bool]]:
     a, b = _make_large(folder, nbytes)
     cases = [
         ("ptdstream verify A --against B", [PY, "-m", "ptdstream", "verify", a, "--against", b]),
@@ -152,8 +152,8 @@ def large(folder: str, nbytes: int, runs: int) -> List[Tuple[str, float, bool]]:
         ("dd A; dd B (bs=8M)", ["sh", "-c", f"dd if={a} of=/dev/null bs=8M status=none && "
                                               f"dd if={b} of=/dev/null bs=8M status=none"]),
     ]
-    times: Dict[str, List[float]] = {label: [] for label, _ in cases}
-    ok: Dict[str, bool] = {label: True for label, _ in cases}
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    ok: dict[str, bool] = {label: True for label, _ in cases}
     for r in range(runs):
         for label, cmd in (cases if r % 2 == 0 else cases[::-1]):  # alternate the order
             _drop((a, b))

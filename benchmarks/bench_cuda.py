@@ -38,7 +38,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import raw_write_fsync, timeline_lines  # noqa: E402
+from _measure import raw_write_fsync, timeline_lines
 
 
 def rss() -> int:
@@ -224,8 +224,10 @@ def table(results) -> str:
                           ("pinned D2H copy alone", "pinned_copy_s"),
                           ("raw write + fsync", "raw_s"), ("upstream-style (.cpu+sha256+write)", "upstream_style_s")):
             s = r[key]
-            lines.append(f"{r['gib']:>4} {name:<34} {s:>8.2f} {n / s / 1e9:>7.2f} {floor / s:>22.3f} {r['upstream_style_s'] / s:>17.2f}")
-        lines.append(f"{r['gib']:>4} {'GPU fingerprint':<34} {r['fingerprint_s']:>8.3f} {n / r['fingerprint_s'] / 1e9:>7.0f}")
+            lines.append(f"{r['gib']:>4} {name:<34} {s:>8.2f} {n / s / 1e9:>7.2f} {floor / s:>22.3f} "
+                         f"{r['upstream_style_s'] / s:>17.2f}")
+        lines.append(f"{r['gib']:>4} {'GPU fingerprint':<34} {r['fingerprint_s']:>8.3f} "
+                     f"{n / r['fingerprint_s'] / 1e9:>7.0f}")
         lines.append(f"     second method, same storages: {r['readd_same_storage_s'] * 1e3:.2f} ms "
                      f"({100 * r['readd_same_storage_s'] / r['ptdstream_s']:.3f}% of the first write); "
                      f"equal copies: {r['readd_equal_copy_s'] * 1e3:.1f} ms "

@@ -36,8 +36,8 @@ lowering and for the save apart; "CUDA context RSS" is the host memory that
 GPU fingerprint's kernels (cuBLAS int8) and of the pinned ring is measured before
 lowering, apart from "RSS+".
 
-Weight handling (``weights s``; ``/raw`` divides it by the raw write) = the time spent in the collector's ``materialize`` (once per
-method: upstream's copy + hash + write, or ptdstream's device copy + GPU
+Weight handling (``weights s``; ``/raw`` divides it by the raw write) = the time spent in the collector's
+``materialize`` (once per method: upstream's copy + hash + write, or ptdstream's device copy + GPU
 fingerprint; both include upstream's own ``gc.collect`` + ``malloc_trim``) plus
 the save. RSS is sampled every 5 ms and from ``VmHWM``: "RSS+ weights" is the
 largest rise during one ``materialize`` call or the save, over the RSS at its
@@ -56,10 +56,9 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import (RssSampler, discard_file, files_under, raw_write_fsync, reset_peak_rss,  # noqa: E402
+from _measure import (RssSampler, discard_file, files_under, raw_write_fsync, reset_peak_rss,
                       status_kib, timeline_lines, xxh3_file)
 
 GiB = 1 << 30
@@ -320,7 +319,7 @@ def _rss_added(r: dict) -> int:
     return max([m["rss_added"] for m in r["materialize"]] + [r["save"]["rss_added"]])
 
 
-def table(results: List[dict], layers: int) -> str:
+def table(results: list[dict], layers: int) -> str:
     lines = []
     for res in results:
         raw_s = sum(res["raw_s"]) / len(res["raw_s"])
@@ -352,7 +351,8 @@ def table(results: List[dict], layers: int) -> str:
                 f"{r['gpu_peak_lowering_nbytes'] / GiB:>9.2f} {r['gpu_peak_save_nbytes'] / GiB:>8.2f}")
             lines.append(f"  {'':<10} per method s: " + " / ".join(f"{m['seconds']:.3f}" for m in r["materialize"])
                          + "; of which writes s: " + " / ".join(f"{m['write_s']:.3f}" for m in r["materialize"])
-                         + f"; peak RSS {r['peak_rss'] / GiB:.2f} GiB (+{(r['peak_rss'] - r['rss_before_lowering']) / GiB:.2f})"
+                         + f"; peak RSS {r['peak_rss'] / GiB:.2f} GiB"
+                         + f" (+{(r['peak_rss'] - r['rss_before_lowering']) / GiB:.2f})"
                          + f"; CUDA context RSS {r['cuda_context_rss'] / MiB:.0f} MiB"
                          + (f"; before lowering: fingerprint kernels {r['fingerprint_warmup_rss'] / MiB:.0f} MiB, "
                             f"pinned ring {r['pinned_ring_rss'] / MiB:.0f} MiB" if "pinned_ring_rss" in r else ""))
@@ -385,7 +385,8 @@ def table(results: List[dict], layers: int) -> str:
         lines.append("  files: " + ", ".join(f"{n} {s:,} B" for n, (s, _) in sorted(ours["files"].items()))
                      + f"; .ptd byte-identical to upstream's export: "
                      f"{'not run' if same_ptd is None else 'yes' if same_ptd else 'NO'}; "
-                     f".pte byte-identical to upstream's serializer on the same manager: {'yes' if same_pte else 'NO'}; "
+                     ".pte byte-identical to upstream's serializer on the same manager: "
+                     f"{'yes' if same_pte else 'NO'}; "
                      f"second save identical: {'yes' if same_other else 'NO'}")
         save_gbps = ours["saved_nbytes"] / ours["save"]["seconds"] / 1e9
         targets = [

@@ -35,7 +35,7 @@ import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import discard_file, files_under, raw_write_fsync, reset_peak_rss, status_kib  # noqa: E402
+from _measure import discard_file, files_under, raw_write_fsync, reset_peak_rss, status_kib
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -48,8 +48,8 @@ def rank_main(rank: int, world: int, layers: int, out: str, result_dir: str, bac
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    import executorch.exir.tensor  # noqa: F401 - imports outside the timed part
-    import executorch.extension.flat_tensor.serialize.serialize  # noqa: F401
+    import executorch.exir.tensor  # imports outside the timed part
+    import executorch.extension.flat_tensor.serialize.serialize  # noqa: F401 - imported outside the timed part
 
     from ptdstream.distributed import write_data_files
 

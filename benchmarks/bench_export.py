@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
+from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -138,7 +138,8 @@ def table(results: dict) -> str:
             anon = r["peak_anon"] - r["anon_after_imports"]
             same = "ref" if variant == "upstream" else ("yes" if r["files"] == up["files"] else "NO")
             lines.append(f"{case:<9} {variant:<10} {w / GiB:>11.2f} {r['export_s']:>8.1f} {r['save_s']:>7.2f} "
-                         f"{added / GiB:>9.2f} {added / w:>9.2f} {anon / GiB:>9.2f} {r['peak_file'] / GiB:>8.2f} {same:>9}")
+                         f"{added / GiB:>9.2f} {added / w:>9.2f} {anon / GiB:>9.2f} {r['peak_file'] / GiB:>8.2f} "
+                         f"{same:>9}")
             if variant == "ptdstream":
                 verdicts.append((f"{case}: peak added <= 1.1x weights + 256 MiB", added <= 1.1 * w + 256 * MiB))
                 verdicts.append((f"{case}: byte-identical to upstream", same == "yes"))

@@ -45,7 +45,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
+from _measure import RssSampler, files_under, reset_peak_rss, status_kib, xxh3_file
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -110,7 +110,7 @@ class PhasePeaks:
 
 
 def child(args) -> dict:
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - imported before the export starts
     import optimum.exporters.executorch.recipes.xnnpack as xnnpack_recipe
     from executorch.exir import ExecutorchProgramManager
     from optimum.exporters.executorch import main_export
@@ -228,7 +228,8 @@ def table(model: dict, runs: dict, outputs: dict) -> str:
     head = (f"{'model':<22} {'recipe':<7} {'variant':<9} {'export s':>8} {'save s':>7} {'peak+ GiB':>9} "
             f"{'x weights':>9} {'anon+ GiB':>9} {'file GiB':>8} {'identical':>9} {'same mgr':>8} {'outputs':>8}"
             f"   by phase, GiB: export peak+ | held at lower | lower+emit+save peak over it")
-    lines = [f"weights: {model['params'] / 1e6:.0f} M parameters, {w / GiB:.2f} GiB fp32 (safetensors, mapped by transformers)",
+    lines = [f"weights: {model['params'] / 1e6:.0f} M parameters, {w / GiB:.2f} GiB fp32"
+             " (safetensors, mapped by transformers)",
              head, "-" * len(head)]
     name = f"llama-{model['params'] / 1e6:.0f}M fp32"
     up = runs.get("upstream")

@@ -48,11 +48,11 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import MiB, RssMonitor, discard_file, loadavg1, median, xxh3_file  # noqa: E402
+from _measure import MiB, RssMonitor, discard_file, loadavg1, median, xxh3_file
 
 TOOLS = ("ptdstream", "zstd", "zstd+fsync")
 INTEROP = "zstd -d of ptdstream's"
@@ -80,7 +80,7 @@ def child(op: str, src: str, dst: str, level: int, threads: int) -> None:
     print(json.dumps({"seconds": seconds, "rss_added_nbytes": monitor.added_nbytes, "rss_peak_nbytes": peak}))
 
 
-def _sample_hwm(pid: int, peak: List[int], done: threading.Event) -> None:
+def _sample_hwm(pid: int, peak: list[int], done: threading.Event) -> None:
     path = f"/proc/{pid}/status"
     while not done.is_set():
         try:
@@ -94,7 +94,7 @@ def _sample_hwm(pid: int, peak: List[int], done: threading.Event) -> None:
         done.wait(0.002)
 
 
-def run_process(cmd: List[str]) -> Dict[str, Any]:
+def run_process(cmd: list[str]) -> dict[str, Any]:
     """Run ``cmd``; wall seconds, peak RSS in bytes and stdout.
 
     The peak is the child's ``VmHWM`` sampled every 2 ms from ``/proc/<pid>/status``:
@@ -140,7 +140,7 @@ def fsync_seconds(path: str) -> float:
 # ---------------------------------------------------------------- artifacts
 
 
-def export_artifacts(out: str, dim: int, layers: int, vocab: int, log) -> Dict[str, str]:
+def export_artifacts(out: str, dim: int, layers: int, vocab: int, log) -> dict[str, str]:
     """Export the three artifacts into ``out``; returns ``{name: path}``. Runs in a
     child process (``--export``), so this process stays small: the tools it starts
     are forked from it."""
@@ -175,15 +175,16 @@ def export_artifacts(out: str, dim: int, layers: int, vocab: int, log) -> Dict[s
         gc.collect()
         files = sorted(f for f in os.listdir(folder) if f.endswith(pick))
         found[name] = os.path.join(folder, files[0])
-        log(f"exported {name}: {', '.join(f'{f} {os.path.getsize(os.path.join(folder, f)) / MiB:.1f} MiB' for f in sorted(os.listdir(folder)))}"
-            f" in {time.perf_counter() - start:.0f} s")
+        sizes = ", ".join(f"{f} {os.path.getsize(os.path.join(folder, f)) / MiB:.1f} MiB"
+                          for f in sorted(os.listdir(folder)))
+        log(f"exported {name}: {sizes} in {time.perf_counter() - start:.0f} s")
     return found
 
 
 # ---------------------------------------------------------------- runs
 
 
-def run_tool(tool: str, src: str, folder: str, level: int, threads: int) -> Dict[str, Any]:
+def run_tool(tool: str, src: str, folder: str, level: int, threads: int) -> dict[str, Any]:
     """One pack + unpack with ``tool`` ("ptdstream" or "zstd"); outputs left in ``folder``."""
     packed, back = os.path.join(folder, f"{tool}.zst"), os.path.join(folder, f"{tool}.back")
     cold(src)
@@ -210,11 +211,11 @@ def run_tool(tool: str, src: str, folder: str, level: int, threads: int) -> Dict
             "packed_nbytes": os.path.getsize(packed), "packed": packed, "back": back}
 
 
-def bench_artifact(name: str, src: str, out: str, args, log) -> Dict[str, Any]:
+def bench_artifact(name: str, src: str, out: str, args, log) -> dict[str, Any]:
     nbytes = os.path.getsize(src)
     digest = xxh3_file(src)
-    runs: Dict[str, List[Dict[str, Any]]] = {"ptdstream": [], "zstd": []}
-    checks: Dict[str, Optional[bool]] = {"ptdstream": None, "zstd": None, INTEROP: None}
+    runs: dict[str, list[dict[str, Any]]] = {"ptdstream": [], "zstd": []}
+    checks: dict[str, bool | None] = {"ptdstream": None, "zstd": None, INTEROP: None}
     for rep in range(args.repeats):
         for tool in (("ptdstream", "zstd") if rep % 2 == 0 else ("zstd", "ptdstream")):
             folder = os.path.join(out, f"run-{name}-{tool}-{rep}")
@@ -235,7 +236,7 @@ def bench_artifact(name: str, src: str, out: str, args, log) -> Dict[str, Any]:
     for tool in TOOLS:
         base = runs["ptdstream" if tool == "ptdstream" else "zstd"]
 
-        def med(key: str, plus: Optional[str] = None, pick=median) -> float:
+        def med(key: str, plus: str | None = None, pick=median, base=base) -> float:
             return pick([r[key] + (r[plus] if plus else 0.0) for r in base])
 
         sync = tool == "zstd+fsync"
@@ -257,24 +258,24 @@ def bench_artifact(name: str, src: str, out: str, args, log) -> Dict[str, Any]:
                      for k, v in runs.items()}}
 
 
-def render_table(results: List[Dict[str, Any]], args) -> str:
+def render_table(results: list[dict[str, Any]], args) -> str:
     header = ("artifact", "tool", "MiB", "packed MiB", "ratio", "pack MB/s", "unpack MB/s",
               "pack RSS MiB", "unpack RSS MiB", "identical")
     lines = []
     for res in results:
         for tool in TOOLS:
             r = res["rows"][tool]
-            rss = (lambda k: f"{r[k + '_rss_added'] / MiB:.1f} / {r[k + '_rss_proc'] / MiB:.1f}") \
-                if tool == "ptdstream" else (lambda k: f"{r[k + '_rss_proc'] / MiB:.1f}")
+            rss = (lambda k, r=r: f"{r[k + '_rss_added'] / MiB:.1f} / {r[k + '_rss_proc'] / MiB:.1f}") \
+                if tool == "ptdstream" else (lambda k, r=r: f"{r[k + '_rss_proc'] / MiB:.1f}")
             lines.append((res["artifact"], tool, f"{res['nbytes'] / MiB:.1f}", f"{r['packed_nbytes'] / MiB:.1f}",
                           f"{r['ratio']:.4f}", f"{r['pack_mbps']:.0f} ({r['pack_mbps_best']:.0f})",
                           f"{r['unpack_mbps']:.0f} ({r['unpack_mbps_best']:.0f})",
                           rss("pack"), rss("unpack"), {None: "n/a", True: "yes", False: "NO"}[r["identical"]]))
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
 
     def fmt(cells):
         return "  ".join(c.ljust(w) if i in (0, 1, 9) else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     rule = "-" * len(fmt(header))
     out = [fmt(header), rule]
@@ -296,9 +297,9 @@ def render_table(results: List[Dict[str, Any]], args) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("Usage:")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("Usage:")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench-out/pack", help="scratch folder (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per tool and artifact (5)")
     parser.add_argument("--level", type=int, default=3, help="zstd level for both tools (3)")

@@ -44,11 +44,11 @@ import resource
 import shutil
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import (  # noqa: E402
+from _measure import (
     MiB,
     PIECE_NBYTES,
     ChildError,
@@ -107,7 +107,7 @@ def export_manager(model, example, external_constants: bool):
     return edge.to_executorch(ExecutorchBackendConfig(external_constants=external_constants))
 
 
-def expected_nbytes(manager) -> Tuple[int, Dict[str, int]]:
+def expected_nbytes(manager) -> tuple[int, dict[str, int]]:
     """Bytes upstream writes: the .pte Cord plus every ``<tag>.ptd`` Cord (no joining)."""
     files = {"model.pte": len(manager._pte_data)}
     for tag, cord in (manager._tensor_data or {}).items():
@@ -128,11 +128,11 @@ def filled_buffer(nbytes: int, seed: int) -> bytearray:
 # ---------------------------------------------------------------- one measured run (child)
 
 
-def measured_run(method: str, run_dir: str, manager, raw_view, raw_nbytes: int) -> Dict[str, Any]:
+def measured_run(method: str, run_dir: str, manager, raw_view, raw_nbytes: int) -> dict[str, Any]:
     """Runs in the forked child: time ``method``, its peak RSS added, its page cache after."""
     gc.disable()  # nothing is collected mid-run; gc would also dirty shared pages
     pte_path = os.path.join(run_dir, "model.pte")
-    extra: Dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     monitor = RssMonitor(interval_s=0.005)
     monitor.start()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -218,8 +218,8 @@ def clean_run_dir(run_dir: str, settle_s: float) -> None:
 def run_case(
     label: str, manager, raw_view, nbytes: int, out: str, repeats: int, settle_s: float,
     quiet_wait_s: float, log,
-) -> List[Dict[str, Any]]:
-    runs: List[Dict[str, Any]] = []
+) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
     for rep in range(repeats):
         # Rotate the order each repeat: no method always runs first or last.
         order = METHODS[rep % len(METHODS):] + METHODS[: rep % len(METHODS)]
@@ -257,15 +257,15 @@ def run_case(
     return runs
 
 
-def summarize_case(label: str, desc: str, nbytes: int, expected_files, runs) -> Dict[str, Any]:
+def summarize_case(label: str, desc: str, nbytes: int, expected_files, runs) -> dict[str, Any]:
     by_method = {m: [r for r in runs if r["method"] == m] for m in METHODS}
     reference = [r["xxh3"] for r in by_method["upstream"]]
     ref = reference[0]
-    rows: Dict[str, Dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for method in METHODS:
         rs = by_method[method]
         secs = [r["seconds"] for r in rs]
-        row: Dict[str, Any] = {
+        row: dict[str, Any] = {
             "seconds": median(secs),
             "seconds_min": min(secs),
             "seconds_max": max(secs),
@@ -283,7 +283,7 @@ def summarize_case(label: str, desc: str, nbytes: int, expected_files, runs) -> 
         else:
             row["identical"] = all(r["xxh3"] == ref for r in rs)
         rows[method] = row
-    for method, row in rows.items():
+    for row in rows.values():
         row["x_raw"] = rows["raw"]["seconds"] / row["seconds"]
         row["x_upstream"] = rows["upstream"]["seconds"] / row["seconds"]
         row["x_upstream_fsync"] = rows["upstream+fsync"]["seconds"] / row["seconds"]
@@ -306,7 +306,7 @@ def summarize_case(label: str, desc: str, nbytes: int, expected_files, runs) -> 
     }
 
 
-def targets(case: Dict[str, Any]) -> List[Dict[str, Any]]:
+def targets(case: dict[str, Any]) -> list[dict[str, Any]]:
     row = case["rows"]["ptdstream"]
     label = case["case"]
     return [
@@ -349,7 +349,7 @@ def targets(case: Dict[str, Any]) -> List[Dict[str, Any]]:
     ]
 
 
-def render_table(cases: List[Dict[str, Any]], repeats: int) -> str:
+def render_table(cases: list[dict[str, Any]], repeats: int) -> str:
     header = (
         "case", "method", "seconds", "min-max s", "GB/s", "x raw", "x upstream",
         "x up+fsync", "RSS+ MiB", "cache MiB", "identical",
@@ -367,12 +367,12 @@ def render_table(cases: List[Dict[str, Any]], repeats: int) -> str:
                 f"{r['x_raw']:.3f}", f"{r['x_upstream']:.3f}", f"{r['x_upstream_fsync']:.3f}",
                 f"{r['rss_added_nbytes'] / MiB:.1f}", f"{r['page_cache_nbytes'] / MiB:.1f}", ident,
             ))
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     left = {0, 1, 10}
 
     def fmt(cells):
         return "  ".join(
-            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
 
     rule = "-" * len(fmt(header))
@@ -395,7 +395,7 @@ def render_table(cases: List[Dict[str, Any]], repeats: int) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -454,7 +454,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             export_seconds[label] = time.perf_counter() - t0
             log(
                 f"exported {label} ({desc}) in {export_seconds[label]:.1f} s; "
-                f"parent RSS {os.sysconf('SC_PAGE_SIZE') * int(open('/proc/self/statm').read().split()[1]) / GiB:.2f} GiB"
+                f"parent RSS {os.sysconf('SC_PAGE_SIZE') * int(open('/proc/self/statm').read().split()[1]) / GiB:.2f}"
+                " GiB"
             )
         sizes = {label: expected_nbytes(managers[label]) for label, _, _ in CASES}
         raw_nbytes = max(n for n, _ in sizes.values())
@@ -531,12 +532,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0 if all(t["passed"] for t in all_targets) else 1
 
 
-def _version(dist: str) -> Optional[str]:
+def _version(dist: str) -> str | None:
     try:
         from importlib.metadata import version
 
         return version(dist)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any failure to read the version prints as none
         return None
 
 

@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file  # noqa: E402
+from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -113,9 +113,9 @@ def _cold(paths) -> None:
 
 def child(args) -> dict:
     import torch  # noqa: F401 - the imports every method needs, before the baseline
-    import executorch.exir  # noqa: F401
+    import executorch.exir  # noqa: F401 - imported before the baseline, as torch
 
-    import ptdstream.weights  # noqa: F401
+    import ptdstream.weights  # imported before the baseline, as torch
 
     if args.method == "prepare":
         return prepare(args)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Dict, List, final
+from typing import final
 
 import torch
 from executorch.exir._serialize._cord import FileBackedData
@@ -73,7 +73,7 @@ class EngineBackend(BackendDetails):
     """Builds one engine file per partition; hands it over as file-backed named data."""
 
     @staticmethod
-    def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
+    def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         specs = {s.key: s.value for s in compile_specs}
         engine_dir = specs["engine_dir"].decode()
         path, sha = _build_engine(edge_program, engine_dir)
@@ -95,7 +95,7 @@ class BlobEngineBackend(BackendDetails):
     :func:`ptdstream.blobs.delegate_blobs_from_files`."""
 
     @staticmethod
-    def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
+    def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         from ptdstream.hooks.blobs import file_blob
 
         specs = {s.key: s.value for s in compile_specs}
@@ -121,7 +121,7 @@ class EnginePartitioner(Partitioner):
         )
 
     def partition(self, edge_program: ExportedProgram) -> PartitionResult:
-        tags: Dict[str, DelegationSpec] = {}
+        tags: dict[str, DelegationSpec] = {}
         for partition in generate_pattern_op_partitions(
             edge_program.graph_module, op_support=_AllCallFunctions()
         ):

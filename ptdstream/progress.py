@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 
 def progress_callback(

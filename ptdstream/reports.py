@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, ClassVar, Tuple
+from typing import Any, ClassVar
 
 
 class Report:
     """Mixin for report dataclasses: ``summary()``, ``to_dict()``, ``to_json() -> str``."""
 
     #: Properties added to :meth:`to_dict` beside the dataclass fields (``"ok"``, ``"gbps"``...).
-    derived: ClassVar[Tuple[str, ...]] = ()
+    derived: ClassVar[tuple[str, ...]] = ()
 
     def summary(self) -> str:
         """Text for people: one line or a few."""
@@ -26,7 +26,7 @@ class Report:
 
     def to_dict(self) -> dict:
         """The fields (nested dataclasses as dicts) and the :attr:`derived` properties."""
-        out = dataclasses.asdict(self)  # type: ignore[call-overload]
+        out = dataclasses.asdict(self)  # type: ignore[call-overload]  # every Report is a dataclass
         for name in self.derived:
             out[name] = getattr(self, name)
         return out

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Dict, Iterator, List, Optional
+from collections.abc import Iterator
 
-_current: Optional["StageTimeline"] = None
+_current: StageTimeline | None = None
 
 
 class StageTimeline:
@@ -24,7 +24,7 @@ class StageTimeline:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.stages: Dict[str, List[float]] = {}
+        self.stages: dict[str, list[float]] = {}
         self.started = time.perf_counter()
         self.wall_seconds = 0.0
 
@@ -59,7 +59,7 @@ class StageTimeline:
         return {"wall_seconds": self.wall_seconds, "stages": stages}
 
 
-def stage_timeline() -> Optional[StageTimeline]:
+def stage_timeline() -> StageTimeline | None:
     """The timeline being recorded, or ``None`` (the default: nothing is recorded)."""
     return _current
 

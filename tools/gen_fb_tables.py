@@ -63,7 +63,7 @@ def read_schema(path):
     obj_names = [_string(o, 0) for o in objects]
     enum_names = [_string(e, 0) for e in enums]
     out_objects, out_unions = {}, {}
-    for name, o in zip(obj_names, objects):
+    for name, o in zip(obj_names, objects, strict=True):
         fields = []
         for f in _tables(o, 1):
             base, element, index, elem_size = _type(_sub(f, 1))
@@ -77,7 +77,7 @@ def read_schema(path):
         fields.sort()
         out_objects[name] = (bool(_scalar(o, 2, N.BoolFlags)), _scalar(o, 3, N.Int32Flags),
                              _scalar(o, 4, N.Int32Flags), tuple(f[1:] for f in fields))
-    for name, e in zip(enum_names, enums):
+    for name, e in zip(enum_names, enums, strict=True):
         if _scalar(e, 2, N.BoolFlags):
             members = {}
             for v in _tables(e, 1):

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-from typing import List, Optional
 
 from ..system.files import check_regular_inputs, refuse_overwrite
 from . import (cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_recover, cmd_unpack,
@@ -46,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the ``ptdstream`` command with ``argv`` (default ``sys.argv[1:]``).
 
     Returns:
@@ -55,7 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """
     for stream in (sys.stdout, sys.stderr):
         try:  # file names need not be UTF-8: print them escaped, never fail on them
-            stream.reconfigure(errors="backslashreplace")
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]  # AttributeError is caught
         except (AttributeError, ValueError):
             pass
     args = None
@@ -93,7 +92,7 @@ def _end_startup() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _parse(parser: argparse.ArgumentParser, argv) -> Optional[argparse.Namespace]:
+def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | None:
     """Parsed arguments, or None after printing the top-level help (no command).
 
     Raises:
@@ -128,7 +127,7 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         setattr(args, name, spooled if isinstance(value, list) else spooled[0])
 
 
-def _report_error(error: BaseException, args: Optional[argparse.Namespace]) -> int:
+def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     """One line on stderr (and the error as JSON on stdout with ``--json``); the exit code."""
     verbose = bool(os.environ.get("PTDSTREAM_DEBUG")) or bool(getattr(args, "verbose", False))
     if verbose and not isinstance(error, EXPECTED_ERRORS):

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_report, progress_wanted
+
+if TYPE_CHECKING:  # imported in _check, by the check it runs
+    from ..check.compare import CompareReport
+    from ..check.manifest import ManifestReport
+    from ..check.structure import StructureReport
 
 
 def register(subparsers) -> None:
@@ -49,6 +55,7 @@ def run(args) -> int:
 
 
 def _check(args) -> int:
+    report: ManifestReport | CompareReport | StructureReport
     if args.manifest is not None:
         if args.against is not None:
             raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, OverwriteError, PtdstreamError
 
@@ -50,14 +51,14 @@ EXPECTED_ERRORS = (UsageError, PtdstreamError, OSError, KeyboardInterrupt)
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises :class:`UsageError` instead of printing and exiting."""
 
-    def error(self, message: str):  # noqa: D401 (argparse API)
+    def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def add_command(subparsers, name: str, *, help: str, description: str,
-                examples: Sequence[Tuple[str, str]], run: Callable[[argparse.Namespace], int],
+                examples: Sequence[tuple[str, str]], run: Callable[[argparse.Namespace], int],
                 inputs: Callable[[argparse.Namespace], Sequence[str]] = lambda a: (),
-                outputs: Optional[Callable[[argparse.Namespace], Sequence[Optional[str]]]] = None,
+                outputs: Callable[[argparse.Namespace], Sequence[str | None]] | None = None,
                 stdin: Sequence[str] = (), reports: bool = True, progress: bool = False,
                 imports_torch: bool = False, exit_codes: str = EXIT_LINE) -> argparse.ArgumentParser:
     """Register subcommand ``name`` with the options every command shares; return
@@ -121,7 +122,7 @@ def binary_stdout():
     return sys.stdout.buffer
 
 
-def spool_stdin(folder: Optional[str] = None) -> str:
+def spool_stdin(folder: str | None = None) -> str:
     """Copy standard input to a temp file named ``stdin`` in a fresh temp folder (the
     caller removes both) and return its path.
 
@@ -143,8 +144,8 @@ def spool_stdin(folder: Optional[str] = None) -> str:
     return path
 
 
-def exit_for(error: BaseException, command: Optional[str],
-             outputs: Sequence[Optional[str]] = ()) -> Tuple[int, str]:
+def exit_for(error: BaseException, command: str | None,
+             outputs: Sequence[str | None] = ()) -> tuple[int, str]:
     """The one mapping from an error to ``(exit code, one-line message)``.
 
     Usage errors, bad parameters and keys a file does not hold exit 2; invalid or
@@ -178,7 +179,7 @@ def exit_for(error: BaseException, command: Optional[str],
                           "(-v or PTDSTREAM_DEBUG=1 for a traceback)")
 
 
-def _output_of(path: str, outputs: Sequence[Optional[str]]) -> Optional[str]:
+def _output_of(path: str, outputs: Sequence[str | None]) -> str | None:
     """The output that ``path`` is (or whose temp file or folder it is), else None."""
     real = os.path.abspath(path)
     for output in outputs:

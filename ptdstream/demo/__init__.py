@@ -3,12 +3,11 @@
 of the library's core: nothing else in ptdstream imports it."""
 
 import argparse
-from typing import Tuple
 
 #: The data file's tag: every weight goes to ``<out>/model.ptd``.
 DATA_TAG = "model"
 #: The exported methods: (name, tokens per call).
-METHODS: Tuple[Tuple[str, int], ...] = (("forward", 8), ("prefill", 16))
+METHODS: tuple[tuple[str, int], ...] = (("forward", 8), ("prefill", 16))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, Tuple
 
 from . import METHODS
 
@@ -21,7 +20,7 @@ class TiedEmbedding:
     ``copies`` counts the segments holding those bytes (1 = stored once).
     """
 
-    keys: Tuple[str, ...]
+    keys: tuple[str, ...]
     segment_index: int
     nbytes: int
     copies: int
@@ -57,8 +56,8 @@ def find_tied_embedding(ptd_path: str, weight) -> TiedEmbedding:
 class RuntimeCheck:
     """ExecuTorch runtime outputs against eager PyTorch, per method."""
 
-    max_abs_diff: Dict[str, float]
-    matches: Dict[str, bool]
+    max_abs_diff: dict[str, float]
+    matches: dict[str, bool]
     xnnpack_available: bool
 
     @property

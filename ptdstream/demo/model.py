@@ -66,6 +66,7 @@ class Block(nn.Module):
         self.w1 = nn.Linear(d, config.hidden_dim)
         self.w2 = nn.Linear(config.hidden_dim, d)
         mask = torch.full((config.max_seq_len, config.max_seq_len), -1e9).triu(1)
+        self.causal_mask: torch.Tensor
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Optional
 
 
 class PeakRssSampler:
@@ -32,7 +31,7 @@ class PeakRssSampler:
             else "resource.getrusage ru_maxrss before/after (growth above earlier peak only)"
         )
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._baseline = 0
         self._peak = 0
 
@@ -56,7 +55,7 @@ class PeakRssSampler:
         while not self._stop.wait(self.interval_s):
             self._sample()
 
-    def __enter__(self) -> "PeakRssSampler":
+    def __enter__(self) -> PeakRssSampler:
         if self._use_proc:
             self._baseline = self._peak = self._rss_nbytes()
             self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
@@ -68,7 +67,8 @@ class PeakRssSampler:
     def __exit__(self, *exc) -> None:
         if self._use_proc:
             self._stop.set()
-            self._thread.join()
+            if self._thread is not None:
+                self._thread.join()
             self._sample()
         else:
             self._peak = self._maxrss_nbytes()

@@ -40,18 +40,24 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, TextIO, Tuple
+from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Iterator
 
 from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_embedding
 from . import DATA_TAG, METHODS
 from .rss import PeakRssSampler
+
+if TYPE_CHECKING:  # imported where they are used: torch and the writer load only when the demo runs
+    from ..check.compare import CompareReport
+    from ..save import SaveReport
+    from .model import TinyLM
 
 
 class Stages:
     """Prints each stage of the demo on ``stream`` as it starts and when it ends,
     with its wall time in seconds; silent when ``stream`` is None."""
 
-    def __init__(self, stream: Optional[TextIO], total: int) -> None:
+    def __init__(self, stream: TextIO | None, total: int) -> None:
         self.stream, self.total, self.count = stream, total, 0
 
     @contextlib.contextmanager
@@ -71,8 +77,8 @@ class Stages:
 class DemoBuild:
     """The eager model, its lowered manager and the export timings (seconds)."""
 
-    model: object  # ptdstream.demo.model.TinyLM
-    manager: object  # executorch ExecutorchProgramManager
+    model: TinyLM
+    manager: Any  # executorch ExecutorchProgramManager
     export_seconds: float
     lower_seconds: float
 
@@ -110,7 +116,7 @@ def backend_config():
     return ExecutorchBackendConfig(external_constants=lambda node: DATA_TAG)
 
 
-def build_demo(seed: int = 0, stages: Optional[Stages] = None) -> DemoBuild:
+def build_demo(seed: int = 0, stages: Stages | None = None) -> DemoBuild:
     """Export, lower (XNNPACK) and emit the demo model, weights tagged external.
 
     CPU only; holds the model's weights a few times over (tens of MiB here).
@@ -134,12 +140,12 @@ class DemoResult:
     """Everything the demo measured; ``exit_code`` is 0 only when all checks pass."""
 
     build: DemoBuild
-    report: object  # ptdstream.SaveReport
+    report: SaveReport
     rss_added_nbytes: int
     rss_method: str
-    files: Tuple[object, ...]  # ptdstream.check.compare.CompareReport, the .pte first
+    files: tuple[CompareReport, ...]  # the .pte first
     tied: TiedEmbedding
-    runtime: Optional[RuntimeCheck]  # None with --no-run
+    runtime: RuntimeCheck | None  # None with --no-run
 
     @property
     def identical(self) -> bool:
@@ -152,7 +158,7 @@ class DemoResult:
 
 
 def run_demo(out: str, *, no_run: bool = False, progress: bool = False,
-             log: Optional[TextIO] = None) -> DemoResult:
+             log: TextIO | None = None) -> DemoResult:
     """Build, save into ``out`` (created if missing), verify and optionally run.
 
     Writes ``out/model.pte`` and ``out/model.ptd`` (replacing them atomically if
@@ -226,7 +232,7 @@ def format_summary(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace, stream: Optional[TextIO] = None) -> int:
+def main(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     """Run the demo with parsed ``args`` (``out``, ``no_run``); print the summary.
 
     Returns 0 when the files are byte-identical to executorch's serializer and,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import bisect
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from itertools import pairwise
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..errors import FormatError
 from .identity import HEADER_OFFSET, ExtendedHeader, FlatTensorHeader
@@ -25,8 +27,8 @@ class TensorMeta:
     is the writer-side type; this is what the readers give back.)"""
 
     scalar_type: int
-    sizes: Tuple[int, ...]
-    dim_order: Tuple[int, ...]
+    sizes: tuple[int, ...]
+    dim_order: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Segment:
     start: int
     end: int
     label: str
-    keys: Tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class NamedEntry:
 
     key: str
     segment_index: int
-    layout: Optional[TensorMeta] = None
+    layout: TensorMeta | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Section:
     start: int
     end: int
     name: str
-    key: Optional[str] = None
+    key: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -89,31 +91,31 @@ class Artifact:
     kind: str
     file_nbytes: int
     identifier: str
-    header: Union[ExtendedHeader, FlatTensorHeader, None]
+    header: ExtendedHeader | FlatTensorHeader | None
     flatbuffer_end: int
     segment_base_offset: int
     segment_data_nbytes: int
-    segments: Tuple[Segment, ...]
-    named: Tuple[NamedEntry, ...]
-    constant_segment_index: Optional[int] = None
-    constant_offsets: Tuple[int, ...] = ()
-    external_tensors: Tuple[ExternalTensor, ...] = ()
+    segments: tuple[Segment, ...]
+    named: tuple[NamedEntry, ...]
+    constant_segment_index: int | None = None
+    constant_offsets: tuple[int, ...] = ()
+    external_tensors: tuple[ExternalTensor, ...] = ()
     version: int = 0
 
     @functools.cached_property
-    def _sections(self) -> Tuple[Section, ...]:
+    def _sections(self) -> tuple[Section, ...]:
         return section_map(self)
 
     @property
-    def keys(self) -> Dict[str, int]:
+    def keys(self) -> dict[str, int]:
         """Named-data key -> segment index."""
         return {e.key: e.segment_index for e in self.named}
 
-    def sections(self) -> Tuple[Section, ...]:
+    def sections(self) -> tuple[Section, ...]:
         """Non-empty sections covering ``[0, file_nbytes)`` in order, no overlap."""
         return self._sections
 
-    def locate(self, offset: int) -> Optional[Section]:
+    def locate(self, offset: int) -> Section | None:
         """The section holding file offset ``offset``, None past the end. Inside the
         constant segment the key is ``constant <i>`` (tensor ``i`` of the segment)."""
         if not 0 <= offset < self.file_nbytes or not self._sections:
@@ -133,12 +135,13 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
 
 
-def check_index(name: str, base: int, spans, index: int, what: str) -> None:
+def check_index(name: str, base: int, spans: Sequence[tuple[int, int]], index: int, what: str) -> None:
     if not 0 <= index < len(spans):
         raise fail(name, base, f"{what} names segment {index}, but there are {len(spans)} segments")
 
 
-def subsegments(name, base, spans, index, offsets, what) -> Tuple[int, ...]:
+def subsegments(name: str, base: int, spans: Sequence[tuple[int, int]], index: int, offsets: Iterable[int],
+                what: str) -> tuple[int, ...]:
     check_index(name, base, spans, index, f"{what} segment")
     seg_offset, seg_nbytes = spans[index]
     values = tuple(int(o) for o in offsets)
@@ -151,14 +154,15 @@ def subsegments(name, base, spans, index, offsets, what) -> Tuple[int, ...]:
     return values
 
 
-def label(labels: Dict[int, List], index: int, label: str, key: Optional[str] = None) -> None:
+def label(labels: dict[int, list[Any]], index: int, label: str, key: str | None = None) -> None:
     """First reference names a segment; named-data keys accumulate on a named segment."""
     entry = labels.setdefault(index, [label, []])
     if key is not None and entry[0] == label:
         entry[1].append(key)
 
 
-def segments_of(name, base, spans, labels, limit, has_header) -> Tuple[Segment, ...]:
+def segments_of(name: str, base: int, spans: Sequence[tuple[int, int]], labels: dict[int, list[Any]], limit: int,
+                has_header: bool) -> tuple[Segment, ...]:
     out = []
     for i, (offset, size) in enumerate(spans):
         if offset < 0 or size < 0:
@@ -172,16 +176,17 @@ def segments_of(name, base, spans, labels, limit, has_header) -> Tuple[Segment, 
         label, keys = labels.get(i, ["unreferenced segment", []])
         out.append(Segment(i, offset, size, start, end, label, tuple(keys)))
     filled = sorted((s for s in out if s.nbytes), key=lambda s: s.start)
-    for a, b in zip(filled, filled[1:]):
+    for a, b in pairwise(filled):
         if b.start < a.end:
-            raise fail(name, b.start, f"segment {b.index} [{b.start}, {b.end}) overlaps segment {a.index} [{a.start}, {a.end})")
+            raise fail(name, b.start,
+                       f"segment {b.index} [{b.start}, {b.end}) overlaps segment {a.index} [{a.start}, {a.end})")
     return tuple(out)
 
 
-def section_map(art: Artifact) -> Tuple[Section, ...]:
+def section_map(art: Artifact) -> tuple[Section, ...]:
     """Non-empty sections covering ``[0, art.file_nbytes)`` in order, no overlap."""
     header, fb_end, nbytes = art.header, art.flatbuffer_end, art.file_nbytes
-    sections: List[Section] = [Section(0, 8, "flatbuffer")]
+    sections: list[Section] = [Section(0, 8, "flatbuffer")]
     if isinstance(header, ExtendedHeader):
         hdr_end = HEADER_OFFSET + min(header.length, fb_end - HEADER_OFFSET)
         sections.append(Section(8, hdr_end, "extended header"))

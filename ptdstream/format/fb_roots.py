@@ -8,14 +8,14 @@ without checks. Neither imports torch nor executorch.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any
 
 from .flat_tensor_fb.FlatTensor import FlatTensor
 from .program_fb.Program import Program
 from .program_fb.Tensor import Tensor
 from .verifier import verify_buffer
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 def program_root(buf: Buffer) -> Program:
@@ -46,7 +46,7 @@ def flat_tensor_root(buf: Buffer) -> FlatTensor:
     return FlatTensor.GetRootAs(buf, 0)
 
 
-def union_tensor(value) -> Tensor:
+def union_tensor(value: Any) -> Tensor:
     """The ``Tensor`` table an ``EValue`` whose ``ValType()`` is Tensor (5) holds."""
     tab = value.Val()
     t = Tensor()
@@ -54,6 +54,6 @@ def union_tensor(value) -> Tensor:
     return t
 
 
-def text(raw) -> str:
+def text(raw: bytes | None) -> str:
     """A flatbuffer string (bytes) as str; undecodable bytes kept as surrogates."""
     return raw.decode("utf-8", "surrogateescape") if raw is not None else ""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 #: Offset of an inserted header: after the flatbuffer's root offset (u32) and its
 #: 4-byte file identifier.
@@ -40,7 +40,7 @@ FLAT_TENSOR_VERSION = 0
 MAX_SUPPORTED_FLAT_TENSOR_VERSION = 0
 
 
-def kind_of(identifier: bytes) -> Optional[str]:
+def kind_of(identifier: bytes) -> str | None:
     """``"pte"`` or ``"ptd"`` for a file identifier (bytes 4..8 of a file) the
     readers recognise, else None."""
     if not IDENTIFIER_PATTERN.match(identifier):
@@ -91,7 +91,7 @@ class ExtendedHeader:
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Optional["ExtendedHeader"]:
+    def from_bytes(cls, data: bytes) -> ExtendedHeader | None:
         """Parse the bytes at file offset 8; ``None`` if no valid header is there."""
         if len(data) < cls.MINIMUM_LENGTH or data[0:4] != cls.MAGIC:
             return None
@@ -140,14 +140,14 @@ class FlatTensorHeader:
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Optional["FlatTensorHeader"]:
+    def from_bytes(cls, data: bytes) -> FlatTensorHeader | None:
         """Parse the bytes at file offset 8; ``None`` if no valid header is there."""
         if len(data) < cls.LENGTH or data[0:4] != cls.MAGIC:
             return None
         (length,) = struct.unpack_from("<I", data, 4)
         if length < cls.LENGTH:
             return None
-        fields = struct.unpack_from("<QQQQ", data, 8)
-        return cls(*fields, length=length)
+        offset, size, base, data_size = struct.unpack_from("<QQQQ", data, 8)
+        return cls(offset, size, base, data_size, length=length)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from ..errors import FormatError, LayoutError
 from .identity import (
@@ -44,7 +44,7 @@ def aligned_size(nbytes: int, alignment: int) -> int:
     return nbytes + padding_required(nbytes, alignment)
 
 
-def check_alignment(alignment: Optional[int], what: str = "alignment") -> int:
+def check_alignment(alignment: int | None, what: str = "alignment") -> int:
     """Normalise an upstream-style alignment: ``None`` means 1.
 
     Non-powers of two are accepted, as ``NamedDataStore`` accepts them (48 works;
@@ -85,7 +85,7 @@ class Placement:
 
 def place_segments(
     specs: Sequence[SegmentSpec], segment_alignment: int
-) -> Tuple[Tuple[Placement, ...], int]:
+) -> tuple[tuple[Placement, ...], int]:
     """Place segments one after the other, the way both upstream serializers do.
 
     Segment ``i`` starts at ``aligned_size(end of segment i-1,
@@ -108,8 +108,8 @@ def place_segments(
 
 
 def pack_subsegments(
-    sizes: Sequence[int], alignment: Optional[int]
-) -> Tuple[Tuple[int, ...], int]:
+    sizes: Sequence[int], alignment: int | None
+) -> tuple[tuple[int, ...], int]:
     """Offsets of tensors packed into one segment (the constant or mutable segment).
 
     Each tensor but the last is followed by zero padding up to ``alignment``
@@ -154,7 +154,7 @@ def insert_header(flatbuffer: bytes, header: bytes, identifier_pattern: bytes) -
 
 def pte_head(
     flatbuffer: bytes, max_alignment: int, segment_data_size: int, segment_alignment: int
-) -> Tuple[bytes, int]:
+) -> tuple[bytes, int]:
     """The bytes of a .pte before its first segment, and ``segment_base_offset``.
 
     ``P = aligned_size(32, max_alignment)``; the header padded with zeros to P is
@@ -176,7 +176,7 @@ def pte_head(
 
 def ptd_head(
     flatbuffer: bytes, segment_data_size: int, segment_alignment: int
-) -> Tuple[bytes, int]:
+) -> tuple[bytes, int]:
     """The bytes of a .ptd before its first segment, and ``segment_base_offset``.
 
     The header is always present: 40 bytes padded to 48, inserted at byte 8;

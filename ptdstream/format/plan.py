@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ..sources.base import Source
 from ..sources.fingerprint import PREFIX_NBYTES, Fingerprint
@@ -56,18 +57,18 @@ class Extent:
     kind: ExtentKind
     nbytes: int
     section: str
-    data: Optional[bytes] = None
-    source: Optional[Source] = None
-    keys: Tuple[str, ...] = ()
-    fingerprint: Optional[Fingerprint] = None
+    data: bytes | None = None
+    source: Source | None = None
+    keys: tuple[str, ...] = ()
+    fingerprint: Fingerprint | None = None
     prefix: bytes = b""
 
     @staticmethod
-    def metadata(data: bytes, section: str) -> "Extent":
+    def metadata(data: bytes, section: str) -> Extent:
         return Extent(ExtentKind.METADATA, len(data), section, data=data)
 
     @staticmethod
-    def zeros(nbytes: int, section: str) -> "Extent":
+    def zeros(nbytes: int, section: str) -> Extent:
         return Extent(ExtentKind.ZEROS, nbytes, section)
 
     @staticmethod
@@ -75,8 +76,8 @@ class Extent:
         source: Source,
         section: str,
         keys: Sequence[str] = (),
-        fingerprint: Optional[Fingerprint] = None,
-    ) -> "Extent":
+        fingerprint: Fingerprint | None = None,
+    ) -> Extent:
         return Extent(
             ExtentKind.SOURCE,
             source.nbytes,
@@ -98,7 +99,7 @@ class Extent:
 class SegmentPlan:
     """One segment before placement: its parts in order and its own alignment."""
 
-    parts: Tuple[Extent, ...]
+    parts: tuple[Extent, ...]
     alignment: int
     label: str
 
@@ -124,18 +125,18 @@ class FilePlan:
 
     kind: str
     name: str
-    extents: Tuple[Extent, ...]
+    extents: tuple[Extent, ...]
     nbytes: int
     segment_base_offset: int
-    placements: Tuple[Placement, ...]
-    segment_labels: Tuple[str, ...]
+    placements: tuple[Placement, ...]
+    segment_labels: tuple[str, ...]
     flatbuffer_nbytes: int
 
     def payload_nbytes(self) -> int:
         """Bytes streamed from sources (not metadata, not padding)."""
         return sum(e.nbytes for e in self.extents if e.kind is ExtentKind.SOURCE)
 
-    def describe(self) -> List[str]:
+    def describe(self) -> list[str]:
         """One line per extent: file offset, size, kind and label (the dry run)."""
         lines = []
         offset = 0
@@ -145,7 +146,7 @@ class FilePlan:
         return lines
 
 
-def place(segments: Sequence[SegmentPlan], segment_alignment: int) -> Tuple[Tuple[Placement, ...], int]:
+def place(segments: Sequence[SegmentPlan], segment_alignment: int) -> tuple[tuple[Placement, ...], int]:
     """Placements of ``segments`` (the one layout rule, :func:`layout.place_segments`)."""
     return place_segments(
         [SegmentSpec(s.nbytes, s.alignment) for s in segments], segment_alignment
@@ -162,9 +163,9 @@ def assemble(
     flatbuffer_nbytes: int,
 ) -> FilePlan:
     """Lay out head, zero gaps and segment parts into a :class:`FilePlan`."""
-    extents: List[Extent] = [Extent.metadata(head, "head")]
+    extents: list[Extent] = [Extent.metadata(head, "head")]
     end = 0
-    for index, (segment, placement) in enumerate(zip(segments, placements)):
+    for index, (segment, placement) in enumerate(zip(segments, placements, strict=True)):
         gap = placement.offset - end
         if gap:
             extents.append(Extent.zeros(gap, f"padding before segment {index}"))
@@ -183,7 +184,7 @@ def assemble(
     )
 
 
-def iter_sources(plans: Iterable[FilePlan]):
+def iter_sources(plans: Iterable[FilePlan]) -> Iterator[tuple[FilePlan, Extent]]:
     """Every payload extent of ``plans``, in write order."""
     for plan in plans:
         for e in plan.extents:
@@ -194,17 +195,17 @@ def iter_sources(plans: Iterable[FilePlan]):
 def named_segments(
     buffers: Sequence[Source],
     named_data: Mapping[str, DataEntry],
-    segments: List[SegmentPlan],
-    fingerprints: Optional[Mapping[int, Fingerprint]] = None,
-) -> List[Tuple[str, int]]:
+    segments: list[SegmentPlan],
+    fingerprints: Mapping[int, Fingerprint] | None = None,
+) -> list[tuple[str, int]]:
     """Append one segment per buffer, in key order, the first time it is named,
     with that key's alignment; return ``[(key, segment index)]``.
 
     The named-data rule both serializers share (``_program.py::serialize_pte_binary``
     and ``FlatTensorSerializer.serialize``): keys naming one buffer share its segment.
     """
-    segment_of: Dict[int, int] = {}
-    keys_of: Dict[int, List[str]] = {}
+    segment_of: dict[int, int] = {}
+    keys_of: dict[int, list[str]] = {}
     for key, entry in named_data.items():
         keys_of.setdefault(entry.buffer_index, []).append(key)
     result = []
@@ -248,8 +249,8 @@ class SavePlan:
         dedup_saved_nbytes: bytes not written because equal data was stored once.
     """
 
-    data_files: Tuple[PlannedFile, ...]
-    program: Optional[PlannedFile]
+    data_files: tuple[PlannedFile, ...]
+    program: PlannedFile | None
     options: Any
     dedup_saved_nbytes: int
 
@@ -261,7 +262,7 @@ class SavePlan:
             raise ValueError("a SavePlan holds data files in data_files and at most one program")
 
     @property
-    def files(self) -> Tuple[PlannedFile, ...]:
+    def files(self) -> tuple[PlannedFile, ...]:
         """Every file in publish order: the data files first, the program last (a
         reader that finds the program finds every file it needs)."""
         return self.data_files + ((self.program,) if self.program is not None else ())
@@ -271,6 +272,6 @@ class SavePlan:
         """Bytes of every file together."""
         return sum(f.plan.nbytes for f in self.files)
 
-    def without_program(self) -> "SavePlan":
+    def without_program(self) -> SavePlan:
         """The same plan with only the data files."""
         return SavePlan(self.data_files, None, self.options, self.dedup_saved_nbytes)

@@ -10,7 +10,7 @@ the 40-byte ``FH01`` header (padded to 48) is inserted at byte 8.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
 
 from ..errors import LayoutError
 from ..upstream import adapter
@@ -59,7 +59,7 @@ def check_ptd_file_names(tags: Sequence[str], folder: str) -> None:
     Raises:
         LayoutError: naming both tags and the file.
     """
-    names: Dict[str, str] = {}
+    names: dict[str, str] = {}
     for tag in tags:
         name = ptd_file_name(tag)
         if name in names:
@@ -68,7 +68,7 @@ def check_ptd_file_names(tags: Sequence[str], folder: str) -> None:
                 f"in {folder}: one would overwrite the other; rename one tag"
             )
         names[name] = tag
-    folded: Dict[str, str] = {}
+    folded: dict[str, str] = {}
     for name, tag in names.items():
         other = folded.setdefault(name.casefold(), name)
         if other != name and case_insensitive(folder):
@@ -101,7 +101,7 @@ def plan_ptd(
     *,
     segment_alignment: int = 128,
     name: str = "data.ptd",
-    fingerprints: Optional[Mapping[int, Fingerprint]] = None,
+    fingerprints: Mapping[int, Fingerprint] | None = None,
 ) -> FilePlan:
     """Plan one FlatTensor data file.
 
@@ -120,7 +120,7 @@ def plan_ptd(
     )
 
     _check_layouts(named_data, name)
-    segments: List[SegmentPlan] = []
+    segments: list[SegmentPlan] = []
     keyed = named_segments(buffers, named_data, segments, fingerprints)
     placements, data_nbytes = place(segments, segment_alignment)
     flat_tensor = FlatTensor(
@@ -142,8 +142,8 @@ def plan_data_files(
     folder: str,
     *,
     segment_alignment: int = 128,
-    fingerprints: Optional[Mapping[int, Fingerprint]] = None,
-) -> Tuple[PlannedFile, ...]:
+    fingerprints: Mapping[int, Fingerprint] | None = None,
+) -> tuple[PlannedFile, ...]:
     """Plan ``folder/<tag>.ptd`` for each tag of ``external_data`` (``{tag: {key:
     DataEntry}}``, in upstream's tag order), all indexing ``buffers``.
 
@@ -152,7 +152,7 @@ def plan_data_files(
             that name one file (:func:`check_ptd_file_names`).
     """
     check_ptd_file_names(list(external_data), folder)
-    files: List[PlannedFile] = []
+    files: list[PlannedFile] = []
     for tag, entries in external_data.items():
         name = ptd_file_name(tag)
         plan = plan_ptd(buffers, entries, segment_alignment=segment_alignment, name=name,

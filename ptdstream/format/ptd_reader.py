@@ -8,7 +8,7 @@ The flatbuffer is checked by :mod:`ptdstream.format.verifier` (the C++
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any
 
 from .artifact import Artifact, NamedEntry, ReadAt, TensorMeta, check_index, fail, label, segments_of
 from .fb_roots import flat_tensor_root, text
@@ -26,7 +26,8 @@ def parse_ptd(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
     if not header.length <= fb_off <= nbytes:
         raise fail(name, 16, f"flatbuffer_offset {fb_off} is outside [{header.length}, file size {nbytes}]")
     if not 8 <= fb_size <= nbytes - fb_off:
-        raise fail(name, 24, f"flatbuffer_size {fb_size} is below 8 or runs beyond the end of the file ({nbytes} bytes)")
+        raise fail(name, 24,
+                   f"flatbuffer_size {fb_size} is below 8 or runs beyond the end of the file ({nbytes} bytes)")
     fb_end = fb_off + fb_size
     if not fb_end <= base <= nbytes:
         raise fail(name, 32, f"segment_base_offset {base} is outside [{fb_end}, file size {nbytes}]")
@@ -42,16 +43,16 @@ def parse_ptd(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
     spans = [(s.Offset(), s.Size()) for s in map(ft.Segments, range(ft.SegmentsLength()))]
     named = []
     for i in range(ft.NamedDataLength()):
-        e = ft.NamedData(i)
-        if e.Key() is None:
+        item = ft.NamedData(i)
+        if item.Key() is None:
             raise fail(name, 0, f"FlatTensor flatbuffer: named_data[{i}] has no key")
-        lt, layout = e.TensorLayout(), None
+        lt, layout = item.TensorLayout(), None
         if lt is not None:
             layout = TensorMeta(lt.ScalarType(), tuple(lt.Sizes(j) for j in range(lt.SizesLength())),
                                 tuple(lt.DimOrder(j) for j in range(lt.DimOrderLength())))
-        named.append(NamedEntry(text(e.Key()), e.SegmentIndex(), layout))
+        named.append(NamedEntry(text(item.Key()), item.SegmentIndex(), layout))
     version = ft.Version()
-    labels: Dict[int, List] = {}
+    labels: dict[int, list[Any]] = {}
     for entry in named:
         check_index(name, base, spans, entry.segment_index, f"named data {entry.key!r}")
         label(labels, entry.segment_index, "named data", entry.key)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..upstream import adapter
 from ..sources import BufferRing, Source, as_source
-from ..sources.fingerprint import candidate_key
+from ..sources.fingerprint import CandidateKey, candidate_key
 from .layout import pack_subsegments, padding_required, pte_head
 from .plan import DataEntry, Extent, FilePlan, SegmentPlan, assemble, named_segments, place
 
@@ -42,11 +43,11 @@ class PteOptions:
 
     extract_delegate_segments: bool = True
     segment_alignment: int = 128
-    constant_tensor_alignment: Optional[int] = None
-    delegate_alignment: Optional[int] = None
+    constant_tensor_alignment: int | None = None
+    delegate_alignment: int | None = None
 
     @staticmethod
-    def from_backend_config(config) -> "PteOptions":
+    def from_backend_config(config: Any) -> PteOptions:
         """Take the four fields from an ``ExecutorchBackendConfig``."""
         return PteOptions(
             extract_delegate_segments=config.extract_delegate_segments,
@@ -57,12 +58,12 @@ class PteOptions:
 
 
 def _packed_segment(
-    buffers: Sequence, alignment: Optional[int], label: str
-) -> tuple:
+    buffers: Sequence[Any], alignment: int | None, label: str
+) -> tuple[tuple[Extent, ...], list[int], int]:
     """Parts and offsets of tensors packed in one segment (constant or mutable)."""
     sizes = [len(b.storage) for b in buffers]
     offsets, total = pack_subsegments(sizes, alignment)
-    parts: List[Extent] = []
+    parts: list[Extent] = []
     for i, buf in enumerate(buffers):
         if sizes[i]:
             parts.append(
@@ -75,7 +76,7 @@ def _packed_segment(
     return tuple(parts), list(offsets), total
 
 
-def _extract_delegates(program, segments: List[SegmentPlan]) -> None:
+def _extract_delegates(program: Any, segments: list[SegmentPlan]) -> None:
     """Move non-empty inline delegate blobs into segments, deduplicated by content.
 
     Modifies the metadata ``program`` in place exactly as upstream's
@@ -83,9 +84,9 @@ def _extract_delegates(program, segments: List[SegmentPlan]) -> None:
     """
     from executorch.exir.schema import BackendDelegateDataReference, DataLocation
 
-    remaining = []
-    seen = set()
-    by_candidate: Dict[tuple, List[tuple]] = {}
+    remaining: list[Any] = []
+    seen: set[int] = set()
+    by_candidate: dict[CandidateKey, list[tuple[Source, int]]] = {}
     for plan in program.execution_plan:
         for delegate in plan.delegates:
             if delegate.processed.location != DataLocation.INLINE:
@@ -129,7 +130,7 @@ def _extract_delegates(program, segments: List[SegmentPlan]) -> None:
     program.backend_delegate_data = remaining
 
 
-def _find_equal(by_candidate: Dict[tuple, List[tuple]], source: Source) -> Optional[int]:
+def _find_equal(by_candidate: dict[CandidateKey, list[tuple[Source, int]]], source: Source) -> int | None:
     """Index of an earlier delegate blob with the same bytes (exact comparison)."""
     for other, index in by_candidate.get(candidate_key(source), ()):
         if other is source or _same_bytes(other, source):
@@ -139,18 +140,18 @@ def _find_equal(by_candidate: Dict[tuple, List[tuple]], source: Source) -> Optio
 
 def _same_bytes(a: Source, b: Source) -> bool:
     ring_a, ring_b = BufferRing(count=1), BufferRing(count=1)
-    for x, y in zip(a.pieces(ring_a), b.pieces(ring_b)):
+    for x, y in zip(a.pieces(ring_a), b.pieces(ring_b), strict=False):  # equal nbytes: the candidate key
         if x != y:
             return False
     return True
 
 
 def plan_pte(
-    program,
+    program: Any,
     *,
-    mutable_data: Optional[Sequence] = None,
+    mutable_data: Sequence[Any] | None = None,
     named_buffers: Sequence[Source] = (),
-    named_data: Optional[Mapping[str, DataEntry]] = None,
+    named_data: Mapping[str, DataEntry] | None = None,
     options: PteOptions = PteOptions(),
     name: str = "model.pte",
 ) -> FilePlan:
@@ -176,7 +177,7 @@ def plan_pte(
     meta.execution_plan = copy.deepcopy(program.execution_plan)
     meta.backend_delegate_data = copy.deepcopy(program.backend_delegate_data)
     meta.segments = []
-    segments: List[SegmentPlan] = []
+    segments: list[SegmentPlan] = []
 
     if len(program.constant_buffer) > 0:
         parts, offsets, _ = _packed_segment(program.constant_buffer, cta, "constant segment")

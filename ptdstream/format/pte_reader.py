@@ -10,7 +10,7 @@ is never read.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any
 
 from .artifact import (
     Artifact,
@@ -39,7 +39,8 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
     if head[8:12] == ExtendedHeader.MAGIC:
         header = ExtendedHeader.from_bytes(head[8 : 8 + ExtendedHeader.LENGTH])
         if header is None:
-            raise fail(name, 8, f"extended header b'eh00' is truncated or its length is < {ExtendedHeader.MINIMUM_LENGTH}")
+            raise fail(name, 8,
+                       f"extended header b'eh00' is truncated or its length is < {ExtendedHeader.MINIMUM_LENGTH}")
         program_size, base, data_nbytes = header.program_size, header.segment_base_offset, header.segment_data_size
         used = HEADER_OFFSET + min(header.length, ExtendedHeader.LENGTH)
         if not used <= program_size <= nbytes:
@@ -59,8 +60,9 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
                    f"flatbuffer verification: {e.what}") from None
     spans = [(s.Offset(), s.Size()) for s in map(program.Segments, range(program.SegmentsLength()))]
     limit = base + data_nbytes if header is not None and header.length >= ExtendedHeader.LENGTH else nbytes
-    labels: Dict[int, List] = {}
-    const_index, const_offsets = None, ()
+    labels: dict[int, list[Any]] = {}
+    const_index: int | None = None
+    const_offsets: tuple[int, ...] = ()
     cs = program.ConstantSegment()
     if cs is not None and cs.OffsetsLength() > 0:
         const_index = cs.SegmentIndex()
@@ -92,13 +94,13 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
     )
 
 
-def _offsets(sub) -> Tuple[int, ...]:
+def _offsets(sub: Any) -> tuple[int, ...]:
     return tuple(sub.Offsets(j) for j in range(sub.OffsetsLength()))
 
 
-def _external_tensors(program) -> Tuple[ExternalTensor, ...]:
+def _external_tensors(program: Any) -> tuple[ExternalTensor, ...]:
     """Tensors the program marks EXTERNAL, by fully qualified name (first one wins)."""
-    found: Dict[str, ExternalTensor] = {}
+    found: dict[str, ExternalTensor] = {}
     for plan in map(program.ExecutionPlan, range(program.ExecutionPlanLength())):
         for value in map(plan.Values, range(plan.ValuesLength())):
             if value.ValType() != _TENSOR_TYPE or value.Val() is None:

@@ -8,7 +8,7 @@ what); ``options`` finds the layout parameters the manager was built with;
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from ..upstream import adapter
 from ..format.plan import FileRole, PlannedFile, SavePlan
@@ -26,8 +26,8 @@ def plan_manager(
     path: str,
     *,
     config: Any = None,
-    data_dir: Optional[str] = None,
-    ring: Optional[BufferRing] = None,
+    data_dir: str | None = None,
+    ring: BufferRing | None = None,
 ) -> SavePlan:
     """Plan every file ``save`` would write, without writing anything.
 
@@ -52,7 +52,7 @@ def plan_manager(
     folder = data_dir if data_dir is not None else (os.path.dirname(path) or ".")
     store = StreamingNamedDataStore(ring)
     found = data_files(parts, store)
-    planned_data = ()
+    planned_data: tuple[PlannedFile, ...] = ()
     if found is not None:
         planned_data = plan_data_files(found.buffers, found.external_data, folder,
                                        segment_alignment=parts.ptd_segment_alignment,

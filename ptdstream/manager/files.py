@@ -15,7 +15,8 @@ Payload is never copied: buffers become sources.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from ..upstream import adapter
 from ..upstream.adapter import ManagerParts
@@ -37,7 +38,7 @@ class DataFiles:
     fingerprints: Mapping[int, Fingerprint]
 
 
-def buffer_sources(buffers: Sequence[Any]) -> List[Source]:
+def buffer_sources(buffers: Sequence[Any]) -> list[Source]:
     """A store output's buffers as sources (labelled by index; nothing copied)."""
     return [seal(as_source(b, label=f"buffer {i}")) for i, b in enumerate(buffers)]
 
@@ -45,7 +46,7 @@ def buffer_sources(buffers: Sequence[Any]) -> List[Source]:
 def plan_program(parts: ManagerParts, options: PteOptions, name: str) -> FilePlan:
     """Plan the manager's .pte from its parts."""
     named = parts.named_data
-    buffers: List[Source] = []
+    buffers: list[Source] = []
     pte_data = None
     if named is not None and len(named.buffers) > 0 and len(named.pte_data) > 0:
         buffers = buffer_sources(named.buffers)
@@ -60,7 +61,7 @@ def plan_program(parts: ManagerParts, options: PteOptions, name: str) -> FilePla
     )
 
 
-def data_files(parts: ManagerParts, store: StreamingNamedDataStore) -> Optional[DataFiles]:
+def data_files(parts: ManagerParts, store: StreamingNamedDataStore) -> DataFiles | None:
     """The manager's data files as upstream would serialize them; None when there
     are none. Emitter constants are added to ``store`` (it counts the dedup)."""
     named = parts.named_data
@@ -71,7 +72,7 @@ def data_files(parts: ManagerParts, store: StreamingNamedDataStore) -> Optional[
         return DataFiles(buffer_sources(named.buffers), dict(named.external_data), {})
     layouts = adapter.external_tensor_layouts(parts.program)
     constants = parts.external_constant_buffer
-    sources: Dict[int, Source] = {}
+    sources: dict[int, Source] = {}
     for tag, fqn_to_index in constant_map.items():
         for fqn, index in fqn_to_index.items():
             if index not in sources:

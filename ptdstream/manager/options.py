@@ -18,7 +18,8 @@ extraction. In order of preference:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+from typing import Any
+from collections.abc import Iterator
 
 from ..errors import LayoutError
 from ..upstream import adapter
@@ -37,7 +38,7 @@ def _as_options(config: Any) -> PteOptions:
     return PteOptions.from_backend_config(config)
 
 
-def resolve_options(manager, config: Any = None, parts: Optional[ManagerParts] = None) -> PteOptions:
+def resolve_options(manager, config: Any = None, parts: ManagerParts | None = None) -> PteOptions:
     """The :class:`PteOptions` to save ``manager`` with (see the module docstring).
 
     Raises:
@@ -52,14 +53,14 @@ def resolve_options(manager, config: Any = None, parts: Optional[ManagerParts] =
     return infer_options(manager, parts)
 
 
-def infer_options(manager, parts: Optional[ManagerParts] = None) -> PteOptions:
+def infer_options(manager, parts: ManagerParts | None = None) -> PteOptions:
     """Read the layout parameters back from the manager's serialized metadata head."""
     parts = parts or adapter.manager_parts(manager)
     reference = parts.pte_head
     for options in _candidates(parts):
         plan = plan_program(parts, options, "probe.pte")
         head = plan.extents[0].data
-        if head[: len(reference)] == reference and len(head) >= len(reference):
+        if head is not None and head[: len(reference)] == reference and len(head) >= len(reference):
             return options
     raise LayoutError(
         "could not read the layout parameters back from the manager's output; "
@@ -73,7 +74,7 @@ def _candidates(parts: ManagerParts) -> Iterator[PteOptions]:
     head = parts.pte_head
     eh = ExtendedHeader.from_bytes(head[HEADER_OFFSET:])
     extract_choices = [True, False]
-    tensor_choices: List[Optional[int]] = [None]
+    tensor_choices: list[int | None] = [None]
     if eh is not None:
         try:
             parsed = adapter.flatbuffer_to_program(head[: eh.program_size])
@@ -83,7 +84,7 @@ def _candidates(parts: ManagerParts) -> Iterator[PteOptions]:
             tensor_choices = _tensor_alignment_choices(program, parsed)
     else:
         tensor_choices = [None] + [p for p in _POWERS if p != 16]
-    delegate_choices: List[Optional[int]] = [None] + [p for p in _POWERS if p != 16]
+    delegate_choices: list[int | None] = [None] + [p for p in _POWERS if p != 16]
     seen = set()
     for extract in extract_choices:
         for cta in tensor_choices:
@@ -94,11 +95,11 @@ def _candidates(parts: ManagerParts) -> Iterator[PteOptions]:
                     yield options
 
 
-def _tensor_alignment_choices(program, parsed) -> List[Optional[int]]:
+def _tensor_alignment_choices(program, parsed) -> list[int | None]:
     sizes = [len(b.storage) for b in program.constant_buffer]
     offsets = list(getattr(parsed.constant_segment, "offsets", None) or [])
     if not sizes or len(offsets) != len(sizes):
         return [None] + [p for p in _POWERS if p != 16]
     fits = [p for p in _POWERS if list(pack_subsegments(sizes, p)[0]) == offsets]
-    ordered: List[Optional[int]] = [None] if 16 in fits else []
+    ordered: list[int | None] = [None] if 16 in fits else []
     return ordered + [p for p in fits if p != 16]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def pread_exact(fd: int, view: memoryview, offset: int) -> int:
@@ -38,12 +38,13 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> int:
         try:
             n = os.pwrite(fd, view, offset)
         except OSError as e:
-            e.offset = offset  # where the failed write began, for the caller's message
+            # Where the failed write began, for the caller's message.
+            e.offset = offset  # type: ignore[attr-defined]  # an added attribute, documented above
             raise
         if n <= 0:
-            e = OSError(errno.EIO, "pwrite wrote nothing")
-            e.offset = offset
-            raise e
+            err = OSError(errno.EIO, "pwrite wrote nothing")
+            err.offset = offset  # type: ignore[attr-defined]  # an added attribute, documented above
+            raise err
         view, offset = view[n:], offset + n
     return total
 

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 #: ``hook(op, path)`` called before each operation; ``op`` is ``"rename"``,
 #: ``"link"``, ``"unlink"``, ``"fsync"`` or ``"fsync_dir"``; ``path`` the path the
 #: operation changes (the destination of a rename or link).
 Hook = Callable[[str, str], None]
 
-_hook: Optional[Hook] = None
+_hook: Hook | None = None
 _lock = threading.Lock()
 
 
-def set_hook(hook: Optional[Hook]) -> Optional[Hook]:
+def set_hook(hook: Hook | None) -> Hook | None:
     """Install ``hook`` (``None`` removes it); returns the previous one. Process-wide."""
     global _hook
     with _lock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -91,7 +91,7 @@ class FileMapping(NamedTuple):
     inode: int
 
 
-def file_mapping(address: int, nbytes: int) -> Optional[FileMapping]:
+def file_mapping(address: int, nbytes: int) -> FileMapping | None:
     """The file-backed mapping of this process that holds ``[address, address +
     nbytes)`` whole (a mapping with an inode), such as the storages of
     ``torch.load(mmap=True)`` or safetensors; None when there is none or
@@ -113,7 +113,7 @@ def file_mapping(address: int, nbytes: int) -> Optional[FileMapping]:
     return None
 
 
-def will_need(address: int, nbytes: int, bounds: Tuple[int, int]) -> None:
+def will_need(address: int, nbytes: int, bounds: tuple[int, int]) -> None:
     """Start reading ``[address, address + nbytes)`` of a file mapping ahead of
     use (``MADV_WILLNEED``: asynchronous read-ahead into the page cache; nothing
     is mapped in). Clipped to ``bounds``; errors are ignored."""
@@ -123,7 +123,7 @@ def will_need(address: int, nbytes: int, bounds: Tuple[int, int]) -> None:
         _libc.madvise(start, end - start, mmap.MADV_WILLNEED)
 
 
-def page_out(address: int, nbytes: int, bounds: Tuple[int, int]) -> None:
+def page_out(address: int, nbytes: int, bounds: tuple[int, int]) -> None:
     """Ask the kernel to reclaim the pages of ``[address, address + nbytes)`` from
     this process now (``MADV_PAGEOUT``).
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 
 class FdThread:
@@ -34,13 +34,13 @@ class FdThread:
         """Whether the target has not returned yet."""
         return not self._ended.is_set()
 
-    def wait(self) -> Optional[KeyboardInterrupt]:
+    def wait(self) -> KeyboardInterrupt | None:
         """Wait until the thread has ended, even while ``KeyboardInterrupt`` is
         raised in this thread; returns the last such interrupt (None if none), for
         the caller to raise again once it has cleaned up. The wait is for one
         write or one ``sync_file_range`` in progress: ptdstream's threads check
         for their stop signal between them."""
-        interrupted: Optional[KeyboardInterrupt] = None
+        interrupted: KeyboardInterrupt | None = None
         while not self._ended.is_set():
             try:
                 self._ended.wait()

@@ -28,7 +28,7 @@ import ctypes.util
 import queue
 import threading
 import time
-from typing import Callable, Deque, Optional, Tuple
+from collections.abc import Callable
 
 from ..defaults import WINDOW_NBYTES
 from ..timeline import stage_timeline
@@ -43,7 +43,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_AFTER = 4
 
 
-def _load_sync_file_range() -> Optional[Callable[[int, int, int, int], int]]:
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fn = libc.sync_file_range
@@ -86,14 +86,14 @@ class WritebackWindows:
     advice; the caller's fsync reports real write errors).
     """
 
-    def __init__(self, fd: int, window_nbytes: int = WINDOW_NBYTES, inflight: Optional[int] = None) -> None:
+    def __init__(self, fd: int, window_nbytes: int = WINDOW_NBYTES, inflight: int | None = None) -> None:
         self._fd = fd
         self.window_nbytes = window_nbytes
         self.inflight = max(1, DEFAULT_INFLIGHT_WINDOWS if inflight is None else inflight)
         self._start = self._end = 0
         self._slots = threading.Semaphore(self.inflight + 2)
-        self._windows: "queue.SimpleQueue[Optional[Tuple[int, int]]]" = queue.SimpleQueue()
-        self._thread: Optional[FdThread] = None
+        self._windows: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._thread: FdThread | None = None
 
     def written(self, offset: int, nbytes: int) -> None:
         """Record that ``[offset, offset + nbytes)`` was written."""
@@ -139,7 +139,10 @@ class WritebackWindows:
         self._windows.put((start, end))
 
     def _serve(self) -> None:
-        under_writeback: Deque[Tuple[int, int]] = collections.deque()
+        sync_file_range = _sync_file_range
+        if sync_file_range is None:  # submit() starts this thread only when it is there
+            return
+        under_writeback: collections.deque[tuple[int, int]] = collections.deque()
         while True:
             window = self._windows.get()
             if window is None:
@@ -147,11 +150,11 @@ class WritebackWindows:
             timeline = stage_timeline()
             t = time.perf_counter() if timeline is not None else 0.0
             start, end = window
-            _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
+            sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)
             under_writeback.append(window)
             while len(under_writeback) > self.inflight:
                 old_start, old_end = under_writeback.popleft()
-                _sync_file_range(
+                sync_file_range(
                     self._fd,
                     old_start,
                     old_end - old_start,

@@ -11,7 +11,8 @@ import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
+from collections.abc import Sequence
 
 from .names import CHECKED_VERSIONS, resolve
 
@@ -30,7 +31,7 @@ FILE_BACKED_FIELDS = ("_path", "_size", "_sha256", "_finalizer")
 # ------------------------------------------------------------------ builders
 
 
-def program_to_flatbuffer(program, constant_tensor_alignment, delegate_alignment) -> Tuple[bytes, int]:
+def program_to_flatbuffer(program, constant_tensor_alignment, delegate_alignment) -> tuple[bytes, int]:
     """Upstream's Python-builder flatbuffer for a ``Program`` and its max alignment.
 
     ``exir/_serialize/_flatbuffer_program.py::_program_to_flatbuffer``: the exact
@@ -60,7 +61,7 @@ def flatbuffer_to_program(data: bytes):
     return resolve(_FB, "_flatbuffer_to_program")(data)
 
 
-def external_tensor_layouts(program) -> Dict[str, Any]:
+def external_tensor_layouts(program) -> dict[str, Any]:
     """``{fqn: TensorLayout}`` of the program's external tensors, as upstream
     computes them for the emitter's constants
     (``exir/_serialize/_serialize.py::_extract_external_tensor_layouts``)."""
@@ -70,12 +71,12 @@ def external_tensor_layouts(program) -> Dict[str, Any]:
 # ------------------------------------------------------------------ FileBackedData
 
 
-def file_backed_data_type() -> type:
+def file_backed_data_type() -> type[Any]:
     """executorch's ``FileBackedData`` (``exir/_serialize/_cord.py``)."""
     return resolve(_CORD, "FileBackedData")
 
 
-def file_backed_path(data: Any) -> Optional[str]:
+def file_backed_path(data: Any) -> str | None:
     """The path behind an executorch ``FileBackedData`` (private ``_path``), else None.
 
     ptdstream's own subclasses without a file return None.
@@ -89,18 +90,18 @@ def file_backed_path(data: Any) -> Optional[str]:
     return None
 
 
-def init_file_backed(obj: Any, path: Optional[str], nbytes: int, sha256: Optional[bytes] = None) -> None:
+def init_file_backed(obj: Any, path: str | None, nbytes: int, sha256: bytes | None = None) -> None:
     """Set the private fields of a ``FileBackedData`` subclass instance that does not
     call ``FileBackedData.__init__`` (no file to stat): see :data:`FILE_BACKED_FIELDS`."""
     obj._path, obj._size, obj._sha256, obj._finalizer = path, nbytes, sha256, None
 
 
-def cached_sha256(obj: Any) -> Optional[bytes]:
+def cached_sha256(obj: Any) -> bytes | None:
     """A ``FileBackedData``'s cached SHA-256 (None until computed)."""
     return obj._sha256
 
 
-def set_cached_sha256(obj: Any, digest: Optional[bytes]) -> None:
+def set_cached_sha256(obj: Any, digest: bytes | None) -> None:
     """Record a ``FileBackedData``'s SHA-256 (32 bytes) so it is not computed again."""
     obj._sha256 = digest
 
@@ -129,9 +130,9 @@ class ManagerParts:
     """
 
     program: Any
-    mutable_data: Optional[List[Any]]
-    external_constant_buffer: List[Any]
-    external_constant_map: Dict[str, Dict[str, int]]
+    mutable_data: list[Any] | None
+    external_constant_buffer: list[Any]
+    external_constant_map: dict[str, dict[str, int]]
     named_data: Any
     ptd_segment_alignment: int
     pte_head: bytes
@@ -153,7 +154,7 @@ def manager_parts(manager) -> ManagerParts:
     )
 
 
-def reference_cords(manager) -> Tuple[Any, Dict[str, Any]]:
+def reference_cords(manager) -> tuple[Any, dict[str, Any]]:
     """The manager's own serialized output: the .pte ``Cord`` and ``{tag: Cord}``."""
     return manager._pte_data, dict(manager._tensor_data or {})
 
@@ -162,7 +163,7 @@ def reference_cords(manager) -> Tuple[Any, Dict[str, Any]]:
 RECORDED_CONFIG_ATTR = "_ptdstream_backend_config"
 
 
-def recorded_backend_config(manager) -> Tuple[bool, Any]:
+def recorded_backend_config(manager) -> tuple[bool, Any]:
     """``(True, config)`` when the manager was built while configs were recorded
     (``config`` is an ``ExecutorchBackendConfig``; a manager built with none gets
     the default one), else ``(False, None)``."""
@@ -210,7 +211,7 @@ def tensor_spec_storage(spec) -> Any:
     return getattr(spec, "storage", None)
 
 
-def tensor_spec_fqn(spec) -> Optional[str]:
+def tensor_spec_fqn(spec) -> str | None:
     """The fully qualified name the emitter knows for ``spec`` (None if unknown)."""
     return getattr(getattr(spec, "extra_tensor_info", None), "fully_qualified_name", None)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any
 
 #: executorch releases the names below were checked against.
 CHECKED_VERSIONS = ("1.5.1",)
@@ -54,7 +54,7 @@ _SER = "executorch.exir._serialize"
 _FB = f"{_SER}._flatbuffer_program"
 _COLLECTOR = "executorch.backends.cuda.cuda_weight_collector"
 
-NAMES: Tuple[PrivateName, ...] = (
+NAMES: tuple[PrivateName, ...] = (
     PrivateName(f"{_SER}._cord", "FileBackedData", "data that lives in a file; ptdstream subclasses it"),
     PrivateName(f"{_SER}._cord", "Cord", "the manager's serialized output, streamed by verify"),
     PrivateName(_FB, "_program_to_flatbuffer", "the Python-builder .pte flatbuffer (flatc gives other bytes)"),
@@ -83,8 +83,9 @@ NAMES: Tuple[PrivateName, ...] = (
     PrivateName("torch", "_int_mm", "exact int8 matrix product of the GPU fingerprint"),
 )
 
-FIELDS: Tuple[PrivateField, ...] = (
-    PrivateField("executorch.exir.ExecutorchProgramManager", "_emitter_output", "program, mutable data, external constants"),
+FIELDS: tuple[PrivateField, ...] = (
+    PrivateField("executorch.exir.ExecutorchProgramManager", "_emitter_output",
+                 "program, mutable data, external constants"),
     PrivateField("executorch.exir.ExecutorchProgramManager", "_named_data", "the backends' NamedDataStoreOutput"),
     PrivateField("executorch.exir.ExecutorchProgramManager", "_data_serializer", "the FlatTensorSerializer's config"),
     PrivateField("executorch.exir.ExecutorchProgramManager", "_pte_data", "the .pte Cord (reference for verify)"),
@@ -96,7 +97,7 @@ FIELDS: Tuple[PrivateField, ...] = (
     PrivateField(f"{_SER}._cord.FileBackedData", "_finalizer", "set by ptdstream's FileBackedData subclasses"),
 )
 
-_BY_KEY: Dict[Tuple[str, str], PrivateName] = {(n.module, n.attribute): n for n in NAMES}
+_BY_KEY: dict[tuple[str, str], PrivateName] = {(n.module, n.attribute): n for n in NAMES}
 
 
 def resolve(module: str, attribute: str = "") -> Any:

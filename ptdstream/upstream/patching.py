@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any
+from collections.abc import Iterator
 
 _lock = threading.Lock()
-_shadows: Dict[Tuple[int, str], list] = {}  # (id(owner), name) -> [count, had_own, original]
+_shadows: dict[tuple[int, str], list] = {}  # (id(owner), name) -> [count, had_own, original]
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ class Scope:
     """
 
     def __init__(self) -> None:
-        self._stack: Optional[contextlib.ExitStack] = None
+        self._stack: contextlib.ExitStack | None = None
         self._lock = threading.Lock()
 
     @property

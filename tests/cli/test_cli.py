@@ -108,7 +108,8 @@ def test_permission_error_from_the_reader_exits_2(tmp_path, capsys, monkeypatch)
     (["verify", "a", "b", "--against", "c"],
      "ptdstream verify: --against compares one FILE, got 2 (see ptdstream verify --help)"),
     (["bogus"], "ptdstream: argument COMMAND: invalid choice: 'bogus' (choose from 'verify', "
-                "'inspect', 'manifest', 'pack', 'unpack', 'extract', 'weights', 'recover', 'demo') (see ptdstream --help)"),
+                "'inspect', 'manifest', 'pack', 'unpack', 'extract', 'weights', 'recover', 'demo')"
+                " (see ptdstream --help)"),
     (["inspect", "--frobnicate", "x"],
      "ptdstream inspect: unrecognized arguments: --frobnicate (see ptdstream inspect --help)"),
     (["--frobnicate"], "ptdstream: unrecognized arguments: --frobnicate (see ptdstream --help)"),

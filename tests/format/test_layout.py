@@ -62,7 +62,7 @@ def test_pack_subsegments_matches_extract_constant_segment(sizes, alignment):
 def test_place_segments_rule(specs, segment_alignment):
     placements, end = place_segments([SegmentSpec(n, a) for n, a in specs], segment_alignment)
     prev = 0
-    for (n, a), p in zip(specs, placements):
+    for (n, a), p in zip(specs, placements, strict=True):
         assert p.offset >= prev and p.offset % a == 0 and p.offset % segment_alignment == 0
         assert p.offset - prev < math.lcm(a, segment_alignment)  # the smallest gap
         prev = p.offset + n
@@ -76,7 +76,8 @@ def test_headers_match_upstream_bytes():
     assert FlatTensorHeader(48, 300, 384, 7).to_bytes() == UpstreamFlatTensorHeader(
         flatbuffer_offset=48, flatbuffer_size=300, segment_base_offset=384, segment_data_size=7
     ).to_bytes()
-    short = ExtendedHeader(10, 20, 0).to_bytes()[:4] + (24).to_bytes(4, "little") + ExtendedHeader(10, 20, 0).to_bytes()[8:24]
+    full = ExtendedHeader(10, 20, 0).to_bytes()
+    short = full[:4] + (24).to_bytes(4, "little") + full[8:24]
     assert ExtendedHeader.from_bytes(short) == ExtendedHeader(10, 20, 0, length=24)
 
 

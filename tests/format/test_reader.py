@@ -7,6 +7,7 @@ import os
 import struct
 import time
 import tracemalloc
+from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,7 +27,7 @@ FLOAT = 6  # ScalarType.FLOAT
 def _contiguous(art) -> None:
     sections = art.sections()
     assert sections[0].start == 0 and sections[-1].end == art.file_nbytes
-    for a, b in zip(sections, sections[1:]):
+    for a, b in pairwise(sections):
         assert a.end == b.start
     assert all(s.nbytes > 0 for s in sections)
     assert sum(s.nbytes for s in sections) == art.file_nbytes
@@ -142,7 +143,8 @@ def test_ptd_parser_agrees_with_upstream_deserializer(tmp_path):
                 assert got is None
             else:
                 assert got == TensorLayout(int(want.scalar_type), tuple(want.sizes), tuple(want.dim_order))
-            assert _segment(art, entry.segment_index) == bytes(payload.buffers[payload.named_data[entry.key].buffer_index])
+            buffer_index = payload.named_data[entry.key].buffer_index
+            assert _segment(art, entry.segment_index) == bytes(payload.buffers[buffer_index])
 
 
 def test_ptdstream_save_output_reads_like_upstream(tmp_path):
@@ -299,7 +301,8 @@ def test_empty_ptd_has_no_segments(tmp_path):
     art = _upstream_ptd(tmp_path / "empty.ptd", [], {})
     assert art.segments == () and art.named == () and art.segment_data_nbytes == 0
     assert art.file_nbytes == art.segment_base_offset == 128
-    assert [s.name for s in art.sections()] == ["flatbuffer", "flat tensor header", "header padding", "flatbuffer", "padding"]
+    assert [s.name for s in art.sections()] == [
+        "flatbuffer", "flat tensor header", "header padding", "flatbuffer", "padding"]
     _contiguous(art)
     assert_only(tmp_path, ["empty.ptd"])
 
@@ -322,7 +325,8 @@ def test_overlapping_segments_are_rejected(tmp_path):
     with pytest.raises(FormatError, match=r"at offset 812: segment 3 \[812, 824\) overlaps segment 2 \[768, 816\)"):
         read_artifact(path)
     patched(path, at, struct.pack("<Q", 1 << 62))
-    with pytest.raises(FormatError, match=r"segment 3 \[\d+, \d+\) \(12 bytes\) ends beyond the end of the segment data \(908\)"):
+    with pytest.raises(FormatError,
+                       match=r"segment 3 \[\d+, \d+\) \(12 bytes\) ends beyond the end of the segment data \(908\)"):
         read_artifact(path)
 
 

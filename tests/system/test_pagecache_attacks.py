@@ -67,11 +67,9 @@ def test_brk2_compare_files_leaves_at_most_10_mib(tmp_path):
     a = _cold_file(tmp_path / "a", 24 << 20)
     b = tmp_path / "b"
     b.write_bytes(a.read_bytes())
-    _cold_file(b, 0) if False else None
     with open(b, "rb+") as f:
         os.fsync(f.fileno())
         drop_pages(f.fileno(), 0, 0)
-    drop_pages_path = None  # noqa: F841
     with open(a, "rb") as f:
         drop_pages(f.fileno(), 0, 0)
     report = compare_files(str(a), str(b), chunk_nbytes=(3 << 20) + 5)
