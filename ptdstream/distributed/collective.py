@@ -31,15 +31,22 @@ class DistributedWriteError(PtdstreamError):
     its error. Nothing was published and the temp files are removed.
 
     Attributes:
-        step: the step that failed (``"describe the pieces"``, ``"write the pieces"``, ...).
+        step: the step that failed: ``"describe the pieces"``, ``"fingerprint the
+            dedup candidates"``, ``"plan the files"``, ``"write the pieces"`` or
+            ``"publish"``.
         failures: ``{rank: "ExceptionType: message"}``; empty when the group
             itself failed (a rank killed, a timeout), which ``group_error`` names.
+        published: ``False`` (nothing was published), ``True`` (rank 0 had
+            published the whole set when the group failed) or ``None`` (this rank
+            cannot know: the group failed while rank 0 was publishing).
     """
 
-    def __init__(self, step: str, failures: Dict[int, str], group_error: Optional[str] = None) -> None:
+    def __init__(self, step: str, failures: Dict[int, str], group_error: Optional[str] = None,
+                 published: Optional[bool] = False) -> None:
         self.step = step
         self.failures = dict(failures)
         self.group_error = group_error
+        self.published = published
         if group_error is not None:
             what = f"the group failed (a rank was killed, timed out or left): {group_error}"
         else:
@@ -50,10 +57,12 @@ class DistributedWriteError(PtdstreamError):
                 f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}"
                 for message, ranks in by_message.items()
             )
-        super().__init__(f"{step}: {what}; nothing was published")
+        outcome = {False: "nothing was published", True: "rank 0 had published the whole set",
+                   None: "rank 0 may have published the whole set: look in the folder"}[published]
+        super().__init__(f"{step}: {what}; {outcome}")
 
     def __reduce__(self):
-        return type(self), (self.step, self.failures, self.group_error)
+        return type(self), (self.step, self.failures, self.group_error, self.published)
 
 
 class DistributedIntegrityError(DistributedWriteError, IntegrityError):
@@ -101,7 +110,7 @@ class Collective:
                 the collective failed.
         """
         mine, error = _call(fn) if self.rank == 0 else (None, None)
-        box = [mine]
+        box: List[Any] = [mine]
         self._collective(step, error, lambda: _dist().broadcast_object_list(box, src=self._root, group=self.group))
         self._raise_failures(step, {0: box[0]}, error)
         return box[0][1]

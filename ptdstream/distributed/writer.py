@@ -144,9 +144,12 @@ def _take_fingerprint(source: Source) -> None:
     """The fingerprint a piece is checked against when written: xxh3-128 of a CPU
     piece (``expected_fingerprint``), the GPU fingerprint of a CUDA piece (checked
     once its bytes are copied out, as :mod:`ptdstream.hooks.cuda.backend` does)."""
-    if getattr(source, "device_kind", "cpu") == "cuda":
-        source.gpu_fingerprint()
-        source.verify_on_write = True
+    if source.device_kind == "cuda":
+        from ..sources.cuda import CudaTensorSource
+
+        if isinstance(source, CudaTensorSource):
+            source.gpu_fingerprint()
+            source.verify_on_write = True
     else:
         seal(source)
 
@@ -197,7 +200,7 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
                 position = at + offsets[(key, rank)]
                 where = f"{target} at offset {position}: "
                 digest = StreamingDigest()
-                for piece in source.pieces(ring):
+                for piece in _pieces_of(source, ring, where):
                     if digest.nbytes == 0 and bytes(piece[: len(head)]) != head[: len(piece)]:
                         raise IntegrityError(f"{where}{source.describe()} changed after it was handed over (its "
                                              "first bytes differ from the plan's); nothing was published")
@@ -226,6 +229,20 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
     return written
 
 
+def _pieces_of(source: Source, ring: BufferRing, where: str):
+    """``source.pieces(ring)``, its IntegrityError (storage freed, GPU fingerprint
+    changed) prefixed with the file and offset."""
+    pieces = source.pieces(ring)
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration:
+            return
+        except IntegrityError as e:
+            raise IntegrityError(f"{where}{e}") from e
+        yield piece
+
+
 class _RankWrite:
     """One rank's part of one write. Its steps, in order, each run on every rank
     (or on rank 0) by :class:`Collective`: 1) ``describe`` 2) ``fingerprint``
@@ -239,6 +256,7 @@ class _RankWrite:
         self.local: Dict[str, Tuple[Source, Any, bytes]] = {}
         self.sinks: List[Any] = []
         self.files: List[Any] = []
+        self.published = False
 
     def describe(self) -> List[PieceInfo]:
         if not os.path.isdir(self.folder):
@@ -275,6 +293,7 @@ class _RankWrite:
 
         with folder_locks([self.folder]):
             publish_set(self.sinks)
+        self.published = True
         return [(t, n) for t, _, n, _ in wire]
 
     def abort(self) -> None:
@@ -321,7 +340,9 @@ def write_data_files(
     Raises:
         DistributedWriteError: on every rank, when any rank failed, naming the
             step and each failed rank with its error; nothing is published and
-            the temp files are removed.
+            the temp files are removed. Only when the group itself fails while
+            rank 0 publishes can the set be published: ``published`` says so
+            on rank 0 (``None``, unknown, on the others).
         DistributedIntegrityError: (a ``DistributedWriteError`` and an
             ``IntegrityError``) on every rank, when the failed ranks refused a
             piece that changed after hand-over, naming rank, key, file and offset.
@@ -336,7 +357,13 @@ def write_data_files(
         all_partials = steps.all_gather("fingerprint the dedup candidates", lambda: save.fingerprint(all_infos))
         wire, dedup = steps.broadcast("plan the files", lambda: save.plan(all_partials))
         written = steps.all_gather("write the pieces", lambda: save.write(wire))[steps.rank]
-        published = steps.broadcast("publish", lambda: save.publish(wire))
+        try:
+            published = steps.broadcast("publish", lambda: save.publish(wire))
+        except DistributedWriteError as e:
+            if e.group_error is None:
+                raise
+            # The group failed while rank 0 published: rank 0 knows whether it had.
+            raise DistributedWriteError(e.step, {}, e.group_error, save.published if steps.rank == 0 else None) from e
     except BaseException:
         save.abort()
         raise

@@ -266,3 +266,37 @@ def test_a_plain_tensor_the_single_process_store_refuses_is_refused_by_key():
     assert [(i.key, i.dim_order) for i in infos] == [("w", (0, 1)), ("cl", (0, 2, 3, 1))]
     with pytest.raises(LayoutError, match=r"^key 'w.t': Tensor is not contiguous\. Please call \.contiguous\(\)"):
         _local_pieces({"w.t": base.t()}, lambda key: "model", 16, 0)
+
+
+def test_a_group_failing_after_rank_0_published_says_the_set_was_published(tmp_path, monkeypatch):
+    """The group fails while rank 0 broadcasts the outcome of a publish that
+    succeeded (one rank, in process, its collectives faked): rank 0's error says
+    the whole set was published, and the files are the one-process bytes."""
+    import ptdstream.distributed.writer as writer
+    from ptdstream.distributed import DistributedWriteError
+
+    class PublishBroadcastFails:
+        def __init__(self, group=None) -> None:
+            self.rank, self.world_size = 0, 1
+
+        def all_gather(self, step, fn):
+            return [fn()]
+
+        def broadcast(self, step, fn):
+            value = fn()
+            if step == "publish":
+                raise DistributedWriteError(step, {}, "RuntimeError: Connection closed by peer")
+            return value
+
+    monkeypatch.setattr(writer, "Collective", PublishBroadcastFails)
+    tensors = W.rank_tensors(0)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DistributedWriteError) as caught:
+        writer.write_data_files(tensors, str(tmp_path / "out"), external_tag=W.tag_of, alignment=16)
+    assert str(caught.value) == ("publish: the group failed (a rank was killed, timed out or left): RuntimeError: "
+                                 "Connection closed by peer; rank 0 had published the whole set")
+    assert caught.value.published is True
+    _reference(tensors, tmp_path / "ref")
+    _same_files(tmp_path / "out", tmp_path / "ref", ["extra.ptd", "model.ptd"])
+    unknown = DistributedWriteError("publish", {}, "RuntimeError: Connection closed by peer", None)
+    assert str(unknown).endswith("; rank 0 may have published the whole set: look in the folder")
