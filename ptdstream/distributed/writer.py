@@ -155,8 +155,12 @@ def _take_fingerprint(source: Source) -> None:
 
 
 def _candidate_digest(source: Source, offset: int, ring: BufferRing):
-    """The composable digest of a dedup candidate's piece, refused when the bytes
-    are no longer those handed over (xxh3-128 of the same pass)."""
+    """The composable digest of a dedup candidate's piece at ``offset`` (bytes) in
+    the whole, checked in the same pass against the xxh3-128 taken at hand-over.
+
+    Raises:
+        IntegrityError: the bytes are no longer those handed over (both digests).
+    """
     seen = StreamingDigest()
 
     def tee():
