@@ -2,6 +2,6 @@
 ``torch.distributed`` group writes one set of ``.ptd`` files, each rank writing
 only the bytes it holds (see :mod:`ptdstream.distributed.writer`)."""
 
-from .writer import DistributedReport, DistributedWriteError, write_data_files
+from .writer import DistributedIntegrityError, DistributedReport, DistributedWriteError, write_data_files
 
-__all__ = ["DistributedReport", "DistributedWriteError", "write_data_files"]
+__all__ = ["DistributedIntegrityError", "DistributedReport", "DistributedWriteError", "write_data_files"]

@@ -1,23 +1,29 @@
 """Many ranks, one artifact: every rank of a ``torch.distributed`` group writes the
 bytes it holds into the shared ``.ptd`` files, at offsets one plan fixed.
 
-Protocol (every step is collective; a failure on any rank is reported to all,
-and nothing is published):
+Protocol: five steps, each run on every rank (or on rank 0) through one
+:class:`~ptdstream.distributed.collective.Collective`, so that a failure on any
+rank is raised on every rank, naming each failed rank, and nothing is published:
 
-1. each rank describes its pieces: key, tag, alignment, the whole tensor's
-   layout, the piece's place among the key's pieces (mesh coordinate), its size
-   and first 32 bytes; ``all_gather_object``;
-2. every rank derives the same global order and the keys whose size and first
-   32 bytes collide with another's (upstream's dedup candidates); each rank
-   digests its pieces of those keys with the composable fingerprint
-   (:mod:`ptdstream.distributed.fingerprint`); ``all_gather_object``;
-3. rank 0 plans every ``<tag>.ptd`` with ptdstream's store and planner (the
-   planner sees sizes, first bytes and fingerprints only), creates the temp
-   files at their full size and broadcasts ``(temp file, key, file offset)``;
-4. each rank writes its own pieces with ``pwrite`` (the first key of each dedup class
-   only), fsyncs and drops their pages; rank 0 writes each head and fsyncs;
-5. a barrier (status exchange), then rank 0 publishes the set atomically
-   (:func:`ptdstream.write.publish.publish_set`) and tells every rank the outcome.
+1. ``describe the pieces``: each rank takes its pieces at hand-over (a CPU piece
+   the caller may still change is fingerprinted now, as the single-process
+   store does; a CUDA piece gets its GPU fingerprint) and describes them: key,
+   tag, alignment, the whole tensor's layout, the piece's place among the key's
+   pieces (mesh coordinate), its size and first 32 bytes; all-gathered;
+2. ``fingerprint the dedup candidates``: every rank derives the same global order
+   and the keys whose size and first 32 bytes collide with another's (upstream's
+   dedup candidates); each rank digests its pieces of those keys with the
+   composable fingerprint (:mod:`ptdstream.distributed.fingerprint`), checking
+   in the same pass that they are still the bytes handed over; all-gathered;
+3. ``plan the files`` (rank 0): every ``<tag>.ptd`` planned with ptdstream's store
+   and planner (which see sizes, first bytes and fingerprints only), the temp
+   files created at their full size; ``(temp file, key, file offset)`` broadcast;
+4. ``write the pieces``: each rank writes its own pieces with ``pwrite`` (the
+   first key of each dedup class only), digesting every piece as written and
+   refusing one whose digest differs from the hand-over's; fsyncs and drops
+   their pages; rank 0 writes each head; all-gathered (the barrier);
+5. ``publish`` (rank 0): the set published atomically
+   (:func:`ptdstream.write.publish.publish_set`), the outcome broadcast.
 
 No rank reads another rank's bytes. The result equals
 ``ptdstream.save.write_data_files`` of a store to which the whole tensors were
@@ -27,23 +33,21 @@ and so on (DTensor keys are on every rank, so their order is rank 0's).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
-from ..errors import IntegrityError, LayoutError, PtdstreamError
+from ..errors import IntegrityError, LayoutError
 from ..sources import BufferRing, Source, as_source
+from ..sources.fingerprint import StreamingDigest, check_expected, seal
+from .collective import Collective, DistributedIntegrityError, DistributedWriteError
 from .fingerprint import combine, digest_piece
 from .plan import PREFIX_NBYTES, PieceInfo, collate, dedup_candidates, plan_files, wire_plan
 
-
-class DistributedWriteError(PtdstreamError):
-    """A rank failed; raised on every rank, naming each failed rank and its error.
-    Nothing was published and the temp files are removed."""
+__all__ = ["DistributedIntegrityError", "DistributedReport", "DistributedWriteError", "write_data_files"]
 
 
 @dataclass(frozen=True)
@@ -57,59 +61,26 @@ class DistributedReport:
     dedup_saved_nbytes: int
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
-@contextlib.contextmanager
-def _group_failures():
-    """A collective that fails (a rank killed, a timeout) as :class:`DistributedWriteError`."""
-    try:
-        yield
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise DistributedWriteError(f"the group failed (a rank was killed, timed out or left): "
-                                    f"{type(e).__name__}: {first}; nothing was published") from e
-
-
-def _exchange(value: Any, error: Optional[BaseException], group) -> List[Any]:
-    """``all_gather_object`` of ``value``, or of this rank's error: raises
-    :class:`DistributedWriteError` on every rank when any rank failed."""
-    dist = _dist()
-    mine = ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", value)
-    gathered: List[Any] = [None] * dist.get_world_size(group)
-    with _group_failures():
-        dist.all_gather_object(gathered, mine, group=group)
-    failed = [(r, g[1]) for r, g in enumerate(gathered) if g[0] == "error"]
-    if failed:
-        raise DistributedWriteError(
-            "; ".join(f"rank {r}: {msg}" for r, msg in failed) + "; nothing was published"
-        ) from error
-    return [g[1] for g in gathered]
-
-
-def _broadcast(value: Any, error: Optional[BaseException], group) -> Any:
-    """Rank 0's ``value`` (or its error, raised on every rank)."""
-    dist = _dist()
-    box = [("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", value)]
-    with _group_failures():
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    status, payload = box[0]
-    if status == "error":
-        raise DistributedWriteError(f"rank 0: {payload}; nothing was published") from error
-    return payload
-
-
 def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alignment: int, rank: int):
-    """``[PieceInfo]`` and ``{key: (source, tensor, first bytes)}`` of this rank's pieces."""
+    """``[PieceInfo]`` and ``{key: (source, tensor, first bytes)}`` of this rank's
+    pieces, taken at hand-over: a CPU piece the caller can still change carries its
+    xxh3-128 digest (:func:`~ptdstream.sources.fingerprint.seal`), a CUDA piece its
+    GPU fingerprint, checked again when the piece is written.
+
+    A 0-dim DTensor is written whole by one rank (a ``Partial`` one is first
+    redistributed to ``Replicate``); a shard that holds no rows is a piece of 0 bytes.
+
+    Raises:
+        LayoutError: a key that is not a str, a value that is not a tensor, a
+            layout the single-process store refuses, a DTensor on a mesh of more
+            than one dimension.
+    """
     import torch
     from executorch.exir.tensor import scalar_type_enum
     from executorch.exir.tensor_layout import TensorLayout
 
     try:
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
     except ImportError:  # pragma: no cover - torch without DTensor
         DTensor = ()
     infos: List[PieceInfo] = []
@@ -117,14 +88,18 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     for key, tensor in tensors.items():
         if not isinstance(key, str):
             raise LayoutError(f"key {key!r} is not a str")
+        private = False  # a copy made here, which the caller cannot change
         if isinstance(tensor, DTensor):
             mesh = tensor.device_mesh
             if mesh.ndim != 1:
                 raise LayoutError(f"key {key!r}: a DTensor on a {mesh.ndim}-D mesh; only 1-D meshes are supported")
             placement = tensor.placements[0]
-            if not (placement.is_replicate() or (placement.is_shard() and placement.dim == 0)):
+            if tensor.dim() == 0 and not placement.is_replicate():
+                tensor, private = tensor.redistribute(mesh, [Replicate()]), True  # a scalar has no rows
+                placement = tensor.placements[0]
+            elif not (placement.is_replicate() or (placement.is_shard() and placement.dim == 0)):
                 # Rows of a Shard(0) tensor are byte ranges of the whole: DTensor moves the data.
-                tensor = tensor.redistribute(mesh, [Shard(0)])
+                tensor, private = tensor.redistribute(mesh, [Shard(0)]), True
                 placement = tensor.placements[0]
             coordinate = mesh.get_coordinate()[0]
             piece = tensor.to_local()
@@ -133,14 +108,16 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
                 # order of its other keys; spread over the ranks by the key's CRC-32.
                 owner = zlib.crc32(key.encode()) % mesh.size()
                 if coordinate != owner:
-                    piece = piece[:0]
+                    piece = piece.reshape(-1)[:0]  # no bytes (a 0-dim tensor cannot be sliced)
                 coordinate = 0 if coordinate == owner else 1
             scalar = int(scalar_type_enum(tensor.dtype))
             sizes, dim_order = tuple(int(s) for s in tensor.shape), tuple(range(tensor.dim()))
             total = tensor.numel() * tensor.element_size()
             sharded = True
             if not piece.is_contiguous():
-                piece = piece.contiguous()
+                piece, private = piece.contiguous(), True
+            if piece.numel() == 0:  # no bytes; its storage offset may lie past its (empty) storage
+                piece, private = piece.new_empty(piece.shape), True
         elif isinstance(tensor, torch.Tensor):
             piece, coordinate, sharded = tensor.detach(), 0, False
             try:  # the single-process store's layout: contiguous or channels_last only
@@ -154,6 +131,8 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
         else:
             raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
         source = as_source(piece, label=f"rank {rank} key {key!r}")
+        if not private and source.nbytes:
+            _take_fingerprint(source)
         head = source.prefix(PREFIX_NBYTES)
         infos.append(PieceInfo(key, tag_of(key), alignment, scalar, sizes, dim_order, total, coordinate,
                                sharded, source.nbytes, head, rank))
@@ -161,10 +140,52 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     return infos, local
 
 
+def _take_fingerprint(source: Source) -> None:
+    """The fingerprint a piece is checked against when written: xxh3-128 of a CPU
+    piece (``expected_fingerprint``), the GPU fingerprint of a CUDA piece (checked
+    once its bytes are copied out, as :mod:`ptdstream.hooks.cuda.backend` does)."""
+    if source.device_kind == "cuda":
+        from ..sources.cuda import CudaTensorSource
+
+        if isinstance(source, CudaTensorSource):
+            source.gpu_fingerprint()
+            source.verify_on_write = True
+    else:
+        seal(source)
+
+
+def _candidate_digest(source: Source, offset: int, ring: BufferRing):
+    """The composable digest of a dedup candidate's piece at ``offset`` (bytes) in
+    the whole, checked in the same pass against the xxh3-128 taken at hand-over.
+
+    Raises:
+        IntegrityError: the bytes are no longer those handed over (both digests).
+    """
+    seen = StreamingDigest()
+
+    def tee():
+        for piece in source.pieces(ring):
+            seen.update(piece)
+            yield piece
+
+    part = digest_piece(tee(), offset)
+    now, expected = seen.finish(), source.expected_fingerprint
+    if expected is not None and now != expected:
+        raise IntegrityError(f"{source.describe()} changed after it was handed over (digest {now.hex} before the "
+                             f"plan != {expected.hex} when handed over); nothing was published")
+    return part
+
+
 def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
     """pwrite this rank's pieces into the temp files, window by window to disk and
-    out of the page cache (:class:`~ptdstream.system.writeback.WritebackWindows`);
-    fsync; drop their pages."""
+    out of the page cache (:class:`~ptdstream.system.writeback.WritebackWindows`),
+    digesting each piece as written; fsync; drop their pages.
+
+    Raises:
+        IntegrityError: a piece whose first bytes, size or digest differ from
+            those taken at hand-over (naming rank, key, file and offset).
+        OSError: a write failed (naming rank and file).
+    """
     from ..system.files import pwrite_all
     from ..system.pagecache import drop_pages
     from ..system.writeback import WritebackWindows
@@ -179,16 +200,26 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
         writeback = WritebackWindows(fd)
         try:
             for key, at in mine:
-                position = at + offsets[(key, rank)]
                 source, _, head = local[key]
-                if source.prefix(len(head)) != head:
-                    raise IntegrityError(f"rank {rank}: key {key!r} changed since the plan (its first bytes "
-                                         f"differ) before it was written to {temp} at offset {position}")
-                for piece in source.pieces(ring):
+                position = at + offsets[(key, rank)]
+                where = f"{target} at offset {position}: "
+                digest = StreamingDigest()
+                for piece in _pieces_of(source, ring, where):
+                    if digest.nbytes == 0 and bytes(piece[: len(head)]) != head[: len(piece)]:
+                        raise IntegrityError(f"{where}{source.describe()} changed after it was handed over (its "
+                                             "first bytes differ from the plan's); nothing was published")
+                    if digest.nbytes + len(piece) > source.nbytes:
+                        raise IntegrityError(f"{where}{source.describe()} gave more than the {source.nbytes} "
+                                             "bytes planned; nothing was published")
                     n = pwrite_all(fd, piece, position)
                     writeback.written(position, n)
+                    digest.update(piece)  # the bytes as written (or later)
                     position += n
                     written += n
+                if digest.nbytes != source.nbytes:
+                    raise IntegrityError(f"{where}{source.describe()} gave {digest.nbytes} bytes, "
+                                         f"{source.nbytes} planned; nothing was published")
+                check_expected(source, digest.finish(), where)
             writeback.close()
             os.fsync(fd)
             drop_pages(fd, 0, 0)
@@ -200,6 +231,78 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
             finally:
                 os.close(fd)
     return written
+
+
+def _pieces_of(source: Source, ring: BufferRing, where: str):
+    """``source.pieces(ring)``, its IntegrityError (storage freed, GPU fingerprint
+    changed) prefixed with the file and offset."""
+    pieces = source.pieces(ring)
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration:
+            return
+        except IntegrityError as e:
+            raise IntegrityError(f"{where}{e}") from e
+        yield piece
+
+
+class _RankWrite:
+    """One rank's part of one write. Its steps, in order, each run on every rank
+    (or on rank 0) by :class:`Collective`: 1) ``describe`` 2) ``fingerprint``
+    3) ``plan`` (rank 0) 4) ``write`` 5) ``publish`` (rank 0); ``abort`` after a
+    failure removes rank 0's temp files."""
+
+    def __init__(self, tensors, folder: str, tag_of, alignment: int, rank: int, segment_alignment: int,
+                 chunk_nbytes: int) -> None:
+        self.tensors, self.folder, self.tag_of, self.alignment = tensors, folder, tag_of, alignment
+        self.rank, self.segment_alignment, self.chunk_nbytes = rank, segment_alignment, chunk_nbytes
+        self.local: Dict[str, Tuple[Source, Any, bytes]] = {}
+        self.sinks: List[Any] = []
+        self.files: List[Any] = []
+        self.published = False
+
+    def describe(self) -> List[PieceInfo]:
+        if not os.path.isdir(self.folder):
+            raise FileNotFoundError(f"{self.folder}: output folder does not exist (rank {self.rank})")
+        infos, self.local = _local_pieces(self.tensors, self.tag_of, self.alignment, self.rank)
+        return infos
+
+    def fingerprint(self, all_infos: List[List[PieceInfo]]) -> Dict[str, Any]:
+        self.order, self.pieces, self.offsets = collate(all_infos)
+        self.heads, self.candidates = dedup_candidates(self.order, self.pieces)
+        ring = BufferRing(self.chunk_nbytes, count=1)
+        return {key: _candidate_digest(self.local[key][0], self.offsets[(key, self.rank)], ring)
+                for key in self.order if key in self.candidates and key in self.local}
+
+    def plan(self, all_partials: List[Dict[str, Any]]):
+        """Rank 0: ``(wire plan, bytes saved by dedup)``."""
+        fingerprints = {key: combine(self.pieces[key][0].total_nbytes, [p[key] for p in all_partials if key in p])
+                        for key in self.candidates}
+        self.files, dedup = plan_files(self.order, self.pieces, self.heads, fingerprints, self.segment_alignment,
+                                       self.folder)
+        self.sinks = _create_temp_files(self.files)
+        return wire_plan(self.files, self.sinks), dedup
+
+    def write(self, wire) -> int:
+        written = _write_pieces(wire, self.local, self.offsets, self.rank, self.chunk_nbytes)
+        if self.rank == 0:
+            for (_, plan), sink in zip(self.files, self.sinks):
+                sink.write(plan.extents[0].data)  # the head: header + FlatTensor flatbuffer + padding
+                sink.sync()
+        return written
+
+    def publish(self, wire) -> List[Tuple[str, int]]:
+        from ..write.publish import folder_locks, publish_set
+
+        with folder_locks([self.folder]):
+            publish_set(self.sinks)
+        self.published = True
+        return [(t, n) for t, _, n, _ in wire]
+
+    def abort(self) -> None:
+        for sink in self.sinks:
+            sink.abort()
 
 
 def write_data_files(
@@ -215,12 +318,18 @@ def write_data_files(
     """Write ``folder/<tag>.ptd`` from the tensors of every rank; call it on every
     rank of ``group`` (default: the default process group) with its own tensors.
 
+    The tensors are handed over by the call: the bytes written are those they
+    held when it began. A piece changed while the call runs is refused (its
+    digest as written differs from the one taken at hand-over), as
+    :func:`ptdstream.save.write_data_files` refuses a changed source.
+
     Args:
         tensors: ``{key: tensor}`` this rank holds, in order: CPU or CUDA tensors
-            (a key on one rank only) or DTensors on a 1-D mesh of ``group``
-            (every rank passes the key; ``Shard(0)`` and ``Replicate`` are written
-            as they lie, other placements are first redistributed to
-            ``Shard(0)`` with DTensor's ``redistribute``).
+            (a key on one rank only; 0-dim included) or DTensors on a 1-D mesh of
+            ``group`` (every rank passes the key; ``Shard(0)`` and ``Replicate``
+            are written as they lie, a shard may hold no rows; other placements
+            are first redistributed to ``Shard(0)``, of a 0-dim DTensor to
+            ``Replicate``, with DTensor's ``redistribute``).
         folder: existing folder on a file system every rank sees.
         group: the process group (gloo or NCCL; with NCCL, set each rank's CUDA
             device first: the plan travels by object collectives).
@@ -233,66 +342,34 @@ def write_data_files(
         A :class:`DistributedReport` on every rank.
 
     Raises:
-        DistributedWriteError: on every rank, when any rank failed (its error is
-            named); nothing is published and the temp files are removed.
+        DistributedWriteError: on every rank, when any rank failed, naming the
+            step and each failed rank with its error; nothing is published and
+            the temp files are removed. Only when the group itself fails while
+            rank 0 publishes can the set be published: ``published`` says so
+            on rank 0 (``None``, unknown, on the others).
+        DistributedIntegrityError: (a ``DistributedWriteError`` and an
+            ``IntegrityError``) on every rank, when the failed ranks refused a
+            piece that changed after hand-over, naming rank, key, file and offset.
     """
-    dist = _dist()
     start = time.perf_counter()
-    rank = dist.get_rank(group)
+    steps = Collective(group)
     folder = os.path.abspath(os.fspath(folder))
     tag_of = external_tag if callable(external_tag) else (lambda key: external_tag)
-    local, error, infos = {}, None, None
+    save = _RankWrite(tensors, folder, tag_of, alignment, steps.rank, segment_alignment, chunk_nbytes)
     try:
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"{folder}: output folder does not exist (rank {rank})")
-        infos, local = _local_pieces(tensors, tag_of, alignment, rank)
-    except Exception as e:  # reported to every rank
-        error = e
-    all_infos = _exchange(infos, error, group)
-    error, order = None, None
-    try:
-        order, pieces, offsets = collate(all_infos)
-        heads, candidates = dedup_candidates(order, pieces)
-        partial = {key: digest_piece(local[key][0].pieces(BufferRing(chunk_nbytes, count=1)), offsets[(key, rank)])
-                   for key in order if key in candidates and key in local}
-    except Exception as e:
-        error, partial = e, None
-    all_partials = _exchange(partial, error, group)
-    sinks, error, wire, files, dedup = [], None, None, [], 0
-    if rank == 0:
+        all_infos = steps.all_gather("describe the pieces", save.describe)
+        all_partials = steps.all_gather("fingerprint the dedup candidates", lambda: save.fingerprint(all_infos))
+        wire, dedup = steps.broadcast("plan the files", lambda: save.plan(all_partials))
+        written = steps.all_gather("write the pieces", lambda: save.write(wire))[steps.rank]
         try:
-            fingerprints = {key: combine(pieces[key][0].total_nbytes, [p[key] for p in all_partials if key in p])
-                            for key in candidates}
-            files, dedup = plan_files(order, pieces, heads, fingerprints, segment_alignment, folder)
-            sinks = _create_temp_files(files)
-            wire = wire_plan(files, sinks)
-        except Exception as e:
-            error = e
-    try:
-        wire = _broadcast(wire, error, group)
-        error, written = None, 0
-        try:
-            written = _write_pieces(wire, local, offsets, rank, chunk_nbytes)
-            if rank == 0:
-                for (_, plan), sink in zip(files, sinks):
-                    sink.write(plan.extents[0].data)  # the head: header + FlatTensor flatbuffer + padding
-                    sink.sync()
-        except Exception as e:
-            error = e
-        _exchange(written, error, group)  # every rank has fsynced: the barrier before publishing
-        error = None
-        if rank == 0:
-            try:
-                from ..write.publish import folder_locks, publish_set
-
-                with folder_locks([folder]):
-                    publish_set(sinks)
-            except Exception as e:
-                error = e
-        published = _broadcast([(t, n) for t, _, n, _ in wire], error, group)
+            published = steps.broadcast("publish", lambda: save.publish(wire))
+        except DistributedWriteError as e:
+            if e.group_error is None:
+                raise
+            # The group failed while rank 0 published: rank 0 knows whether it had.
+            raise DistributedWriteError(e.step, {}, e.group_error, save.published if steps.rank == 0 else None) from e
     except BaseException:
-        for sink in sinks:
-            sink.abort()
+        save.abort()
         raise
     return DistributedReport(tuple(published), written, time.perf_counter() - start, dedup)
 

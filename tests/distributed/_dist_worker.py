@@ -1,4 +1,5 @@
-"""Worker for tests/test_distributed.py: one rank of a gloo group (spawned)."""
+"""Worker for tests/distributed/test_writer.py: one rank of a gloo group (spawned),
+running several writes (scenarios) one after the other in the same group."""
 
 from __future__ import annotations
 
@@ -34,15 +35,99 @@ def rank_tensors(rank: int):
     return {f"rank{rank}.w": torch.randn(3, 4, generator=g), f"rank{rank}.zeros": torch.zeros(8)}
 
 
+def edge_tensors(world: int):
+    """Scalars and shards that hold no rows: ``{key: (whole tensor, placement)}``."""
+    return {
+        "scalar": (torch.tensor(3.5), "replicate"),
+        "psum": (torch.tensor(world * (world + 1) // 2), "partial"),  # rank r holds r + 1
+        "row": (torch.arange(3.0).reshape(1, 3), "shard0"),  # every rank but 0 holds no rows
+        "rows3": (torch.arange(6, dtype=torch.int32).reshape(3, 2), "shard0"),  # 4 ranks: 1, 1, 1, 0 rows
+        "no_rows": (torch.zeros(0, 4), "shard0"),
+        "no_cols": (torch.zeros(4, 0), "shard1"),
+    }
+
+
+def edge_rank_tensors(rank: int):
+    """Plain 0-dim and empty tensors only rank ``rank`` holds."""
+    return {f"rank{rank}.scalar": torch.tensor(rank + 0.25, dtype=torch.bfloat16),
+            f"rank{rank}.empty": torch.zeros(0, dtype=torch.int8)}
+
+
+def change_tensors(rank: int):
+    """Plain tensors of the change scenarios, as handed over: ``shared`` (rank 0) and
+    ``shared_copy`` (rank 1) are one dedup class; ``near`` differs from them in byte 500."""
+    g = torch.Generator().manual_seed(7)
+    shared, mine = torch.randn(256, generator=g), torch.randn(256, generator=g)
+    near = shared.clone()
+    near.view(torch.uint8)[500] ^= 1
+    return {0: {"shared": shared}, 1: {"mine": mine, "shared_copy": shared.clone(), "near": near}}.get(rank, {})
+
+
+#: scenario: (rank, key, byte flipped, the writer function it is flipped before).
+CHANGES = {
+    "change-head": (1, "mine", 0, "_write_pieces"),
+    "change-middle": (1, "mine", 512, "_write_pieces"),
+    "change-last": (1, "mine", 1023, "_write_pieces"),
+    "change-dedup-first": (0, "shared", 600, "_write_pieces"),
+    "change-dedup-second": (1, "shared_copy", 600, "_write_pieces"),
+    "change-before-fingerprint": (1, "near", 500, "collate"),
+}
+
+
 def tag_of(key: str) -> str:
     return "extra" if key.endswith(".zeros") else "model"
 
 
-def worker(rank: int, world: int, init_file: str, folder: str, scenario: str, result_dir: str,
+def _tensors(scenario: str, rank: int, world: int, mesh, device: str):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    kinds = {"shard0": [Shard(0)], "shard1": [Shard(1)], "replicate": [Replicate()]}
+    if scenario in CHANGES:
+        return {k: t.to(device) for k, t in change_tensors(rank).items()}
+    if scenario == "edges":
+        tensors = {}
+        for k, (t, kind) in edge_tensors(world).items():
+            if kind == "partial":
+                tensors[k] = DTensor.from_local(torch.tensor(rank + 1, device=device), mesh, [Partial()])
+            else:
+                tensors[k] = distribute_tensor(t.to(device), mesh, kinds[kind])
+        tensors.update({k: t.to(device) for k, t in edge_rank_tensors(rank).items()})
+        return tensors
+    tensors = {k: distribute_tensor(t.to(device), mesh, kinds[PLACEMENTS[k]]) for k, t in full_tensors().items()}
+    tensors.update({k: t.to(device) for k, t in rank_tensors(rank).items()})
+    return tensors
+
+
+def _inject(scenario: str, rank: int, world: int, tensors, writer) -> None:
+    """Patch ``writer`` for the scenario on this rank (restored by the caller)."""
+    if scenario == "raise" and rank == world - 1:
+        def failing(*args, **kwargs):
+            raise OSError(28, "No space left on device (injected)")
+        writer._write_pieces = failing
+    if scenario == "raise-everywhere":
+        def failing_here(*args, **kwargs):
+            raise OSError(28, f"No space left on device (injected on rank {rank})")
+        writer._write_pieces = failing_here
+    if scenario == "kill" and rank == world - 1:
+        def dying(*args, **kwargs):
+            os._exit(3)
+        writer._write_pieces = dying
+    if scenario in CHANGES and CHANGES[scenario][0] == rank:
+        _, key, byte, name = CHANGES[scenario]
+        original = getattr(writer, name)
+
+        def changing(*args, **kwargs):
+            tensors[key].view(torch.uint8)[byte] ^= 1  # after hand-over, in place
+            return original(*args, **kwargs)
+        setattr(writer, name, changing)
+
+
+def worker(rank: int, world: int, init_file: str, out_root: str, scenarios, result_dir: str,
            backend: str = "gloo") -> None:
+    """Run each scenario's write into ``out_root/<scenario>``; its outcome line goes
+    to ``result_dir/<scenario>.rank<rank>``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     device = "cpu"
     if backend == "nccl":  # one GPU per rank, set before any collective
@@ -55,24 +140,20 @@ def worker(rank: int, world: int, init_file: str, folder: str, scenario: str, re
         import ptdstream.distributed.writer as writer
 
         mesh = init_device_mesh(device, (world,))
-        kinds = {"shard0": [Shard(0)], "shard1": [Shard(1)], "replicate": [Replicate()]}
-        tensors = {k: distribute_tensor(t.to(device), mesh, kinds[PLACEMENTS[k]]) for k, t in full_tensors().items()}
-        tensors.update({k: t.to(device) for k, t in rank_tensors(rank).items()})
-        if scenario == "raise" and rank == world - 1:
-            def failing(*args, **kwargs):
-                raise OSError(28, "No space left on device (injected)")
-            writer._write_pieces = failing
-        if scenario == "kill" and rank == world - 1:
-            def dying(*args, **kwargs):
-                os._exit(3)
-            writer._write_pieces = dying
-        try:
-            report = write_data_files(tensors, folder, external_tag=tag_of, alignment=16)
-            outcome = f"ok {report.rank_nbytes} {sorted(os.path.basename(p) for p, _ in report.files)}"
-        except Exception as e:
-            outcome = f"error {type(e).__name__}: {e}"
-        with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
-            f.write(outcome)
+        for scenario in scenarios:
+            tensors = _tensors(scenario, rank, world, mesh, device)
+            saved = (writer._write_pieces, writer.collate)
+            _inject(scenario, rank, world, tensors, writer)
+            try:
+                report = write_data_files(tensors, os.path.join(out_root, scenario), external_tag=tag_of,
+                                          alignment=16)
+                outcome = f"ok {report.rank_nbytes} {report.dedup_saved_nbytes} {sorted(os.path.basename(p) for p, _ in report.files)}"
+            except Exception as e:
+                outcome = f"error {type(e).__name__}: {e}"
+            finally:
+                writer._write_pieces, writer.collate = saved
+            with open(os.path.join(result_dir, f"{scenario}.rank{rank}"), "w") as f:
+                f.write(outcome)
     except Exception:
         traceback.print_exc()
         sys.exit(1)
