@@ -32,7 +32,10 @@ from ..system import fsops
 #: that ``.<stem>.ptdstream-<pid>-<hex>.<suffix>`` stays under NAME_MAX (255 bytes).
 STEM_MAX = 160
 SUFFIXES = ("tmp", "bak", "journal")
-_NAME_RE = re.compile(r"\.(?P<stem>.+)\.ptdstream-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<suffix>tmp|bak|journal)")
+#: Any character of a name, newline included (DOTALL), a pid of ASCII digits only.
+_NAME_RE = re.compile(
+    r"\.(?P<stem>.+)\.ptdstream-(?P<pid>[0-9]+)-[0-9a-f]{8}\.(?P<suffix>tmp|bak|journal)", re.DOTALL
+)
 
 
 def stem(name: str) -> str:
@@ -56,6 +59,12 @@ def parse_name(name: str) -> Optional[Tuple[str, str]]:
     """``(stem, suffix)`` of a ptdstream temp file name, or ``None`` for any other name."""
     match = _NAME_RE.fullmatch(name)
     return (match.group("stem"), match.group("suffix")) if match else None
+
+
+def pid_of(name: str) -> Optional[str]:
+    """The writer's pid (digits) in a ptdstream temp file name, or ``None`` for any other name."""
+    match = _NAME_RE.fullmatch(name)
+    return match.group("pid") if match else None
 
 
 def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> Tuple[str, int, int]:
