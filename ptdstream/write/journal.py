@@ -266,7 +266,8 @@ def unrecovered(folder: str) -> List[PendingSet]:
 def _claimed(journal: str, folder: str) -> Tuple[Set[str], Set[str]]:
     """``(stems, paths)``: the targets' stems a journal that stays may name and the
     temp/backup files it may own. A readable one: its own; an unreadable or refused
-    one: its own name's stem and every temp/backup of its writer (same pid in the name)."""
+    one: its own name's stem and every temp/backup of its writer (same pid in the
+    name, not locked by a live writer), and every temp/backup of those stems."""
     try:
         entries = read_journal(journal)
     except RecoveryError:
@@ -275,7 +276,9 @@ def _claimed(journal: str, folder: str) -> Tuple[Set[str], Set[str]]:
         stems = {parsed[0]} if parsed else set()
         paths = set()
         for path, stem, suffix in tempfiles.temp_files_in(folder):
-            if suffix != "journal" and (stem in stems or tempfiles.pid_of(os.path.basename(path)) == pid):
+            if suffix == "journal" or (suffix == "tmp" and tempfiles.is_locked(path)):
+                continue  # a live writer's temp file is not a dead journal's
+            if stem in stems or tempfiles.pid_of(os.path.basename(path)) == pid:
                 stems.add(stem)
                 paths.add(path)
         for path, stem, suffix in tempfiles.temp_files_in(folder):
