@@ -270,3 +270,68 @@ def test_recovering_a_copy_leaves_the_original_alone(tmp_path):
     [(_, direction)] = journal.recover(str(original))
     assert direction == "forward"
     assert read_all(str(original)) == {"a.ptd": b"new a", "b.pte": b"new b"}
+
+
+def test_a_set_in_two_folders_has_one_journal_per_folder_naming_only_its_files(tmp_path):
+    """A journal names only files of its own folder: a set across folders (``data_dir=``)
+    is journaled folder by folder; a failed rename still puts both folders back."""
+    import errno
+    import functools
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    out.mkdir()
+    (data / "w.ptd").write_bytes(b"old w")
+    (out / "m.pte").write_bytes(b"old m")
+    temps = []
+    for folder, name in ((data, "w.ptd"), (out, "m.pte")):
+        temp, fd, lock_fd = tempfiles.create_locked(str(folder / name))
+        os.write(fd, b"new " + name.encode())
+        os.close(fd)
+        os.close(lock_fd)
+        temps.append(temp)
+    seen = {}
+
+    def second_rename_fails():
+        for folder in (data, out):
+            [path] = [p for p, _, s in tempfiles.temp_files_in(str(folder)) if s == "journal"]
+            seen[folder.name] = [os.path.relpath(e.target, tmp_path) for e in journal.read_journal(path)]
+        raise OSError(errno.EIO, "injected EIO on the rename of m.pte")
+
+    with pytest.raises(OSError, match="injected EIO on the rename of m.pte"):
+        journal.publish([(temps[0], str(data / "w.ptd")), (temps[1], str(out / "m.pte"))],
+                        renames=[functools.partial(journal._rename, temps[0], str(data / "w.ptd")),
+                                 second_rename_fails])
+    assert seen == {"data": ["data/w.ptd"], "out": ["out/m.pte"]}
+    assert read_all(str(data)) == {"w.ptd": b"old w"} and read_all(str(out)) == {"m.pte": b"old m"}
+
+
+def test_kill_at_every_publishing_call_of_a_save_with_a_data_dir(versions, tmp_path, capsys):
+    """Each folder is recovered whole on its own (old or new); the two folders can
+    disagree only after a kill between the two journals' renames, the instant the
+    data folder's part is committed and the program's is not."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    out.mkdir()
+    path = str(out / PTE)
+    sets = {}
+    for name in "AB":
+        ptdstream.save(versions[name], path, data_dir=str(data))
+        sets[name] = (read_all(str(data)), read_all(str(out)))
+    ops = recorded_ops(lambda: ptdstream.save(versions["B"], path, data_dir=str(data)))
+    journal_renames = [i + 1 for i, (op, p) in enumerate(ops) if op == "rename" and p.endswith(".journal")]
+    assert len(journal_renames) == 2, ops
+    window = range(journal_renames[0] + 1, journal_renames[1] + 1)  # the first journal renamed, not the second
+    mixed = []
+    for n in range(1, len(ops) + 2):
+        ptdstream.save(versions["A"], path, data_dir=str(data))
+        killed_at(n, lambda: ptdstream.save(versions["B"], path, data_dir=str(data)))
+        journal.recover(str(data))
+        journal.recover(str(out))
+        parts = (read_all(str(data)), read_all(str(out)))
+        assert parts[0] in (sets["A"][0], sets["B"][0]) and parts[1] in (sets["A"][1], sets["B"][1]), n
+        if parts not in (sets["A"], sets["B"]):
+            mixed.append(n)
+    assert set(mixed) <= set(window), (mixed, ops)
+    with capsys.disabled():
+        print(f"\nsave with data_dir: {len(ops) + 1} kills, mixed across the folders after kills {mixed}")
