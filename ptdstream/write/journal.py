@@ -39,9 +39,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..system import fsops
 from . import tempfiles
-from .journal_state import check_on_disk
-from .journal_codec import (JOURNAL_VERSION, FileState, Journal, JournalEntry, RecoveryError, dump_journal,
+from .journal_codec import (JOURNAL_VERSION, FileState, Journal, JournalEntry, Ref, RecoveryError, dump_journal,
                             read_journal_file, state_of)
+from .journal_peers import set_journals
+from .journal_state import check_on_disk
 
 __all__ = ["JOURNAL_VERSION", "RecoveryError", "FileState", "JournalEntry", "PendingSet", "read_journal",
            "publish", "unrecovered", "recover", "recover_locked", "clean_folder"]
@@ -87,13 +88,17 @@ def _recorded(entry: JournalEntry) -> JournalEntry:
     return dataclasses.replace(entry, new=new, old=old)
 
 
-def _write_journal(path_for: str, entries: Sequence[JournalEntry]) -> str:
+def _write_journal(path_for: str, entries: Sequence[JournalEntry], *, main: Optional[Ref] = None,
+                   members: Sequence[Ref] = (), reserved: Optional[Tuple[str, int, int]] = None) -> str:
     """Write, fsync and rename a journal of ``entries`` (all in ``path_for``'s
-    folder) into place beside ``path_for``; its path."""
+    folder) into place beside ``path_for``; its path. ``main``/``members``: the
+    references of a set across folders; ``reserved``: the temp file
+    (:func:`tempfiles.create_locked`) to write it through, whose name was given out."""
     folder = os.path.dirname(os.path.abspath(path_for))
     st = os.stat(folder)
-    data = dump_journal([_recorded(e) for e in entries], (st.st_dev, st.st_ino))
-    temp, fd, lock_fd = tempfiles.create_locked(path_for, "tmp", 0o644)
+    data = dump_journal([_recorded(e) for e in entries], (st.st_dev, st.st_ino), folder=folder,
+                        main=main, members=members)
+    temp, fd, lock_fd = reserved or tempfiles.create_locked(path_for, "tmp", 0o644)
     try:
         try:
             view = memoryview(data)
@@ -111,6 +116,31 @@ def _write_journal(path_for: str, entries: Sequence[JournalEntry]) -> str:
         os.close(lock_fd)
     fsops.fsync_dir(os.path.dirname(final))
     return final
+
+
+def _write_journals(groups: Sequence[Sequence[JournalEntry]], journals: List[str]) -> None:
+    """One journal per folder into ``journals``: the members first, the main one last."""
+    if len(groups) == 1:
+        journals.append(_write_journal(groups[0][-1].target, groups[0]))
+        return
+    reserved = tempfiles.create_locked(groups[-1][-1].target, "tmp", 0o644)
+    try:
+        main_path = reserved[0][: -len(".tmp")] + ".journal"
+        main = (main_path, _folder_id(main_path))
+        for group in groups[:-1]:
+            journals.append(_write_journal(group[-1].target, group, main=main))
+        members = [(path, _folder_id(path)) for path in journals]
+    except BaseException:
+        fsops.unlink(reserved[0])
+        os.close(reserved[1])
+        os.close(reserved[2])
+        raise
+    journals.append(_write_journal(groups[-1][-1].target, groups[-1], members=members, reserved=reserved))
+
+
+def _folder_id(path: str) -> Tuple[int, int]:
+    st = os.stat(os.path.dirname(path))
+    return st.st_dev, st.st_ino
 
 
 def _by_folder(entries: Sequence[JournalEntry]) -> List[List[JournalEntry]]:
@@ -167,8 +197,7 @@ def publish(
         for folder in _folders(entries):
             fsops.fsync_dir(folder)
         groups = _by_folder(entries)  # a journal names only files of its own folder
-        for group in groups:
-            journals.append(_write_journal(group[-1].target, group))
+        _write_journals(groups, journals)
     except BaseException:
         for path in journals:
             fsops.unlink(path)
@@ -228,21 +257,49 @@ def _finish(journal: str, entries: Sequence[JournalEntry]) -> None:
 
 
 def _complete(journal: str) -> str:
-    """Check the journal and its files, roll its set forward or back, then remove
-    it; ``"forward"`` or ``"back"``. Raises RecoveryError before touching a file."""
+    """Check the journal, its set's other journals and their files, roll the set
+    forward or back in this folder, then remove the journal; ``"forward"`` or
+    ``"back"``. Raises RecoveryError before touching a file.
+
+    A main journal also completes the members whose folder lock it can take at
+    once, and stays while a member journal is left; a member whose main journal
+    is gone (never committed) rolls back."""
     checked = read_journal_file(journal)
-    check_on_disk(checked)
-    entries = checked.entries
+    main, members = set_journals(checked)
+    if main is None:
+        check_on_disk(checked)
+        _roll_back(checked.entries)
+        _finish(journal, checked.entries)
+        return "back"
+    group = [main] + [m for m in members if m is not main]
+    for g in group:
+        check_on_disk(g)
     forward = all(
         _identity(e.temp) == (e.dev, e.ino) or _identity(e.target) == (e.dev, e.ino)
-        for e in entries
+        for g in group for e in g.entries
     )
-    if forward:
-        _roll_forward(entries)
-    else:
-        _roll_back(entries)
-    _finish(journal, entries)
+    if checked is not main:
+        _act(checked, forward)
+        return "forward" if forward else "back"
+    for member in group[1:]:
+        with tempfiles.folder_lock_nowait(os.path.dirname(member.path)) as locked:
+            if locked:
+                _act(member, forward)
+    _act(main, forward, keep_journal=any(os.path.lexists(m.path) for m in group[1:]))
     return "forward" if forward else "back"
+
+
+def _act(checked: Journal, forward: bool, keep_journal: bool = False) -> None:
+    if forward:
+        _roll_forward(checked.entries)
+    else:
+        _roll_back(checked.entries)
+    if keep_journal:  # a member is left: the main journal goes last
+        for entry in checked.entries:
+            if entry.backup is not None:
+                fsops.unlink(entry.backup)
+        return
+    _finish(checked.path, checked.entries)
 
 
 def _journals(folder: str) -> List[str]:

@@ -5,7 +5,8 @@ Version 3 (JSON, ASCII)::
     {"ptdstream_journal": 3, "folder": [dev, ino],
      "entries": [{"target": NAME, "temp": NAME, "backup": NAME or null,
                   "had_target": bool, "dev": int, "ino": int,
-                  "new": STATE, "old": STATE or null}, ...]}
+                  "new": STATE, "old": STATE or null}, ...],
+     "main": REF or null, "members": [REF, ...]}
 
 ``NAME`` is a plain file name in the journal's own folder; ``temp`` and
 ``backup`` are the target's temp names (:func:`ptdstream.write.tempfiles.temp_name_for`,
@@ -14,7 +15,11 @@ suffixes ``tmp`` and ``bak``); ``dev``/``ino`` are the temp file's; ``STATE`` is
 of the previous target (``old``), taken after the backup link; ``folder`` is the
 folder's device and inode (a copied folder has others). Version 2 holds the
 entries without ``new``/``old``/``folder``, paths relative to the folder;
-version 1 absolute paths. Both are still read.
+version 1 absolute paths. Both are still read. A set whose files lie in several
+folders has one journal per folder: the last folder's (``main``) lists the others
+(``members``), each member names the main one; ``REF`` is ``{"journal": path
+relative to this journal's folder, "folder": [dev, ino]}``, a reference only,
+acted on once both sides confirm it (:mod:`ptdstream.write.journal_peers`).
 
 A journal is trusted only for the folder it lies in (SQLite's rule for a hot
 journal): :func:`read_journal` refuses, before any file is touched, a journal
@@ -47,7 +52,7 @@ JOURNAL_VERSION = 3
 JOURNAL_MAX_NBYTES = 1 << 20
 #: Most entries (files of a set) a journal may hold.
 JOURNAL_MAX_ENTRIES = 4096
-_MAX_DEPTH = 4  # object > entries list > entry object > state object
+_MAX_DEPTH = 4  # object > entries list > entry object > state object (> folder id of a member)
 _STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKETS_RE = re.compile(rb"[^\[\]{}]+")
 _STATE_KEYS = ("dev", "ino", "size", "ctime_ns", "mtime_ns")
@@ -107,11 +112,20 @@ class Journal:
     version: int
     folder_id: Optional[Tuple[int, int]]
     entries: Tuple[JournalEntry, ...]
+    #: the main journal of a set across folders, for a member: (absolute path, its folder's (dev, ino))
+    main: Optional[Tuple[str, Tuple[int, int]]] = None
+    #: the member journals, for the main journal of a set across folders
+    members: Tuple[Tuple[str, Tuple[int, int]], ...] = ()
 
 
-def dump_journal(entries: Sequence[JournalEntry], folder_id: Tuple[int, int]) -> bytes:
-    """The version 3 bytes of ``entries`` (all in one folder, whose ``(dev, ino)``
-    is ``folder_id``): names only, no folder."""
+Ref = Tuple[str, Tuple[int, int]]
+
+
+def dump_journal(entries: Sequence[JournalEntry], folder_id: Tuple[int, int], *, folder: str = "",
+                 main: Optional[Ref] = None, members: Sequence[Ref] = ()) -> bytes:
+    """The version 3 bytes of ``entries`` (all in ``folder``, whose ``(dev, ino)``
+    is ``folder_id``): names only; ``main``/``members``: ``(absolute journal path,
+    its folder's (dev, ino))``, written relative to ``folder``."""
     rows = []
     for e in entries:
         rows.append({
@@ -121,7 +135,12 @@ def dump_journal(entries: Sequence[JournalEntry], folder_id: Tuple[int, int]) ->
             "new": None if e.new is None else e.new.__dict__,
             "old": None if e.old is None else e.old.__dict__,
         })
-    return json.dumps({"ptdstream_journal": JOURNAL_VERSION, "folder": list(folder_id), "entries": rows},
+
+    def ref(r: Ref) -> Dict[str, Any]:
+        return {"journal": os.path.relpath(r[0], folder), "folder": list(r[1])}
+
+    return json.dumps({"ptdstream_journal": JOURNAL_VERSION, "folder": list(folder_id), "entries": rows,
+                       "main": None if main is None else ref(main), "members": [ref(m) for m in members]},
                       sort_keys=True).encode("ascii")
 
 
@@ -196,6 +215,26 @@ def _state(value: Any, what: str) -> Optional[FileState]:
     return FileState(*(_int(value[k], f"{what}.{k}") for k in _STATE_KEYS))
 
 
+def _folder_id(value: Any, what: str) -> Tuple[int, int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise _Refused(f"unreadable ({what} is not [dev, ino])")
+    return _int(value[0], f"{what} dev"), _int(value[1], f"{what} ino")
+
+
+def _ref(value: Any, what: str, folder: str) -> Ref:
+    """A reference to another folder's journal: read, never acted on until confirmed."""
+    if not isinstance(value, dict) or sorted(value) != ["folder", "journal"]:
+        raise _Refused(f"unreadable ({what} is not {{journal, folder}})")
+    path = value["journal"]
+    if not isinstance(path, str) or not path or "\0" in path or len(path) > 4096 or os.path.isabs(path):
+        raise _Refused(f"{what} journal {path!r} is not a relative path")
+    path = os.path.normpath(os.path.join(folder, path))
+    parsed = tempfiles.parse_name(os.path.basename(path))
+    if parsed is None or parsed[1] != "journal" or os.path.dirname(path) == folder:
+        raise _Refused(f"{what} journal {path!r} is not a journal of another folder")
+    return path, _folder_id(value["folder"], f"{what} folder")
+
+
 def _plain(value: Any, field: str, version: int, folder: str) -> str:
     """``value`` as a plain name of ``folder``, or :class:`_Refused`."""
     if not isinstance(value, str):
@@ -263,15 +302,19 @@ def read_journal_file(path: str) -> Journal:
         version = doc.get("ptdstream_journal")
         if type(version) is not int or version not in (1, 2, JOURNAL_VERSION):
             raise _Refused(f"unreadable (version {version!r}; this ptdstream reads 1 to {JOURNAL_VERSION})")
-        keys = ["entries", "ptdstream_journal"] + (["folder"] if version >= 3 else [])
+        keys = ["entries", "ptdstream_journal"] + (["folder", "main", "members"] if version >= 3 else [])
         if sorted(doc) != sorted(keys):
             raise _Refused(f"unreadable (fields {sorted(doc)}, not {sorted(keys)})")
-        folder_id = None
+        folder_id, main, members = None, None, []
         if version >= 3:
-            fid = doc["folder"]
-            if not isinstance(fid, list) or len(fid) != 2:
-                raise _Refused("unreadable (folder is not [dev, ino])")
-            folder_id = (_int(fid[0], "folder dev"), _int(fid[1], "folder ino"))
+            folder_id = _folder_id(doc["folder"], "folder")
+            if doc["main"] is not None:
+                main = _ref(doc["main"], "main", folder)
+            if not isinstance(doc["members"], list) or len(doc["members"]) > JOURNAL_MAX_ENTRIES:
+                raise _Refused("unreadable (members is not a list of references)")
+            members = [_ref(m, f"member {i}", folder) for i, m in enumerate(doc["members"])]
+            if main is not None and members:
+                raise _Refused("unreadable (a journal is either a set's main journal or a member, not both)")
         rows = doc["entries"]
         if not isinstance(rows, list) or not 1 <= len(rows) <= JOURNAL_MAX_ENTRIES:
             raise _Refused(f"unreadable (entries is not a list of 1 to {JOURNAL_MAX_ENTRIES} files)")
@@ -294,4 +337,4 @@ def read_journal_file(path: str) -> Journal:
             f"journal {path}: {where}{e}; refused: the journal and every file are left in place, none touched "
             f"(a ptdstream journal names only files of its own folder; remove it by hand if no save of yours "
             f"was killed in {folder})") from None
-    return Journal(path, version, folder_id, tuple(entries))
+    return Journal(path, version, folder_id, tuple(entries), main, tuple(members))

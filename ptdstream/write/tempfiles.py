@@ -178,6 +178,27 @@ def folder_lock(folders: List[str]) -> Iterator[None]:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def folder_lock_nowait(folder: str) -> Iterator[bool]:
+    """Try to take ``folder``'s lock (:func:`folder_lock`) without waiting; yields
+    whether it was taken (``False`` also when this process holds it already through
+    another descriptor, or the folder cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 def temp_files_in(folder: str) -> List[Tuple[str, str, str]]:
     """``[(path, stem, suffix)]`` of every ptdstream temp file in ``folder``, sorted."""
     try:
