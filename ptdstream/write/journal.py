@@ -6,12 +6,13 @@ are atomic one file at a time only, so the set is published under a journal:
 1. every file is written to a locked temp file beside its target and fsynced;
 2. under the folders' locks, each existing target gets a hard-linked backup
    (``.bak``) and the folders are fsynced;
-3. the journal (``.<last target>.ptdstream-<pid>-<hex>.journal``, JSON: each
-   target, its temp file and backup as paths relative to the journal's folder,
-   so that a moved or copied folder recovers itself and nothing else, and the
-   temp file's device and inode) is
-   written to a temp file, fsynced, renamed into place, and its folder fsynced:
-   from here on the new set is committed;
+3. the journal (``.<last target>.ptdstream-<pid>-<hex>.journal``, format in
+   :mod:`ptdstream.write.journal_codec`: each target, its temp file and backup as
+   plain names of the journal's own folder, and the device, inode, size, change
+   and modification time of each temp file and previous target) is written to a
+   temp file, fsynced, renamed into place, and its folder fsynced: from here on
+   the new set is committed. A set across folders has one journal per folder,
+   the last folder's written last (:mod:`ptdstream.write.journal_peers`);
 4. each temp file is renamed over its target, the folders fsynced;
 5. the backups, then the journal, are removed.
 
@@ -22,6 +23,13 @@ already renamed (its inode is at the target), it rolls forward (renames the rest
 otherwise (a temp file lost, or a copied folder, where no inode matches) it
 rolls back (puts each backup back, removes new files that had none). A failed
 rename in a live process rolls back at once.
+
+A journal is untrusted input: before any file is touched it is refused, by
+name, when it is unreadable, too large or too deep, names anything but files of
+its own folder of ptdstream's shape (:func:`read_journal`), or when a file it
+names is not the one it recorded (another program wrote there after the kill:
+:func:`ptdstream.write.journal_state.check_on_disk`). A journal that stays keeps
+every file it may own, and refuses only saves of targets it may name.
 
 Recovery runs under the folder's lock, which a publisher holds from step 2 to
 step 5, so a live publication is never recovered. Every ptdstream writer
@@ -39,10 +47,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..system import fsops
 from . import tempfiles
-from .journal_codec import (JOURNAL_VERSION, FileState, Journal, JournalEntry, Ref, RecoveryError, dump_journal,
-                            read_journal_file, state_of)
+from .journal_codec import JOURNAL_VERSION, FileState, Journal, JournalEntry, RecoveryError, read_journal_file
 from .journal_peers import set_journals
 from .journal_state import check_on_disk
+from .journal_write import write_journal as _write_journal  # noqa: F401  (tests plant journals through it)
+from .journal_write import write_journals as _write_journals
 
 __all__ = ["JOURNAL_VERSION", "RecoveryError", "FileState", "JournalEntry", "PendingSet", "read_journal",
            "publish", "unrecovered", "recover", "recover_locked", "clean_folder"]
@@ -74,73 +83,6 @@ def read_journal(path: str) -> List[JournalEntry]:
             anything but files of its own folder of ptdstream's shape.
     """
     return list(read_journal_file(path).entries)
-
-
-def _recorded(entry: JournalEntry) -> JournalEntry:
-    """``entry`` with the states of its temp file and previous target, taken now
-    (after the backup link) where not recorded yet."""
-    if entry.new is not None:
-        return entry
-    new = state_of(entry.temp)
-    if new is not None and (new.dev, new.ino) != (entry.dev, entry.ino):
-        new = None
-    old = state_of(entry.target) if entry.had_target else None
-    return dataclasses.replace(entry, new=new, old=old)
-
-
-def _write_journal(path_for: str, entries: Sequence[JournalEntry], *, main: Optional[Ref] = None,
-                   members: Sequence[Ref] = (), reserved: Optional[Tuple[str, int, int]] = None) -> str:
-    """Write, fsync and rename a journal of ``entries`` (all in ``path_for``'s
-    folder) into place beside ``path_for``; its path. ``main``/``members``: the
-    references of a set across folders; ``reserved``: the temp file
-    (:func:`tempfiles.create_locked`) to write it through, whose name was given out."""
-    folder = os.path.dirname(os.path.abspath(path_for))
-    st = os.stat(folder)
-    data = dump_journal([_recorded(e) for e in entries], (st.st_dev, st.st_ino), folder=folder,
-                        main=main, members=members)
-    temp, fd, lock_fd = reserved or tempfiles.create_locked(path_for, "tmp", 0o644)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            fsops.fsync(fd, temp)
-        finally:
-            os.close(fd)
-        final = temp[: -len(".tmp")] + ".journal"
-        fsops.replace(temp, final)
-    except BaseException:
-        fsops.unlink(temp)
-        raise
-    finally:
-        os.close(lock_fd)
-    fsops.fsync_dir(os.path.dirname(final))
-    return final
-
-
-def _write_journals(groups: Sequence[Sequence[JournalEntry]], journals: List[str]) -> None:
-    """One journal per folder into ``journals``: the members first, the main one last."""
-    if len(groups) == 1:
-        journals.append(_write_journal(groups[0][-1].target, groups[0]))
-        return
-    reserved = tempfiles.create_locked(groups[-1][-1].target, "tmp", 0o644)
-    try:
-        main_path = reserved[0][: -len(".tmp")] + ".journal"
-        main = (main_path, _folder_id(main_path))
-        for group in groups[:-1]:
-            journals.append(_write_journal(group[-1].target, group, main=main))
-        members = [(path, _folder_id(path)) for path in journals]
-    except BaseException:
-        fsops.unlink(reserved[0])
-        os.close(reserved[1])
-        os.close(reserved[2])
-        raise
-    journals.append(_write_journal(groups[-1][-1].target, groups[-1], members=members, reserved=reserved))
-
-
-def _folder_id(path: str) -> Tuple[int, int]:
-    st = os.stat(os.path.dirname(path))
-    return st.st_dev, st.st_ino
 
 
 def _by_folder(entries: Sequence[JournalEntry]) -> List[List[JournalEntry]]:
