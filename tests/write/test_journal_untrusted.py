@@ -284,3 +284,26 @@ def test_a_planted_journal_is_one_clear_error_and_the_folder_stays_usable(tmp_pa
     write_data_files(data_store("x", "y"), str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [JNAME, "x.ptd", "y.ptd"]
     assert path.read_bytes() == data
+
+
+def test_a_version_2_journal_still_recovers_and_is_checked_by_its_backups_inode(tmp_path):
+    """An older journal (relative paths, only the temp files' inodes): a target that
+    is neither its temp file nor its backup is refused; put back, the set rolls forward."""
+    folder = str(tmp_path)
+    path, _, backups = half_published(folder)
+    with open(path) as f:
+        doc = json.load(f)
+    keys = ("target", "temp", "backup", "had_target", "dev", "ino")
+    with open(path, "w") as f:
+        json.dump({"ptdstream_journal": 2, "entries": [{k: r[k] for k in keys} for r in doc["entries"]]}, f)
+    os.rename(tmp_path / "b.pte", tmp_path / "b.pte.saved")
+    (tmp_path / "b.pte").write_bytes(b"mv'd in")
+    before = snapshot(tmp_path)
+    with pytest.raises(journal.RecoveryError, match=r"b\.pte: inode is \d+, the journal recorded \d+ \(the new "
+                                                    r"file\) or \d+ \(its backup\)"):
+        journal.recover(folder)
+    assert snapshot(tmp_path) == before
+    os.replace(tmp_path / "b.pte.saved", tmp_path / "b.pte")
+    assert journal.recover(folder) == [(path, "forward")]
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == {"a.ptd": b"new a.ptd",
+                                                                             "b.pte": b"new b.pte"}
