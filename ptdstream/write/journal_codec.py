@@ -53,7 +53,9 @@ JOURNAL_MAX_NBYTES = 1 << 20
 #: Most entries (files of a set) a journal may hold.
 JOURNAL_MAX_ENTRIES = 4096
 _MAX_DEPTH = 4  # object > entries list > entry object > state object (> folder id of a member)
-_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+#: A JSON string, or an unterminated one to the end: every ``"`` matches, so the
+#: scan is linear (a failed match would be retried from each later ``"``).
+_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|"[\s\S]*', re.DOTALL)
 _BRACKETS_RE = re.compile(rb"[^\[\]{}]+")
 _STATE_KEYS = ("dev", "ino", "size", "ctime_ns", "mtime_ns")
 

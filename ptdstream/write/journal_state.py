@@ -11,7 +11,9 @@ and refuses by name (file, field, both values):
   the recorded temp file (renamed: device, inode, size, modification time; the
   rename changed its change time), or the recorded previous file (device, inode,
   size, modification time, and change time while its backup link is there);
-- a backup is the recorded previous file (device, inode, size, modification time).
+- a backup is the recorded previous file (device, inode, size, modification time);
+- a temp file or backup is a regular file (not a link, which recovery would
+  move over the target).
 
 A version 2 journal recorded only the temp file's device and inode: a target must
 then be the temp file or its backup's inode (when the backup is there). A copied
@@ -22,6 +24,7 @@ everywhere: sizes are compared instead.
 from __future__ import annotations
 
 import os
+import stat
 from typing import List, Optional, Sequence, Tuple
 
 from .journal_codec import FileState, Journal, JournalEntry, RecoveryError, state_of
@@ -54,6 +57,11 @@ def _problems(entry: JournalEntry, copied: bool) -> List[str]:
     backup = state_of(entry.backup) if entry.backup is not None else None
     new, old = entry.new, entry.old
     out = []
+    for path in (entry.temp, entry.backup):  # ptdstream's own: never a link, a folder or a device
+        if path is not None and os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            out.append(f"{os.path.basename(path)}: not a regular file (a ptdstream temp or backup file is one)")
+    if out:
+        return out
 
     def compare(what: str, disk: Optional[FileState], recorded: Optional[FileState], fields) -> None:
         if disk is None or recorded is None:

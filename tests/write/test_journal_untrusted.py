@@ -273,13 +273,16 @@ def test_a_truncated_journal_keeps_every_file_and_unrelated_saves_still_work(tmp
 @pytest.mark.parametrize("data, reason", [
     (b"[" * 200_000, "nested deeper than the 4 levels of a journal"),
     (b" " * (1 << 20) + b'{"ptdstream_journal": 2, "entries": []}', "more than the 1048576 a journal may hold"),
-], ids=["deep", "large"])
+    (b'"' + b'\\"' * 349_000, "JSONDecodeError: Unterminated string"),  # no quadratic scan of the strings
+], ids=["deep", "large", "escaped quotes"])
 def test_a_planted_journal_is_one_clear_error_and_the_folder_stays_usable(tmp_path, data, reason):
     path = tmp_path / JNAME
     path.write_bytes(data)
     assert journal.unrecovered(str(tmp_path)) == [journal.PendingSet(str(path), ())]
+    start = time.monotonic()
     with pytest.raises(journal.RecoveryError) as info:
         journal.recover(str(tmp_path))
+    assert time.monotonic() - start < 10.0
     assert str(info.value).startswith(f"journal {path}: unreadable (") and reason in str(info.value)
     write_data_files(data_store("x", "y"), str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [JNAME, "x.ptd", "y.ptd"]
@@ -307,3 +310,24 @@ def test_a_version_2_journal_still_recovers_and_is_checked_by_its_backups_inode(
     assert journal.recover(folder) == [(path, "forward")]
     assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == {"a.ptd": b"new a.ptd",
                                                                              "b.pte": b"new b.pte"}
+
+
+def test_a_backup_that_is_a_symlink_out_of_the_folder_is_refused(outside):
+    """Rolled back, it would become the target: the next save would write through it."""
+    folder, victim = outside
+    backup = os.path.join(folder, ".b.pte.ptdstream-1-00000002.bak")
+    os.symlink(victim, backup)
+    os.link(backup, os.path.join(folder, "b.pte"), follow_symlinks=False)  # target and backup: one inode
+    st = os.lstat(backup)
+    old = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "ctime_ns": st.st_ctime_ns,
+           "mtime_ns": st.st_mtime_ns}
+    fst = os.stat(folder)
+    path = os.path.join(folder, JNAME)
+    with open(path, "w") as f:  # version 3, every state recorded as the planted files are
+        json.dump({"ptdstream_journal": 3, "folder": [fst.st_dev, fst.st_ino], "main": None, "members": [],
+                   "entries": [dict(row("b.pte", ".b.pte.ptdstream-1-00000001.tmp", ident=(1, 1),
+                                        backup=os.path.basename(backup)), new=None, old=old)]}, f)
+    before = snapshot(os.path.dirname(folder))
+    with pytest.raises(journal.RecoveryError, match=r"\.b\.pte\.ptdstream-1-00000002\.bak: not a regular file"):
+        journal.recover(folder)
+    assert snapshot(os.path.dirname(folder)) == before
