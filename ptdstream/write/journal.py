@@ -153,12 +153,12 @@ def publish(
     except BaseException:
         try:
             _roll_back(entries)
-            for path, group in zip(journals, groups):
+            for path, group in zip(journals, groups, strict=True):
                 _finish(path, group)
         except OSError:
             pass  # the journal stays; recover() finishes the roll-back later
         raise
-    for path, group in zip(journals, groups):
+    for path, group in zip(journals, groups, strict=True):
         _finish(path, group)
 
 
@@ -301,7 +301,7 @@ def recover_locked(folder: str, targets: Optional[Sequence[str]] = None) -> List
     """
     folder = os.path.abspath(folder or ".")
     done = []
-    errors = []
+    errors: List[Tuple[str, str]] = []
     for journal in _journals(folder):
         try:
             done.append((journal, _complete(journal)))
@@ -317,9 +317,9 @@ def recover_locked(folder: str, targets: Optional[Sequence[str]] = None) -> List
         for journal, message in errors:
             named = sorted(mine[s] for s in _claimed(journal, folder)[0] if s in mine)
             if named:
-                blocking.append(f"{', '.join(named)} not written (a pending journal may name it; recover or "
-                                f"remove it, then save again): {message}")
-        errors = [(None, m) for m in blocking]
+                blocking.append((journal, f"{', '.join(named)} not written (a pending journal may name it; "
+                                          f"recover or remove it, then save again): {message}"))
+        errors = blocking
     if errors:
         raise RecoveryError("; ".join(m for _, m in errors))
     return done

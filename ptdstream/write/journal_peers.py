@@ -70,11 +70,12 @@ def set_journals(journal: Journal) -> Tuple[Optional[Journal], List[Journal]]:
             f"{_folder_id(journal.path)}, not the {journal.folder_id} it was written in (a copy); refused: every "
             f"file is left in place, none touched; recover the folders where the set was saved")
     if journal.main is None:
-        main: Optional[Journal] = journal
+        main = journal
     else:
-        main = _follow(journal, journal.main, "main")
-        if main is None:
+        followed = _follow(journal, journal.main, "main")
+        if followed is None:
             return None, [journal]
+        main = followed
         if not any(_names(ref, journal) for ref in main.members):
             raise _refuse(journal, main, "main")
     members = []
