@@ -16,11 +16,14 @@ def register(subparsers) -> None:
                     "killed while publishing leaves the journal; the next ptdstream writer into the folder "
                     "completes it, and so does this command: forward to the whole new set when every new file "
                     "is on disk, else back to the whole old set. Leftover temp files of dead writers are removed; "
-                    "files of saves still running are not touched (it waits for a publication in progress).",
+                    "files of saves still running are not touched (it waits for a publication in progress). "
+                    "A file of DIR that is a symlink was saved beside the file it names: that folder is "
+                    "recovered too.",
         examples=[("ptdstream recover out/", "complete or roll back the set in out/"),
                   ("ptdstream recover out/ --json", "what was done, as JSON")],
-        exit_codes="exit codes: 0 recovered or nothing to do, 1 a journal could not be completed (left in place), "
-                   "2 usage error",
+        exit_codes="exit codes: 0 recovered or nothing to do, 1 a journal could not be completed or was refused "
+                   "(it names files outside its folder, is unreadable, or another program changed its files: "
+                   "it and every file are left in place), 2 usage error",
         run=run)
     r.add_argument("folders", nargs="+", metavar="DIR", help="folder of a saved set")
 
@@ -33,7 +36,7 @@ def run(args) -> int:
             what = "no such folder" if not os.path.exists(folder) else "not a folder (give the folder of the set)"
             raise UsageError(f"ptdstream recover: {folder}: {what}")
     done, failed = [], []
-    for folder in args.folders:
+    for folder in _with_link_folders(args.folders):
         try:
             done += [{"folder": folder, "journal": j, "direction": d} for j, d in recover(folder)]
         except RecoveryError as e:
@@ -49,3 +52,34 @@ def run(args) -> int:
     for f in failed:
         print_error(f"ptdstream recover: {f['error']}")
     return EXIT_INVALID if failed else EXIT_OK
+
+
+def _with_link_folders(folders):
+    """``folders`` and, after each, the folders its symlinks point into (where a save
+    through the link wrote its journal, resolved as the writer resolves it)."""
+    from ..write.sink import resolve_target
+
+    out = []
+    for folder in folders:
+        found = [folder]
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            names = []
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                linked = os.path.dirname(resolve_target(os.path.abspath(path)))
+                if os.path.isdir(linked):
+                    found.append(linked)
+        for f in found:
+            if all(not _same(f, seen) for seen in out):
+                out.append(f)
+    return out
+
+
+def _same(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

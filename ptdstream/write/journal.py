@@ -6,12 +6,13 @@ are atomic one file at a time only, so the set is published under a journal:
 1. every file is written to a locked temp file beside its target and fsynced;
 2. under the folders' locks, each existing target gets a hard-linked backup
    (``.bak``) and the folders are fsynced;
-3. the journal (``.<last target>.ptdstream-<pid>-<hex>.journal``, JSON: each
-   target, its temp file and backup as paths relative to the journal's folder,
-   so that a moved or copied folder recovers itself and nothing else, and the
-   temp file's device and inode) is
-   written to a temp file, fsynced, renamed into place, and its folder fsynced:
-   from here on the new set is committed;
+3. the journal (``.<last target>.ptdstream-<pid>-<hex>.journal``, format in
+   :mod:`ptdstream.write.journal_codec`: each target, its temp file and backup as
+   plain names of the journal's own folder, and the device, inode, size, change
+   and modification time of each temp file and previous target) is written to a
+   temp file, fsynced, renamed into place, and its folder fsynced: from here on
+   the new set is committed. A set across folders has one journal per folder,
+   the last folder's written last (:mod:`ptdstream.write.journal_peers`);
 4. each temp file is renamed over its target, the folders fsynced;
 5. the backups, then the journal, are removed.
 
@@ -23,6 +24,13 @@ otherwise (a temp file lost, or a copied folder, where no inode matches) it
 rolls back (puts each backup back, removes new files that had none). A failed
 rename in a live process rolls back at once.
 
+A journal is untrusted input: before any file is touched it is refused, by
+name, when it is unreadable, too large or too deep, names anything but files of
+its own folder of ptdstream's shape (:func:`read_journal`), or when a file it
+names is not the one it recorded (another program wrote there after the kill:
+:func:`ptdstream.write.journal_state.check_on_disk`). A journal that stays keeps
+every file it may own, and refuses only saves of targets it may name.
+
 Recovery runs under the folder's lock, which a publisher holds from step 2 to
 step 5, so a live publication is never recovered. Every ptdstream writer
 recovers its folder before it writes (:func:`clean_folder`), and
@@ -32,42 +40,27 @@ Readers that do not recover first may see a mixed set while a journal is pending
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import os
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..errors import PtdstreamError
 from ..system import fsops
 from . import tempfiles
+from .journal_codec import JOURNAL_VERSION, FileState, Journal, JournalEntry, RecoveryError, read_journal_file
+from .journal_peers import set_journals
+from .journal_state import check_on_disk
+from .journal_write import write_journal as _write_journal  # noqa: F401  (tests plant journals through it)
+from .journal_write import write_journals as _write_journals
 
-#: 2: paths relative to the journal's folder (1: absolute paths, still read).
-JOURNAL_VERSION = 2
-
-
-class RecoveryError(PtdstreamError):
-    """A journal that cannot be completed in either direction (unreadable, or its
-    files changed by another program); it is left in place, named in the message."""
-
-
-@dataclass(frozen=True)
-class JournalEntry:
-    """One file of a set: ``target`` (absolute path), ``temp`` (its synced temp
-    file), ``backup`` (hard link to the previous target, or ``None`` when there was
-    none or links are unsupported), ``had_target`` and the temp file's ``dev``/``ino``."""
-
-    target: str
-    temp: str
-    backup: Optional[str]
-    had_target: bool
-    dev: int
-    ino: int
+__all__ = ["JOURNAL_VERSION", "RecoveryError", "FileState", "JournalEntry", "PendingSet", "read_journal",
+           "publish", "unrecovered", "recover", "recover_locked", "clean_folder"]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PendingSet:
-    """An unrecovered journal: its ``path`` and the ``targets`` of its set."""
+    """An unrecovered journal: its ``path`` and the ``targets`` of its set
+    (empty when the journal is unreadable or refused)."""
 
     path: str
     targets: Tuple[str, ...]
@@ -81,65 +74,23 @@ def _identity(path: str) -> Optional[Tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
-_PATH_FIELDS = ("target", "temp", "backup")
-
-
-def _dump(entries: Sequence[JournalEntry], folder: str) -> bytes:
-    """The journal's JSON, paths relative to ``folder`` (the journal's own)."""
-    rows = []
-    for e in entries:
-        row = dict(e.__dict__)
-        for name in _PATH_FIELDS:
-            if row[name] is not None:
-                row[name] = os.path.relpath(row[name], folder)
-        rows.append(row)
-    return json.dumps({"ptdstream_journal": JOURNAL_VERSION, "entries": rows}, sort_keys=True).encode()
-
-
 def read_journal(path: str) -> List[JournalEntry]:
-    """The entries of the journal ``path``.
+    """The entries of the journal ``path`` (absolute paths), checked by
+    :func:`ptdstream.write.journal_codec.read_journal_file`.
 
     Raises:
-        RecoveryError: it is not a ptdstream journal of a known version.
+        RecoveryError: not a ptdstream journal of a known version, or one naming
+            anything but files of its own folder of ptdstream's shape.
     """
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(16 << 20))
-        version = data.get("ptdstream_journal")
-        if version not in (1, JOURNAL_VERSION):
-            raise ValueError(f"version {version!r}")
-        folder = os.path.dirname(os.path.abspath(path))
-        entries = []
-        for row in data["entries"]:
-            if version >= 2:  # relative to where the journal is now, not where it was written
-                row = dict(row, **{k: os.path.normpath(os.path.join(folder, row[k]))
-                                   for k in _PATH_FIELDS if row[k] is not None})
-            entries.append(JournalEntry(**row))
-        return entries
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise RecoveryError(f"journal {path}: unreadable ({type(e).__name__}: {e}); left in place") from None
+    return list(read_journal_file(path).entries)
 
 
-def _write_journal(path_for: str, entries: Sequence[JournalEntry]) -> str:
-    """Write, fsync and rename a journal into place beside ``path_for``; its path."""
-    temp, fd, lock_fd = tempfiles.create_locked(path_for, "tmp", 0o644)
-    try:
-        try:
-            view = memoryview(_dump(entries, os.path.dirname(os.path.abspath(path_for))))
-            while view:
-                view = view[os.write(fd, view):]
-            fsops.fsync(fd, temp)
-        finally:
-            os.close(fd)
-        final = temp[: -len(".tmp")] + ".journal"
-        fsops.replace(temp, final)
-    except BaseException:
-        fsops.unlink(temp)
-        raise
-    finally:
-        os.close(lock_fd)
-    fsops.fsync_dir(os.path.dirname(final))
-    return final
+def _by_folder(entries: Sequence[JournalEntry]) -> List[List[JournalEntry]]:
+    """``entries`` grouped by folder, in order of first appearance (one journal each)."""
+    groups: Dict[str, List[JournalEntry]] = {}
+    for e in entries:
+        groups.setdefault(os.path.dirname(e.target), []).append(e)
+    return list(groups.values())
 
 
 def _folders(entries: Sequence[JournalEntry]) -> List[str]:
@@ -171,6 +122,7 @@ def publish(
         renames[0]()
         return
     entries: List[JournalEntry] = []
+    journals: List[str] = []
     try:
         for temp, target in files:
             target = os.path.abspath(target)
@@ -186,8 +138,11 @@ def publish(
             entries.append(JournalEntry(target, os.path.abspath(temp), backup, had, st.st_dev, st.st_ino))
         for folder in _folders(entries):
             fsops.fsync_dir(folder)
-        journal = _write_journal(entries[-1].target, entries)
+        groups = _by_folder(entries)  # a journal names only files of its own folder
+        _write_journals(groups, journals)
     except BaseException:
+        for path in journals:
+            fsops.unlink(path)
         for entry in entries:
             if entry.backup is not None:
                 fsops.unlink(entry.backup)
@@ -198,11 +153,13 @@ def publish(
     except BaseException:
         try:
             _roll_back(entries)
-            _finish(journal, entries)
+            for path, group in zip(journals, groups, strict=True):
+                _finish(path, group)
         except OSError:
             pass  # the journal stays; recover() finishes the roll-back later
         raise
-    _finish(journal, entries)
+    for path, group in zip(journals, groups, strict=True):
+        _finish(path, group)
 
 
 def _rename(temp: str, target: str) -> None:
@@ -242,18 +199,49 @@ def _finish(journal: str, entries: Sequence[JournalEntry]) -> None:
 
 
 def _complete(journal: str) -> str:
-    """Roll the journal's set forward or back, then remove it; ``"forward"`` or ``"back"``."""
-    entries = read_journal(journal)
+    """Check the journal, its set's other journals and their files, roll the set
+    forward or back in this folder, then remove the journal; ``"forward"`` or
+    ``"back"``. Raises RecoveryError before touching a file.
+
+    A main journal also completes the members whose folder lock it can take at
+    once, and stays while a member journal is left; a member whose main journal
+    is gone (never committed) rolls back."""
+    checked = read_journal_file(journal)
+    main, members = set_journals(checked)
+    if main is None:
+        check_on_disk(checked)
+        _roll_back(checked.entries)
+        _finish(journal, checked.entries)
+        return "back"
+    group = [main] + [m for m in members if m is not main]
+    for g in group:
+        check_on_disk(g)
     forward = all(
         _identity(e.temp) == (e.dev, e.ino) or _identity(e.target) == (e.dev, e.ino)
-        for e in entries
+        for g in group for e in g.entries
     )
-    if forward:
-        _roll_forward(entries)
-    else:
-        _roll_back(entries)
-    _finish(journal, entries)
+    if checked is not main:
+        _act(checked, forward)
+        return "forward" if forward else "back"
+    for member in group[1:]:
+        with tempfiles.folder_lock_nowait(os.path.dirname(member.path)) as locked:
+            if locked:
+                _act(member, forward)
+    _act(main, forward, keep_journal=any(os.path.lexists(m.path) for m in group[1:]))
     return "forward" if forward else "back"
+
+
+def _act(checked: Journal, forward: bool, keep_journal: bool = False) -> None:
+    if forward:
+        _roll_forward(checked.entries)
+    else:
+        _roll_back(checked.entries)
+    if keep_journal:  # a member is left: the main journal goes last
+        for entry in checked.entries:
+            if entry.backup is not None:
+                fsops.unlink(entry.backup)
+        return
+    _finish(checked.path, checked.entries)
 
 
 def _journals(folder: str) -> List[str]:
@@ -274,17 +262,66 @@ def unrecovered(folder: str) -> List[PendingSet]:
     return pending
 
 
-def recover_locked(folder: str) -> List[Tuple[str, str]]:
-    """:func:`recover` for a caller that already holds ``folder``'s lock."""
+def _claimed(journal: str, folder: str) -> Tuple[Set[str], Set[str]]:
+    """``(stems, paths)``: the targets' stems a journal that stays may name and the
+    temp/backup files it may own. A readable one: its own; an unreadable or refused
+    one: its own name's stem and every temp/backup of its writer (same pid in the
+    name, not locked by a live writer), and every temp/backup of those stems."""
+    try:
+        entries = read_journal(journal)
+    except RecoveryError:
+        pid = tempfiles.pid_of(os.path.basename(journal))
+        parsed = tempfiles.parse_name(os.path.basename(journal))
+        stems = {parsed[0]} if parsed else set()
+        paths = set()
+        for path, stem, suffix in tempfiles.temp_files_in(folder):
+            if suffix == "journal" or (suffix == "tmp" and tempfiles.is_locked(path)):
+                continue  # a live writer's temp file is not a dead journal's
+            if stem in stems or tempfiles.pid_of(os.path.basename(path)) == pid:
+                stems.add(stem)
+                paths.add(path)
+        for path, stem, suffix in tempfiles.temp_files_in(folder):
+            if suffix != "journal" and stem in stems:
+                paths.add(path)
+        return stems, paths
+    stems = {tempfiles.stem(os.path.basename(e.target)) for e in entries}
+    return stems, {p for e in entries for p in (e.temp, e.backup) if p is not None}
+
+
+def recover_locked(folder: str, targets: Optional[Sequence[str]] = None) -> List[Tuple[str, str]]:
+    """:func:`recover` for a caller that already holds ``folder``'s lock.
+
+    ``targets``: the files a save is about to write (any folders); when given, a
+    journal that cannot be completed raises only if it may name one of them (the
+    save of unrelated files goes on beside it); ``None``: any such journal raises.
+
+    Raises:
+        RecoveryError: a journal that is unreadable, refused or cannot be completed
+            (left in place with its files; the other journals are still completed).
+    """
+    folder = os.path.abspath(folder or ".")
     done = []
-    errors = []
+    errors: List[Tuple[str, str]] = []
     for journal in _journals(folder):
         try:
             done.append((journal, _complete(journal)))
         except (RecoveryError, OSError) as e:
-            errors.append(str(e))
+            errors.append((journal, str(e)))
+    if targets is not None:
+        mine = {}
+        for target in targets:
+            target = os.path.abspath(target)
+            if os.path.dirname(target) == folder:
+                mine[tempfiles.stem(os.path.basename(target))] = target
+        blocking = []
+        for journal, message in errors:
+            named = sorted(mine[s] for s in _claimed(journal, folder)[0] if s in mine)
+            if named:
+                blocking.append((journal, f"{', '.join(named)} not written (a pending journal may name it; "
+                                          f"recover or remove it, then save again): {message}"))
+        errors = blocking
     if errors:
-        raise RecoveryError("; ".join(errors))
+        raise RecoveryError("; ".join(m for _, m in errors))
     return done
 
 
@@ -296,37 +333,37 @@ def recover(folder: str) -> List[Tuple[str, str]]:
     Waits for a publication in progress in another process (its folder lock).
 
     Raises:
-        RecoveryError: a journal that is unreadable or cannot be completed (left
-            in place; the other journals are still completed).
+        RecoveryError: a journal that is unreadable, names files outside its
+            folder or not of ptdstream's shape, or whose files another program
+            changed since it was written (compared before any file is touched:
+            :func:`ptdstream.write.journal_state.check_on_disk`); it and every
+            file it may name are left in place; the other journals are still completed.
     """
     return clean_folder(folder)
 
 
-def clean_folder(folder: str) -> List[Tuple[str, str]]:
+def clean_folder(folder: str, targets: Optional[Sequence[str]] = None) -> List[Tuple[str, str]]:
     """The one cleanup every ptdstream writer runs before writing into ``folder``.
 
-    Under the folder's lock: completes pending journals (:func:`recover_locked`),
-    then removes backups no journal refers to and ``.tmp`` files whose writer's
-    lock is free (killed writers, in any PID namespace). Live writers' files are
-    never touched. Returns what :func:`recover` returns.
+    Under the folder's lock: completes pending journals (:func:`recover_locked`,
+    ``targets`` as there), then removes backups no journal may own and ``.tmp``
+    files whose writer's lock is free (killed writers, in any PID namespace).
+    Live writers' files are never touched, nor any file a journal that stays
+    (unreadable, refused, or not completed) may own. Returns what :func:`recover` returns.
 
     Raises:
-        RecoveryError: as :func:`recover` (the stale files are still removed).
+        RecoveryError: as :func:`recover_locked` (the stale files are still removed).
     """
     folder = os.path.abspath(folder or ".")
     with tempfiles.folder_lock([folder]):
         error = None
         try:
-            done = recover_locked(folder)
+            done = recover_locked(folder, targets)
         except RecoveryError as e:
             error, done = e, []
-        keep = set()
-        for pending in _journals(folder):  # unrecoverable ones: keep their files
-            try:
-                keep.update(e.backup for e in read_journal(pending) if e.backup)
-                keep.update(e.temp for e in read_journal(pending))
-            except RecoveryError:
-                pass
+        keep: Set[str] = set()
+        for pending in _journals(folder):  # journals that stay: keep every file they may own
+            keep.update(_claimed(pending, folder)[1])
         for path, _, suffix in tempfiles.temp_files_in(folder):
             if path in keep or suffix == "journal":
                 continue

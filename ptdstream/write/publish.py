@@ -30,7 +30,7 @@ def publish_set(sinks: List[ChunkedFileSink]) -> None:
             journal stays for ``recover``).
     """
     for sink in sinks:
-        journal.recover_locked(os.path.dirname(sink.publish_path))
+        journal.recover_locked(os.path.dirname(sink.publish_path), targets=[s.publish_path for s in sinks])
     journal.publish(
         [(s.temp_path, s.publish_path) for s in sinks], renames=[s.publish for s in sinks]
     )

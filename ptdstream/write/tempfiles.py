@@ -32,7 +32,10 @@ from ..system import fsops
 #: that ``.<stem>.ptdstream-<pid>-<hex>.<suffix>`` stays under NAME_MAX (255 bytes).
 STEM_MAX = 160
 SUFFIXES = ("tmp", "bak", "journal")
-_NAME_RE = re.compile(r"\.(?P<stem>.+)\.ptdstream-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<suffix>tmp|bak|journal)")
+#: Any character of a name, newline included (DOTALL), a pid of ASCII digits only.
+_NAME_RE = re.compile(
+    r"\.(?P<stem>.+)\.ptdstream-(?P<pid>[0-9]+)-[0-9a-f]{8}\.(?P<suffix>tmp|bak|journal)", re.DOTALL
+)
 
 
 def stem(name: str) -> str:
@@ -56,6 +59,12 @@ def parse_name(name: str) -> Optional[Tuple[str, str]]:
     """``(stem, suffix)`` of a ptdstream temp file name, or ``None`` for any other name."""
     match = _NAME_RE.fullmatch(name)
     return (match.group("stem"), match.group("suffix")) if match else None
+
+
+def pid_of(name: str) -> Optional[str]:
+    """The writer's pid (digits) in a ptdstream temp file name, or ``None`` for any other name."""
+    match = _NAME_RE.fullmatch(name)
+    return match.group("pid") if match else None
 
 
 def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> Tuple[str, int, int]:
@@ -167,6 +176,27 @@ def folder_lock(folders: List[str]) -> Iterator[None]:
     finally:
         for fd in reversed(fds):
             os.close(fd)
+
+
+@contextlib.contextmanager
+def folder_lock_nowait(folder: str) -> Iterator[bool]:
+    """Try to take ``folder``'s lock (:func:`folder_lock`) without waiting; yields
+    whether it was taken (``False`` also when this process holds it already through
+    another descriptor, or the folder cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def temp_files_in(folder: str) -> List[Tuple[str, str, str]]:

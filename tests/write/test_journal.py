@@ -12,6 +12,7 @@ must hold exactly A or exactly B, and nothing else.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 
@@ -270,3 +271,126 @@ def test_recovering_a_copy_leaves_the_original_alone(tmp_path):
     [(_, direction)] = journal.recover(str(original))
     assert direction == "forward"
     assert read_all(str(original)) == {"a.ptd": b"new a", "b.pte": b"new b"}
+
+
+def test_a_set_in_two_folders_has_one_journal_per_folder_naming_only_its_files(tmp_path):
+    """A journal names only files of its own folder: a set across folders (``data_dir=``)
+    is journaled folder by folder; a failed rename still puts both folders back."""
+    import errno
+    import functools
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    out.mkdir()
+    (data / "w.ptd").write_bytes(b"old w")
+    (out / "m.pte").write_bytes(b"old m")
+    temps = []
+    for folder, name in ((data, "w.ptd"), (out, "m.pte")):
+        temp, fd, lock_fd = tempfiles.create_locked(str(folder / name))
+        os.write(fd, b"new " + name.encode())
+        os.close(fd)
+        os.close(lock_fd)
+        temps.append(temp)
+    seen = {}
+
+    def second_rename_fails():
+        for folder in (data, out):
+            [path] = [p for p, _, s in tempfiles.temp_files_in(str(folder)) if s == "journal"]
+            seen[folder.name] = [os.path.relpath(e.target, tmp_path) for e in journal.read_journal(path)]
+        raise OSError(errno.EIO, "injected EIO on the rename of m.pte")
+
+    with pytest.raises(OSError, match="injected EIO on the rename of m.pte"):
+        journal.publish([(temps[0], str(data / "w.ptd")), (temps[1], str(out / "m.pte"))],
+                        renames=[functools.partial(journal._rename, temps[0], str(data / "w.ptd")),
+                                 second_rename_fails])
+    assert seen == {"data": ["data/w.ptd"], "out": ["out/m.pte"]}
+    assert read_all(str(data)) == {"w.ptd": b"old w"} and read_all(str(out)) == {"m.pte": b"old m"}
+
+
+def test_kill_at_every_publishing_call_of_a_save_with_a_data_dir(versions, tmp_path, capsys):
+    """Either folder recovered first (a writer into the data folder, or
+    ``recover`` of either): both folders hold the old set or both the new one. The
+    set's main journal, beside the .pte, is written last: its commit point."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    out.mkdir()
+    path = str(out / PTE)
+    sets = {}
+    for name in "AB":
+        ptdstream.save(versions[name], path, data_dir=str(data))
+        sets[name] = (read_all(str(data)), read_all(str(out)))
+    ops = recorded_ops(lambda: ptdstream.save(versions["B"], path, data_dir=str(data)))
+    journal_renames = [i + 1 for i, (op, p) in enumerate(ops) if op == "rename" and p.endswith(".journal")]
+    assert len(journal_renames) == 2, ops
+    window = range(journal_renames[0] + 1, journal_renames[1] + 1)  # the member journal renamed, not the main
+    mixed = []
+    for n in range(1, len(ops) + 2):
+        ptdstream.save(versions["A"], path, data_dir=str(data))
+        killed_at(n, lambda: ptdstream.save(versions["B"], path, data_dir=str(data)))
+        first, second = (data, out) if n % 2 else (out, data)
+        journal.recover(str(first))
+        journal.recover(str(second))
+        assert journal.unrecovered(str(data)) == journal.unrecovered(str(out)) == []
+        parts = (read_all(str(data)), read_all(str(out)))
+        assert parts[0] in (sets["A"][0], sets["B"][0]) and parts[1] in (sets["A"][1], sets["B"][1]), n
+        if parts not in (sets["A"], sets["B"]):
+            mixed.append(n)
+    assert mixed == [], (mixed, list(window), ops)
+    with capsys.disabled():
+        print(f"\nsave with data_dir: {len(ops) + 1} kills, none left the folders mixed "
+              f"({len(window)} between the two journals)")
+
+
+def _half_published_across(tmp_path):
+    """A set in data/ (w.ptd) and out/ (m.pte), killed after the first rename:
+    a member journal in data/, the main journal in out/."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    for folder, name in ((data, "w.ptd"), (out, "m.pte")):
+        folder.mkdir()
+        (folder / name).write_bytes(b"old " + name.encode())
+    entries = []
+    for folder, name in ((data, "w.ptd"), (out, "m.pte")):
+        p = str(folder / name)
+        temp, fd, lock_fd = tempfiles.create_locked(p)
+        os.write(fd, b"new " + name.encode())
+        os.close(fd)
+        os.close(lock_fd)
+        backup = tempfiles.temp_name_for(p, "bak")
+        os.link(p, backup)
+        st = os.lstat(temp)
+        entries.append(journal.JournalEntry(p, temp, backup, True, st.st_dev, st.st_ino))
+    journals = []
+    journal._write_journals([entries[:1], entries[1:]], journals)
+    os.replace(entries[0].temp, entries[0].target)
+    return data, out, journals
+
+
+def test_a_copy_of_one_folder_of_a_set_across_folders_is_refused(tmp_path):
+    """The copy's main journal would reach the original data folder: refused, and
+    the original set still recovers forward."""
+    import shutil
+
+    data, out, journals = _half_published_across(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    before = {str(f): read_all(str(f)) for f in (data, out, copy)}
+    with pytest.raises(journal.RecoveryError, match=r"journal .*copy/.*: a journal of a set across folders, in a "
+                                                    r"folder of device/inode .* \(a copy\); refused"):
+        journal.recover(str(copy))
+    assert {str(f): read_all(str(f)) for f in (data, out, copy)} == before
+    assert journal.recover(str(data)) == [(journals[0], "forward")]
+    assert journal.recover(str(out)) == [(journals[1], "forward")]
+    assert read_all(str(data)) == {"w.ptd": b"new w.ptd"} and read_all(str(out)) == {"m.pte": b"new m.pte"}
+
+
+def test_a_member_journal_its_main_journal_does_not_name_is_refused(tmp_path):
+    data, out, journals = _half_published_across(tmp_path)
+    doc = json.loads(open(journals[1]).read())
+    doc["members"] = []  # the main journal no longer names the member
+    with open(journals[1], "w") as f:
+        json.dump(doc, f)
+    before = {str(f): read_all(str(f)) for f in (data, out)}
+    with pytest.raises(journal.RecoveryError, match=rf"journal {journals[0]}: its main journal {journals[1]} does "
+                                                    r"not name it back; refused"):
+        journal.recover(str(data))
+    assert {str(f): read_all(str(f)) for f in (data, out)} == before

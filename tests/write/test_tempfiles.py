@@ -146,3 +146,26 @@ def test_a_save_in_another_pid_namespace_is_not_taken_for_stale(tmp_path):
             proc.wait()
     assert target.read_bytes() == b"written in another PID namespace"
     assert sorted(os.listdir(tmp_path)) == ["model.pte", "other.pte"]
+
+
+# Every byte a file name may hold (all but NUL and "/") round-trips through the naming rule.
+_ANY_BYTE_NAMES = [b"m" + bytes([i]) + b".pte" for i in range(1, 256) if i != ord("/")]
+
+
+@pytest.mark.parametrize("suffix", ["tmp", "bak", "journal"])
+def test_every_byte_of_a_name_round_trips_through_the_naming_rule(tmp_path, suffix):
+    for raw in _ANY_BYTE_NAMES + [b"\n", b"a\nb\n", b"\xff" * 200, "é".encode() * 100]:
+        name = os.fsdecode(raw)
+        temp = tempfiles.temp_name_for(str(tmp_path / name), suffix)
+        assert os.path.dirname(temp) == str(tmp_path)
+        assert tempfiles.parse_name(os.path.basename(temp)) == (tempfiles.stem(name), suffix), raw
+        assert len(os.fsencode(os.path.basename(temp))) <= 255
+
+
+def test_a_newline_names_leftovers_that_are_found_and_removed(tmp_path):
+    target = str(tmp_path / "model\n.pte")
+    temp, fd, lock_fd = tempfiles.create_locked(target)
+    os.close(fd)
+    os.close(lock_fd)
+    assert [p for p, _, _ in tempfiles.temp_files_in(str(tmp_path))] == [temp]
+    assert tempfiles.stale_temp_files(target) == [temp]
