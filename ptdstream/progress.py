@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
+__all__ = ["progress_callback"]
+
 
 def progress_callback(
     stack: contextlib.ExitStack, progress: Any, total_nbytes: int, desc: str

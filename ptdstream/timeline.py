@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Dict, Iterator, List, Optional
 
+__all__ = ["StageTimeline", "record_stages", "stage_timeline"]
+
 _current: Optional["StageTimeline"] = None
 
 

@@ -50,6 +50,8 @@ from .errors import CheckpointMismatchError
 from .reports import Report
 from .sources.checkpoint import Checkpoint, open_checkpoint
 
+__all__ = ["DEFAULT_TAG", "WeightsReport", "read_program_weights", "write_ptd"]
+
 #: The tag ``external_constants=True`` gives every constant (``external_constants_pass.py``).
 DEFAULT_TAG = "_default_external_constant"
 #: ``FlatTensorConfig.segment_alignment`` (``extension/flat_tensor/serialize/serialize.py``).

@@ -28,6 +28,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .sources import BufferRing, FileRangeSource
 
+__all__ = ["XNNPACK_ALIGNMENT", "XNNPACK_ID", "delegates_all_xnnpack", "find_once", "match_keys",
+           "rewritten_program_plan"]
+
 XNNPACK_ID = "XnnpackBackend"
 #: ``backends/xnnpack/serialization/xnnpack_graph_serialize.py::CONSTANT_TENSOR_ALIGNMENT``.
 XNNPACK_ALIGNMENT = 16

@@ -15,6 +15,8 @@ from ..format.fb_roots import flat_tensor_root, program_root
 from .runtime_method import check_method
 from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program, default_planned_limit
 
+__all__ = ["runtime_load_checks"]
+
 
 def _read(path: str, nbytes: int) -> bytes:
     with open(path, "rb") as f:

@@ -9,6 +9,8 @@ from typing import Dict, Tuple
 
 from . import METHODS
 
+__all__ = ["ATOL", "RuntimeCheck", "TiedEmbedding", "check_runtime", "find_tied_embedding"]
+
 ATOL = 1e-4
 RTOL = 1e-4
 

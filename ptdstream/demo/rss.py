@@ -7,6 +7,8 @@ import sys
 import threading
 from typing import Optional
 
+__all__ = ["PeakRssSampler"]
+
 
 class PeakRssSampler:
     """Context manager: the peak resident set size added while it is entered.

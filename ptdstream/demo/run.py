@@ -46,6 +46,9 @@ from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_
 from . import DATA_TAG, METHODS
 from .rss import PeakRssSampler
 
+__all__ = ["ATOL", "PeakRssSampler", "RuntimeCheck", "Stages", "TiedEmbedding", "backend_config",
+           "build_demo", "export_programs", "format_summary", "lower", "main", "run_demo"]
+
 
 class Stages:
     """Prints each stage of the demo on ``stream`` as it starts and when it ends,

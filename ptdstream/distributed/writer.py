@@ -40,6 +40,8 @@ from ..sources import BufferRing, Source, as_source
 from .fingerprint import combine, digest_piece
 from .plan import PREFIX_NBYTES, PieceInfo, collate, dedup_candidates, plan_files, wire_plan
 
+__all__ = ["DistributedReport", "DistributedWriteError", "write_data_files"]
+
 
 class DistributedWriteError(PtdstreamError):
     """A rank failed; raised on every rank, naming each failed rank and its error.

@@ -14,6 +14,9 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 from ..errors import FormatError
 from .identity import HEADER_OFFSET, ExtendedHeader, FlatTensorHeader
 
+__all__ = ["Artifact", "ExternalTensor", "NamedEntry", "ReadAt", "Section", "Segment",
+           "TensorMeta", "check_index", "fail", "label", "segments_of", "subsegments"]
+
 #: ``read_at(offset, nbytes) -> bytes``: random access to a file being read.
 ReadAt = Callable[[int, int], bytes]
 

@@ -18,6 +18,9 @@ from ..sources.base import Source
 from ..sources.fingerprint import PREFIX_NBYTES, Fingerprint
 from .layout import Placement, SegmentSpec, place_segments
 
+__all__ = ["DataEntry", "Extent", "ExtentKind", "FilePlan", "FileRole", "PlannedFile", "SavePlan",
+           "SegmentPlan", "assemble", "named_segments", "place"]
+
 
 @dataclass(frozen=True)
 class DataEntry:

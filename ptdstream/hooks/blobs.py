@@ -41,6 +41,8 @@ from ..upstream import adapter
 from .interop import EMITTER_HASHLIB, ByReference, FileBackedData
 from ..upstream.patching import shadowed
 
+__all__ = ["FileBlob", "delegate_blobs_from_files", "file_blob"]
+
 
 class FileBlob(ByReference, FileBackedData):
     """A delegate blob read from a file, usable where executorch expects ``bytes``.

@@ -54,6 +54,8 @@ from ..upstream import adapter
 from .interop import EMITTER_HASHLIB, ByReference, SourceBackedData
 from ..upstream.patching import shadowed
 
+__all__ = ["StorageReference", "constants_by_reference", "reference"]
+
 # Contexts entered by the current thread or task (ids), and those still open anywhere:
 # a context exited from another thread is closed for the one that entered it too.
 _entered: contextvars.ContextVar = contextvars.ContextVar("ptdstream_constants_by_reference", default=())

@@ -47,6 +47,8 @@ from .emitter import reference
 from .interop import EMITTER_HASHLIB
 from ..upstream.patching import shadowed
 
+__all__ = ["xnnpack_constants_by_reference"]
+
 _entered: contextvars.ContextVar = contextvars.ContextVar("ptdstream_xnnpack_by_reference", default=())
 _open: set = set()
 _ids = itertools.count()

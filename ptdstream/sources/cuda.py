@@ -23,6 +23,8 @@ from ..timeline import stage_timeline
 from .base import BufferRing, Source
 from .tensor import check_storage
 
+__all__ = ["CudaTensorSource", "PinnedRing"]
+
 _RINGS: Dict[Tuple[int, int, int], "PinnedRing"] = {}
 _RINGS_LOCK = threading.Lock()
 

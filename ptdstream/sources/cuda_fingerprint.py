@@ -35,6 +35,8 @@ from typing import Dict, Tuple
 from ..upstream.adapter import int_mm
 from .fingerprint import Fingerprint
 
+__all__ = ["ROW_NBYTES", "gpu_fingerprint"]
+
 ROW_NBYTES = 4096
 COLUMNS = 16
 HASHES = 4

@@ -19,6 +19,17 @@ import xxhash
 from ..errors import IntegrityError
 from .base import BufferRing, Source
 
+__all__ = [
+    "PREFIX_NBYTES",
+    "CandidateKey",
+    "Fingerprint",
+    "StreamingDigest",
+    "candidate_key",
+    "check_expected",
+    "fingerprint",
+    "seal",
+]
+
 #: Bytes of the prefix in the candidate key (upstream uses 32).
 PREFIX_NBYTES = 32
 ALGO = "xxh3-128"

@@ -12,6 +12,8 @@ from .base import BufferRing
 from .file import FileRangeSource
 from .tensor import TensorSource
 
+__all__ = ["MappedTensorSource"]
+
 
 class MappedTensorSource(TensorSource):
     """A :class:`~ptdstream.sources.TensorSource` over file-mapped memory (a

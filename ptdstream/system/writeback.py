@@ -35,6 +35,8 @@ from ..timeline import stage_timeline
 from .pagecache import drop_read
 from .threads import FdThread
 
+__all__ = ["DEFAULT_INFLIGHT_WINDOWS", "WritebackWindows"]
+
 #: Windows under writeback at once (see the module docstring).
 DEFAULT_INFLIGHT_WINDOWS = 8
 

@@ -15,6 +15,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
+__all__ = ["CHECKED_VERSIONS", "FIELDS", "NAMES", "resolve"]
+
 #: executorch releases the names below were checked against.
 CHECKED_VERSIONS = ("1.5.1",)
 

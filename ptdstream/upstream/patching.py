@@ -13,6 +13,8 @@ import contextlib
 import threading
 from typing import Any, Dict, Iterator, Optional, Tuple
 
+__all__ = ["Scope", "is_shadowed", "shadowed"]
+
 _lock = threading.Lock()
 _shadows: Dict[Tuple[int, str], list] = {}  # (id(owner), name) -> [count, had_own, original]
 

@@ -23,6 +23,8 @@ from typing import Callable, List, Optional
 from ..system.threads import FdThread
 from ..timeline import stage_timeline
 
+__all__ = ["DEFAULT_DIRECT_DEPTH", "DirectBlockWriter"]
+
 #: O_DIRECT writes in flight (I/O threads).
 DEFAULT_DIRECT_DEPTH = 3
 

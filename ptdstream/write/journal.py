@@ -42,6 +42,9 @@ from ..errors import PtdstreamError
 from ..system import fsops
 from . import tempfiles
 
+__all__ = ["JournalEntry", "PendingSet", "RecoveryError", "clean_folder", "publish", "recover",
+           "recover_locked", "unrecovered"]
+
 #: 2: paths relative to the journal's folder (1: absolute paths, still read).
 JOURNAL_VERSION = 2
 

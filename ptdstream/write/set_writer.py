@@ -20,6 +20,8 @@ from .publish import folder_locks, publish_set
 from .sink import ChunkedFileSink
 from .writer import write_plan
 
+__all__ = ["FileReport", "write_save_plan"]
+
 
 @dataclass(frozen=True)
 class FileReport:

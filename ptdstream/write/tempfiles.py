@@ -28,6 +28,9 @@ from typing import Iterator, List, Optional, Tuple
 
 from ..system import fsops
 
+__all__ = ["create_locked", "folder_lock", "parse_name", "remove_if_unlocked", "stale_temp_files",
+           "stem", "temp_files_in", "temp_name_for"]
+
 #: Longest file-name stem kept in temp names; longer names are cut and hashed so
 #: that ``.<stem>.ptdstream-<pid>-<hex>.<suffix>`` stays under NAME_MAX (255 bytes).
 STEM_MAX = 160

@@ -50,7 +50,7 @@ from ...upstream import adapter
 from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 from ...upstream.patching import is_shadowed, shadowed
 
-__all__ = ["CudaWeightStats", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "stream_cuda_weights"]
+__all__ = ["DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "CudaWeightStats", "stream_cuda_weights"]
 
 #: Device memory (bytes) that copies of storages without a twin may take before
 #: the next ones are spilled to disk: the most the GPU holds beyond upstream's export.

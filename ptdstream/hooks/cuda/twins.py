@@ -20,6 +20,8 @@ from __future__ import annotations
 import gc
 from typing import Dict, Iterable, List, Optional, Tuple
 
+__all__ = ["PROBE_NBYTES", "TwinFinder", "probe", "same_bytes"]
+
 #: Bytes sampled, evenly spread, to tell storages of one size apart before ``torch.equal``.
 PROBE_NBYTES = 64
 
