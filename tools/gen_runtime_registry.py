@@ -24,6 +24,8 @@ def render() -> str:
         + " registers: operator names (``name.overload``)",
         'and the backends whose ``is_available()`` is true."""',
         "",
+        '__all__ = ["BACKENDS", "OPERATORS"]',
+        "",
         f"EXECUTORCH_VERSION = {importlib.metadata.version('executorch')!r}",
         "",
         "OPERATORS = frozenset({",

@@ -132,10 +132,6 @@ def fail(name: str, offset: int, what: str) -> FormatError:
     return FormatError(f"{name}: at offset {offset}: {what}")
 
 
-def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
-
-
 def check_index(name: str, base: int, spans, index: int, what: str) -> None:
     if not 0 <= index < len(spans):
         raise fail(name, base, f"{what} names segment {index}, but there are {len(spans)} segments")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..sources.base import Source
 from ..sources.fingerprint import PREFIX_NBYTES, Fingerprint
@@ -121,7 +121,6 @@ class FilePlan:
         nbytes: the file's size in bytes.
         segment_base_offset: file offset of segment 0 (0 when there is no segment data).
         placements: each segment's offset (relative to the base) and size.
-        segment_labels: what each segment holds ("constant segment", "named data", ...).
         flatbuffer_nbytes: the metadata flatbuffer's size in bytes, header excluded.
     """
 
@@ -131,7 +130,6 @@ class FilePlan:
     nbytes: int
     segment_base_offset: int
     placements: Tuple[Placement, ...]
-    segment_labels: Tuple[str, ...]
     flatbuffer_nbytes: int
 
     def payload_nbytes(self) -> int:
@@ -181,17 +179,8 @@ def assemble(
         nbytes=total,
         segment_base_offset=segment_base_offset,
         placements=tuple(placements),
-        segment_labels=tuple(s.label for s in segments),
         flatbuffer_nbytes=flatbuffer_nbytes,
     )
-
-
-def iter_sources(plans: Iterable[FilePlan]):
-    """Every payload extent of ``plans``, in write order."""
-    for plan in plans:
-        for e in plan.extents:
-            if e.kind is ExtentKind.SOURCE:
-                yield plan, e
 
 
 def named_segments(

@@ -34,7 +34,6 @@ __all__ = ["create_locked", "folder_lock", "parse_name", "remove_if_unlocked", "
 #: Longest file-name stem kept in temp names; longer names are cut and hashed so
 #: that ``.<stem>.ptdstream-<pid>-<hex>.<suffix>`` stays under NAME_MAX (255 bytes).
 STEM_MAX = 160
-SUFFIXES = ("tmp", "bak", "journal")
 _NAME_RE = re.compile(r"\.(?P<stem>.+)\.ptdstream-(?P<pid>\d+)-[0-9a-f]{8}\.(?P<suffix>tmp|bak|journal)")
 
 
