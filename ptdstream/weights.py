@@ -238,7 +238,7 @@ class WeightsReport(Report):
     are). A re-export would then also change the ``.pte``: the emitter's
     ``data_buffer_idx`` of those tensors. The runtime loads external tensors by
     FQN and does not read that index, so the program runs with the new ``.ptd``
-    all the same (``tests/test_weights.py``); only a byte comparison of the
+    all the same; only a byte comparison of the
     ``.pte`` with a re-export's would differ."""
 
     files: tuple

@@ -92,7 +92,7 @@ class CudaTensorSource(Source):
         self._gpu_fingerprint = None
 
     def gpu_fingerprint(self):
-        """This tensor's :func:`~ptdstream.cuda_fingerprint.gpu_fingerprint` (cached)."""
+        """This tensor's :func:`~ptdstream.sources.cuda_fingerprint.gpu_fingerprint` (cached)."""
         if self._gpu_fingerprint is None:
             from .cuda_fingerprint import gpu_fingerprint
 
