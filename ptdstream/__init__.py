@@ -29,8 +29,16 @@ first use, so ``import ptdstream`` imports neither torch nor executorch.
 
 import importlib
 
-from .errors import (CheckpointMismatchError, FormatError, IntegrityError, LayoutError, MissingKeyError,
-                     OverwriteError, PtdstreamError, StateError)
+from .errors import (
+    CheckpointMismatchError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    MissingKeyError,
+    OverwriteError,
+    PtdstreamError,
+    StateError,
+)
 from .save import SaveReport, save, write_data_files
 
 #: Public names loaded on first use (``import ptdstream`` stays fast): name -> module.

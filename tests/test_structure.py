@@ -11,7 +11,7 @@ import pathlib
 import re
 import threading
 import types
-from typing import Dict, List, Optional, Set
+from typing import Dict, Set
 
 import pytest
 
@@ -162,7 +162,7 @@ def test_the_layer_test_sees_function_level_and_relative_imports():
     assert "save" in graph["hooks.install"]
 
 
-def _declared_all(path: pathlib.Path) -> Optional[List[str]]:
+def _declared_all(path: pathlib.Path) -> list[str] | None:
     """The module's top-level ``__all__`` list, or None when it declares none."""
     for node in ast.parse(path.read_text(), str(path)).body:
         target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
@@ -171,9 +171,9 @@ def _declared_all(path: pathlib.Path) -> Optional[List[str]]:
     return None
 
 
-def _bound_names(path: pathlib.Path) -> Set[str]:
+def _bound_names(path: pathlib.Path) -> set[str]:
     """Names bound at the module's top level (``if``/``try`` bodies included)."""
-    names: Set[str] = set()
+    names: set[str] = set()
 
     def visit(body):
         for node in body:
@@ -230,14 +230,14 @@ _DOTTED = re.compile(r"(?<![\w/.])ptdstream(?:\.[A-Za-z_]\w*)+")
 _FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(ptdstream(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[\w \t,]+)", re.M)
 
 
-def _doc_files() -> List[pathlib.Path]:
+def _doc_files() -> list[pathlib.Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").rglob("*.py"))]
 
 
-def _named_paths() -> Dict[str, List[str]]:
+def _named_paths() -> dict[str, list[str]]:
     """Every ``ptdstream.X`` the docs name -> where (``file:line``); ``from ptdstream.X
     import a, b`` names ``ptdstream.X.a`` and ``ptdstream.X.b``."""
-    found: Dict[str, List[str]] = {}
+    found: dict[str, list[str]] = {}
     for path in _doc_files():
         text = path.read_text()
         hits = [(m.start(), m.group(0)) for m in _DOTTED.finditer(text)]
@@ -250,7 +250,7 @@ def _named_paths() -> Dict[str, List[str]]:
     return found
 
 
-def _unresolved(dotted: str) -> Optional[str]:
+def _unresolved(dotted: str) -> str | None:
     """Why ``dotted`` is not a public path, or None: no segment private, each module
     on the way lists the next name in its ``__all__``, and the name exists."""
     obj: object = ptdstream

@@ -13,8 +13,6 @@ from .base import BufferRing, Source
 __all__ = ["FileRangeSource", "pread_pieces"]
 
 
-
-
 class FileRangeSource(Source):
     """``length`` bytes of the file at ``path`` from byte ``offset``, read with pread.
 
