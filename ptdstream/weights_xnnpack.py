@@ -149,7 +149,7 @@ def rewritten_program_plan(path: str, replacements: Dict[int, Tuple[str, str]], 
         position = offset + len(old_key)
     if position < nbytes:
         extents.append(Extent.payload(FileRangeSource(path, position, nbytes - position), "program"))
-    return FilePlan("pte", name, tuple(extents), nbytes, 0, (), (), 0)
+    return FilePlan("pte", name, tuple(extents), nbytes, 0, (), 0)
 
 
 def delegates_all_xnnpack(delegates: List[Tuple[str, str]]) -> Optional[bool]:

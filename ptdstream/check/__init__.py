@@ -2,4 +2,4 @@
 check (``structure``), what is inside (``inspection``) and integrity manifests
 (``manifest``, with its generated flatbuffer code in ``manifest_fb``)."""
 
-__all__: list = []
+__all__: list[str] = []

@@ -10,4 +10,4 @@ code) and ``fb_tables.py`` are generated from executorch's installed schemas by
 C++ ``flatbuffers::Verifier`` does before ``fb_roots`` hands it to the flatc code.
 """
 
-__all__: list = []
+__all__: list[str] = []

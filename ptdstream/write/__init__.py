@@ -6,4 +6,4 @@
 whole ``SavePlan``).
 """
 
-__all__: list = []
+__all__: list[str] = []
