@@ -15,8 +15,8 @@ memory), exports, lowers to XNNPACK, emits and saves ``model.pte`` (the xnnpack
 recipe of optimum-executorch 1.1.0 keeps every weight in the .pte):
 
 * ``upstream``: as is (executorch's ``write_to_file`` builds the whole file in memory);
-* ``install``: inside ``ptdstream.patch.installed()`` (the save streams);
-* ``ptdstream``: ``ptdstream.hooks.optimum.export``: installed, plus
+* ``install``: inside ``ptdstream.installed()`` (the save streams);
+* ``ptdstream``: ``ptdstream.hf.export``: installed, plus
   ``constants_by_reference()`` (the emitter) and ``xnnpack_constants_by_reference()``
   (XNNPACK's node visitor) around the whole export.
 

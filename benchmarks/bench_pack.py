@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark ``ptdstream pack`` / ``unpack`` against the ``zstd`` command at the same level.
 
-Three artifacts, exported from one decoder-only LM (:class:`ptdstream.models.TinyLM`,
+Three artifacts, exported from one decoder-only LM (:func:`ptdstream.demo.model.build_tiny_lm`,
 scaled up; fixed seed) with torch.export -> ``to_edge_transform_and_lower`` ->
 ``to_executorch(ExecutorchBackendConfig(external_constants=True))`` -> ``ptdstream.save``:
 

@@ -12,7 +12,7 @@ semantics). The processed blob is just the key.
 (read once, pages dropped after each piece); upstream's own serializer writes
 the same bytes.
 
-Usage (see tests/test_engine_backend.py)::
+Usage::
 
     partitioner = EnginePartitioner(engine_dir="/tmp/engines")
     edge = to_edge_transform_and_lower({"forward": ep1, "prefill": ep2}, partitioner=[partitioner])
@@ -91,12 +91,12 @@ class EngineBackend(BackendDetails):
 class BlobEngineBackend(BackendDetails):
     """Builds one engine file per partition and hands the engine itself over as
     the delegate blob (``PreprocessResult.processed_bytes``), still in its file:
-    :func:`ptdstream.blobs.file_blob`. Lower and emit inside
-    :func:`ptdstream.blobs.delegate_blobs_from_files`."""
+    :func:`ptdstream.file_blob`. Lower and emit inside
+    :func:`ptdstream.delegate_blobs_from_files`."""
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
-        from ptdstream.hooks.blobs import file_blob
+        from ptdstream import file_blob
 
         specs = {s.key: s.value for s in compile_specs}
         path, sha = _build_engine(edge_program, specs["engine_dir"].decode())

@@ -1,20 +1,30 @@
 """ptdstream: write ExecuTorch .pte/.ptd artifacts as a stream, byte-identical to
 ExecuTorch's own serializer, in bounded host memory.
 
-Three ways in:
+The ways in, each by its public path:
 
 * ``ptdstream.save(manager, "model.pte")``: drop-in for ``write_to_file`` +
-  ``write_tensor_data_to_file``; ``ptdstream.install()`` routes executorch's own
-  save methods through it;
+  ``write_tensor_data_to_file``; ``ptdstream.install()`` (or ``installed()``)
+  routes executorch's own save methods through it; ``ptdstream.recover(folder)``
+  completes a set a killed save left half published;
 * the ``ptdstream`` command (``verify``, ``inspect``, ``manifest``, ``pack``,
-  ``unpack``, ``extract``, ``weights``, ``demo``);
-* ``ptdstream.weights.write_ptd(program, checkpoint, out_dir)``: a program's
-  ``.ptd`` files from a checkpoint; ``ptdstream.distributed.write_data_files``:
-  one ``.ptd`` set written by every rank of a ``torch.distributed`` group;
+  ``unpack``, ``extract``, ``weights``, ``recover``, ``demo``);
+* ``ptdstream.write_ptd(program, checkpoint, out_dir)``: a program's ``.ptd``
+  files from a checkpoint (:mod:`ptdstream.weights`);
+  ``ptdstream.distributed.write_data_files``: one ``.ptd`` set written by every
+  rank of a ``torch.distributed`` group;
+* inside upstream's export: :func:`constants_by_reference`,
+  :func:`xnnpack_constants_by_reference`, :func:`stream_cuda_weights` (the CUDA
+  backend), :func:`file_blob` and :func:`delegate_blobs_from_files` (delegate
+  blobs kept in files), :class:`SourceBackedData`; ``ptdstream.hf.export``
+  (optimum-executorch, needs ``ptdstream[hf]``);
 * the embedding API: :class:`StreamingNamedDataStore`, sources,
-  :func:`plan_pte`, :func:`plan_ptd`, :class:`ChunkedFileSink`, :func:`write_plan`.
+  :func:`write_data_files`, :func:`plan_pte`, :func:`plan_ptd`,
+  :class:`ChunkedFileSink`, :func:`write_plan`.
 
-The package map is in docs/ARCHITECTURE.md.
+Everything else is reached through these; deeper modules are the
+implementation (the package map is in docs/ARCHITECTURE.md). Names load on
+first use, so ``import ptdstream`` imports neither torch nor executorch.
 """
 
 # First: in the ptdstream command, Ctrl-C from here on is one line and exit 130
@@ -25,8 +35,17 @@ _guard_startup()
 
 import importlib
 
-from .errors import FormatError, IntegrityError, LayoutError, PtdstreamError, StateError
-from .save import SaveReport, save
+from .errors import (
+    CheckpointMismatchError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    MissingKeyError,
+    OverwriteError,
+    PtdstreamError,
+    StateError,
+)
+from .save import SaveReport, save, write_data_files
 
 #: Public names loaded on first use (``import ptdstream`` stays fast): name -> module.
 _LAZY = {
@@ -35,11 +54,16 @@ _LAZY = {
     "FilePlan": "format.plan", "SavePlan": "format.plan", "plan_ptd": "format.ptd", "PteOptions": "format.pte",
     "plan_pte": "format.pte", "plan_manager": "manager", "StreamingNamedDataStore": "store",
     "ChunkedFileSink": "write.sink", "write_plan": "write.writer",
+    "recover": "write.journal", "RecoveryError": "write.journal",
+    "write_ptd": "weights", "WeightsReport": "weights",
+    "SourceBackedData": "hooks.interop", "file_blob": "hooks.blobs", "delegate_blobs_from_files": "hooks.blobs",
+    "xnnpack_constants_by_reference": "hooks.xnnpack", "stream_cuda_weights": "hooks.cuda.backend",
 }
 
 
-#: Submodules loaded on first use: ``ptdstream.weights.write_ptd(...)``, ``ptdstream.distributed``.
-_LAZY_MODULES = ("weights", "distributed")
+#: Public submodules loaded on first use: ``ptdstream.distributed``, ``ptdstream.weights``,
+#: ``ptdstream.hf``.
+_LAZY_MODULES = ("distributed", "hf", "weights")
 
 
 def __getattr__(name: str):
@@ -62,6 +86,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BufferRing",
     "ChunkedFileSink",
+    "CheckpointMismatchError",
     "FilePlan",
     "FileRangeSource",
     "Fingerprint",
@@ -69,24 +94,39 @@ __all__ = [
     "IntegrityError",
     "LayoutError",
     "MemorySource",
+    "MissingKeyError",
+    "OverwriteError",
     "PtdstreamError",
     "PteOptions",
+    "RecoveryError",
     "SavePlan",
     "SaveReport",
     "Source",
+    "SourceBackedData",
     "StateError",
     "StreamingNamedDataStore",
     "TensorSource",
+    "WeightsReport",
     "as_source",
     "constants_by_reference",
+    "delegate_blobs_from_files",
+    "distributed",
+    "file_blob",
+    "hf",
     "install",
     "installed",
     "plan_manager",
-    "plan_pte",
     "plan_ptd",
+    "plan_pte",
+    "recover",
     "save",
+    "stream_cuda_weights",
     "uninstall",
+    "weights",
+    "write_data_files",
     "write_plan",
+    "write_ptd",
+    "xnnpack_constants_by_reference",
 ]
 
 

@@ -6,6 +6,8 @@ digest pieces of that size. A piece is the unit of bounded memory: a save holds 
 few pieces (the ring), never a whole tensor.
 """
 
+__all__ = ["CHUNK_NBYTES", "WINDOW_NBYTES"]
+
 #: Bytes per piece (8 MiB).
 CHUNK_NBYTES = 8 << 20
 

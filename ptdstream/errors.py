@@ -11,6 +11,9 @@ with different data is a plain ``ValueError`` with upstream's exact text
 
 from __future__ import annotations
 
+__all__ = ["CheckpointMismatchError", "FormatError", "IntegrityError", "LayoutError",
+           "MissingKeyError", "OverwriteError", "PtdstreamError", "StateError"]
+
 
 class PtdstreamError(Exception):
     """Base class of every error raised by ptdstream."""

@@ -6,6 +6,8 @@ import contextlib
 from typing import Any
 from collections.abc import Callable
 
+__all__ = ["progress_callback"]
+
 
 def progress_callback(
     stack: contextlib.ExitStack, progress: Any, total_nbytes: int, desc: str

@@ -13,6 +13,8 @@ import dataclasses
 import enum
 from typing import Any, ClassVar
 
+__all__ = ["Report"]
+
 
 class Report:
     """Mixin for report dataclasses: ``summary()``, ``to_dict()``, ``to_json() -> str``."""

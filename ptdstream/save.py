@@ -98,8 +98,7 @@ def save(
         direct: write with O_DIRECT (no page cache; falls back to buffered
             writes where the file system refuses it). Default: buffered writes,
             each window sent to disk by a writeback thread and dropped from the
-            page cache once written, for every source (on an H200 also the
-            faster for CUDA sources: :func:`ptdstream.write.set_writer.write_save_plan`).
+            page cache once written, for every source (CUDA sources included).
         manifest: also write ``<stem>.manifest`` beside the .pte
             (:mod:`ptdstream.check.manifest`): piece digests, sections and key
             fingerprints of every file written, read back from disk once.

@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+__all__ = ["StageTimeline", "record_stages", "stage_timeline"]
+
 _current: StageTimeline | None = None
 
 
@@ -35,14 +37,6 @@ class StageTimeline:
             entry[0] += seconds
             entry[1] += nbytes
             entry[2] += 1
-
-    @contextlib.contextmanager
-    def timed(self, stage: str, nbytes: int = 0) -> Iterator[None]:
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(stage, time.perf_counter() - t, nbytes)
 
     def to_dict(self) -> dict:
         """``{"wall_seconds": s, "stages": {name: {"seconds", "nbytes", "calls", "GBps"}}}``."""

@@ -50,6 +50,8 @@ from .errors import CheckpointMismatchError
 from .reports import Report
 from .sources.checkpoint import Checkpoint, open_checkpoint
 
+__all__ = ["DEFAULT_TAG", "WeightsReport", "read_program_weights", "write_ptd"]
+
 #: The tag ``external_constants=True`` gives every constant (``external_constants_pass.py``).
 DEFAULT_TAG = "_default_external_constant"
 #: ``FlatTensorConfig.segment_alignment`` (``extension/flat_tensor/serialize/serialize.py``).
@@ -236,7 +238,7 @@ class WeightsReport(Report):
     are). A re-export would then also change the ``.pte``: the emitter's
     ``data_buffer_idx`` of those tensors. The runtime loads external tensors by
     FQN and does not read that index, so the program runs with the new ``.ptd``
-    all the same (``tests/test_weights.py``); only a byte comparison of the
+    all the same; only a byte comparison of the
     ``.pte`` with a re-export's would differ."""
 
     files: tuple

@@ -28,6 +28,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from .sources import BufferRing, FileRangeSource
 
+__all__ = ["XNNPACK_ALIGNMENT", "XNNPACK_ID", "delegates_all_xnnpack", "find_once", "match_keys",
+           "rewritten_program_plan"]
+
 XNNPACK_ID = "XnnpackBackend"
 #: ``backends/xnnpack/serialization/xnnpack_graph_serialize.py::CONSTANT_TENSOR_ALIGNMENT``.
 XNNPACK_ALIGNMENT = 16
@@ -146,7 +149,7 @@ def rewritten_program_plan(path: str, replacements: Dict[int, Tuple[str, str]], 
         position = offset + len(old_key)
     if position < nbytes:
         extents.append(Extent.payload(FileRangeSource(path, position, nbytes - position), "program"))
-    return FilePlan("pte", name, tuple(extents), nbytes, 0, (), (), 0)
+    return FilePlan("pte", name, tuple(extents), nbytes, 0, (), 0)
 
 
 def delegates_all_xnnpack(delegates: List[Tuple[str, str]]) -> Optional[bool]:

@@ -44,7 +44,7 @@ def _skip_reason(language: str, code: str) -> str:
 
         if not torch.cuda.is_available():
             return "needs a CUDA device"
-    if "ptdstream.hooks.optimum" in code and not _hf_installed():
+    if "ptdstream.hf" in code and not _hf_installed():
         return "needs the hf extra (tools/setup.sh --hf)"
     if "pip install" in code:
         return "installs packages"

@@ -1,12 +1,16 @@
 """The package's shape: imports point down the layers of docs/ARCHITECTURE.md, never
-up and never in a circle (function-level imports included), and nothing of
+up and never in a circle (function-level imports included); every module declares
+``__all__`` or is private, and the docs name only public paths; nothing of
 executorch stays patched after a read command returns."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import re
 import threading
+import types
 from typing import Dict, Set
 
 import pytest
@@ -26,7 +30,7 @@ LAYERS = {
     "manager": 4, "check": 4, "pack": 4,
     "save": 5, "weights": 5, "weights_xnnpack": 5, "distributed": 5,
     "hooks": 6,
-    "cli": 7, "demo": 7, "__main__": 7, "_entry": 7,
+    "cli": 7, "demo": 7, "hf": 7, "__main__": 7, "_entry": 7,
     "": 8,  # ptdstream/__init__.py: the public API re-exports every layer
 }
 
@@ -156,6 +160,133 @@ def test_the_layer_test_sees_function_level_and_relative_imports():
     assert "sources.cuda" in graph["sources"]  # a function-level relative import in as_source
     assert "format.verifier" in graph["format.pte_reader"]
     assert "save" in graph["hooks.install"]
+
+
+def _declared_all(path: pathlib.Path) -> list[str] | None:
+    """The module's top-level ``__all__`` list, or None when it declares none."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "__all__" and node.value is not None:
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def _bound_names(path: pathlib.Path) -> set[str]:
+    """Names bound at the module's top level (``if``/``try`` bodies included)."""
+    names: set[str] = set()
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                for part in (node.body, node.orelse, getattr(node, "finalbody", [])):
+                    visit(part)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return names
+
+
+def _private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split(".") if part)
+
+
+def test_every_module_declares_all_or_is_private():
+    """Generated flatc code (``*_fb/``) is left out by ``_modules``."""
+    missing = [f"ptdstream.{m}".rstrip(".") for m, path in sorted(_modules().items())
+               if not _private(m) and _declared_all(path) is None]
+    assert missing == []
+
+
+def test_every_name_in_every_all_is_bound():
+    """Checked on the source, so modules needing CUDA or the hf extra count too; the
+    package root, whose names load lazily, is checked by import below."""
+    modules = _modules()
+    unbound = []
+    for module, path in sorted(modules.items()):
+        names = _declared_all(path)
+        if not module or names is None:
+            continue
+        submodules = {m.rpartition(".")[2] for m in modules if m.rpartition(".")[0] == module}
+        unbound += [f"ptdstream.{module}.{n}" for n in names if n not in _bound_names(path) | submodules]
+    assert unbound == []
+
+
+def test_the_package_root_names_resolve():
+    missing = [name for name in ptdstream.__all__ if not hasattr(ptdstream, name)]
+    assert missing == []
+    assert len(set(ptdstream.__all__)) == len(ptdstream.__all__)
+
+
+ROOT = PACKAGE.parent
+_DOTTED = re.compile(r"(?<![\w/.])ptdstream(?:\.[A-Za-z_]\w*)+")
+_FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(ptdstream(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[\w \t,]+)", re.M)
+
+
+def _doc_files() -> list[pathlib.Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").rglob("*.py"))]
+
+
+def _named_paths() -> dict[str, list[str]]:
+    """Every ``ptdstream.X`` the docs name -> where (``file:line``); ``from ptdstream.X
+    import a, b`` names ``ptdstream.X.a`` and ``ptdstream.X.b``."""
+    found: dict[str, list[str]] = {}
+    for path in _doc_files():
+        text = path.read_text()
+        hits = [(m.start(), m.group(0)) for m in _DOTTED.finditer(text)]
+        for m in _FROM_IMPORT.finditer(text):
+            names = [n.split()[0] for n in m.group(2).strip("()").split(",") if n.strip()]
+            hits += [(m.start(), f"{m.group(1)}.{n}") for n in names]
+        for start, dotted in hits:
+            line = text.count("\n", 0, start) + 1
+            found.setdefault(dotted, []).append(f"{path.relative_to(ROOT)}:{line}")
+    return found
+
+
+def _unresolved(dotted: str) -> str | None:
+    """Why ``dotted`` is not a public path, or None: no segment private, each module
+    on the way lists the next name in its ``__all__``, and the name exists."""
+    obj: object = ptdstream
+    where = "ptdstream"
+    for part in dotted.split(".")[1:]:
+        if part.startswith("_"):
+            return f"{where}.{part} is private"
+        if isinstance(obj, types.ModuleType):
+            if part not in getattr(obj, "__all__", ()):
+                return f"{where}.__all__ does not list {part!r}"
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                obj = importlib.import_module(f"{where}.{part}")
+        elif hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            return f"{where} has no attribute {part!r}"
+        where = f"{where}.{part}"
+    return None
+
+
+def test_the_docs_name_only_public_paths():
+    paths = _named_paths()
+    assert "ptdstream.save" in paths  # the scan sees README's paths
+    bad = {dotted: (why, where) for dotted, where in sorted(paths.items()) if (why := _unresolved(dotted))}
+    assert bad == {}
+
+
+def test_the_path_check_refuses_private_unlisted_and_shadowed_paths():
+    assert _unresolved("ptdstream.distributed.write_data_files") is None
+    assert _unresolved("ptdstream.hf.export") is None
+    assert _unresolved("ptdstream.write.journal.recover") == "ptdstream.__all__ does not list 'write'"
+    assert _unresolved("ptdstream._entry.main") == "ptdstream._entry is private"
+    # ``ptdstream.save`` is the function, not the module of that name.
+    assert _unresolved("ptdstream.save.write_data_files") == "ptdstream.save has no attribute 'write_data_files'"
 
 
 def _upstream_state():

@@ -4,7 +4,7 @@ Python runtime (``executorch.runtime``, the portable library build) registers.
 Usage: python tools/gen_runtime_registry.py [OUT.py]   (imports torch and executorch)
 
 verify uses these by default, so that "exit 0" covers kernel and backend registration too;
-tests/check/test_runtime_rules.py compares the committed file with the installed runtime.
+a test compares the committed file with the installed runtime.
 """
 
 import importlib.metadata
@@ -23,6 +23,8 @@ def render() -> str:
         "What the Python runtime of executorch " + importlib.metadata.version("executorch")
         + " registers: operator names (``name.overload``)",
         'and the backends whose ``is_available()`` is true."""',
+        "",
+        '__all__ = ["BACKENDS", "OPERATORS"]',
         "",
         f"EXECUTORCH_VERSION = {importlib.metadata.version('executorch')!r}",
         "",

@@ -28,6 +28,8 @@ from ..reports import Report
 from ..sources import BufferRing, as_source
 from ..system.pagecache import drop_read
 
+__all__ = ["CompareReport", "compare_files", "cord_pieces", "verify_against_manager"]
+
 
 @dataclass(frozen=True)
 class CompareReport(Report):

@@ -23,6 +23,9 @@ from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from ..sources import BufferRing, FileRangeSource
 from ..sources.fingerprint import StreamingDigest
+
+__all__ = ["InspectReport", "alignment_of", "inspect_files"]
+
 _METADATA = {"flatbuffer", "extended header", "flat tensor header"}
 _PADDING = {"padding", "header padding"}
 

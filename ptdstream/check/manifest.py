@@ -34,6 +34,23 @@ from .manifest_narrow import (
     BLOCK_NBYTES, RangeDigester, bad_keys_of, differing_sections, key_ranges as manifest_key_ranges, locate,
 )
 
+__all__ = [
+    "IDENTIFIER",
+    "FileManifest",
+    "IntegrityManifest",
+    "SectionEntry",
+    "describe_file",
+    "from_bytes",
+    "manifest_path_for",
+    "manifest_sink",
+    "read_manifest",
+    "to_bytes",
+    "verify_files",
+    "verify_manifest",
+    "write_manifest",
+    "write_manifest_report",
+]
+
 #: File name suffix of a manifest.
 SUFFIX = ".manifest"
 

@@ -12,6 +12,16 @@ import flatbuffers
 
 from ..errors import FormatError
 
+__all__ = [
+    "ALGORITHM",
+    "IDENTIFIER",
+    "FileManifest",
+    "IntegrityManifest",
+    "SectionEntry",
+    "from_bytes",
+    "to_bytes",
+]
+
 ALGORITHM = "xxh3-128"
 IDENTIFIER = b"PSM1"
 

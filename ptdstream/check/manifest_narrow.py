@@ -22,6 +22,9 @@ import xxhash
 from ..errors import FormatError
 from ..format.reader import read_artifact
 
+__all__ = ["BLOCK_NBYTES", "RangeDigester", "bad_keys_of", "differing_sections", "key_ranges",
+           "locate"]
+
 BLOCK_NBYTES = 4096
 
 

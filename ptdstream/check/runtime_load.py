@@ -2,7 +2,7 @@
 
 :func:`runtime_load_checks` applies :mod:`ptdstream.check.runtime_rules` (program load)
 and :mod:`ptdstream.check.runtime_method` (each method's load) to files the reader
-(:func:`ptdstream.reader.read_artifact`) already parsed, and returns one result per
+(:func:`ptdstream.format.reader.read_artifact`) already parsed, and returns one result per
 stage: ``("runtime: program load", ok, detail)`` then ``("runtime: method 'name'", ok,
 detail)`` for each method. A failed detail names the rule's upstream function.
 """
@@ -14,6 +14,8 @@ from typing import AbstractSet, List, Optional, Sequence, Tuple
 from ..format.fb_roots import flat_tensor_root, program_root
 from .runtime_method import check_method
 from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program, default_planned_limit
+
+__all__ = ["runtime_load_checks"]
 
 
 def _read(path: str, nbytes: int) -> bytes:
@@ -27,7 +29,7 @@ def runtime_load_checks(pte_path: str, pte_art, ptds: Sequence[Tuple[str, object
     """Results of the runtime's program and method load rules.
 
     Args:
-        pte_path, pte_art: the .pte and its :class:`~ptdstream.reader.Artifact`.
+        pte_path, pte_art: the .pte and its :class:`~ptdstream.format.reader.Artifact`.
         ptds: (path, Artifact) of each .ptd given (kind "ptd" only).
         operators, backends: the runtime's registered operator names / backend ids, or
             None to leave registration unchecked (said in the detail).

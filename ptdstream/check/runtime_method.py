@@ -18,6 +18,8 @@ from .runtime_rules import (
     in_file, list_items, need, numbers, valid_type, tensor_nbytes,
 )
 
+__all__ = ["check_method"]
+
 _EXTERNAL = 1
 _DYNAMIC_UNBOUND = 2
 _INLINE, _SEGMENT = 0, 1

@@ -3,6 +3,8 @@
 What the Python runtime of executorch 1.5.1 registers: operator names (``name.overload``)
 and the backends whose ``is_available()`` is true."""
 
+__all__ = ["BACKENDS", "OPERATORS"]
+
 EXECUTORCH_VERSION = '1.5.1'
 
 OPERATORS = frozenset({

@@ -95,6 +95,25 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple
 from ..format.fb_roots import union_tensor
 from ..format.program_fb.KernelTypes import KernelTypes as KT
 
+__all__ = [
+    "HEAD_NBYTES",
+    "OPERATOR_NAME_LIMIT",
+    "TENSOR_DIMENSION_LIMIT",
+    "ProgramFile",
+    "PtdMap",
+    "RuleError",
+    "check_program",
+    "default_planned_limit",
+    "in_file",
+    "list_items",
+    "need",
+    "numbers",
+    "ptd_entry",
+    "ptd_key",
+    "tensor_nbytes",
+    "valid_type",
+]
+
 HEAD_NBYTES = 64
 #: ``Program::load`` of executorch 1.5.1 refuses a Program.version above this.
 MAX_PROGRAM_VERSION = 0

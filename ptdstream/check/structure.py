@@ -22,6 +22,8 @@ from ..reports import Report
 from . import runtime_registry
 from .runtime_load import runtime_load_checks
 
+__all__ = ["StructureReport", "check_structure"]
+
 
 @dataclass(frozen=True)
 class Check:

@@ -35,6 +35,8 @@ from ..format.verifier import FlatbufferError, verify_buffer
 from .xnnpack_graph import check_xnnpack_graph, tensor_nbytes
 from .runtime_rules import PtdMap, ProgramFile, RuleError, in_file, need, ptd_key
 
+__all__ = ["check_xnnpack_blob"]
+
 MIN_SIZE = 30
 MAX_EXTERNS = 4096
 XNN_TENSOR_VALUE, XNN_QUANTIZED_TENSOR_VALUE = 1, 2  # XValueUnion

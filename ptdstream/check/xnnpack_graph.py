@@ -34,6 +34,8 @@ from typing import Dict, Optional, Set, Tuple
 from ..format.fb_tables import SCHEMAS
 from .runtime_rules import default_planned_limit, need
 
+__all__ = ["check_xnnpack_graph", "tensor_nbytes"]
+
 INVALID_ID = 0xFFFFFFFF
 MAX_DIMS = 6  # XNN_MAX_TENSOR_DIMS
 EXTERNAL = 0x1 | 0x2

@@ -24,6 +24,8 @@ from . import (cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_r
 from .common import (EPILOG, EXIT_OK, EXIT_USAGE, EXPECTED_ERRORS, Parser, UsageError, exit_for, print_error,
                      quiet_third_party, silence_stdout, spool_stdin)
 
+__all__ = ["main"]
+
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS = (cmd_verify, cmd_inspect, cmd_manifest, cmd_pack, cmd_unpack, cmd_extract, cmd_weights, cmd_recover,
             cmd_demo)

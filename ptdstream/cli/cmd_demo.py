@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from .common import add_command
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     """Add ``demo`` to ``subparsers``."""

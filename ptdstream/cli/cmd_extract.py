@@ -6,6 +6,8 @@ import sys
 
 from .common import EXIT_OK, UsageError, add_command, binary_stdout, print_json, print_report
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     """Add ``extract`` to ``subparsers``."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from .common import EXIT_OK, add_command, print_report
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     """Add ``inspect`` to ``subparsers``."""

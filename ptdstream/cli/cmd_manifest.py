@@ -5,6 +5,8 @@ from __future__ import annotations
 from ..defaults import CHUNK_NBYTES
 from .common import EXIT_OK, UsageError, add_command, print_report
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     """Add ``manifest`` to ``subparsers``."""

@@ -6,6 +6,8 @@ from ..defaults import CHUNK_NBYTES
 from ..pack.compress import DEFAULT_LEVEL
 from .common import EXIT_OK, UsageError, add_command, binary_stdout, parse_nbytes, print_report, progress_wanted
 
+__all__ = ["output_path", "register", "run"]
+
 
 def register(subparsers) -> None:
     """Add ``pack`` to ``subparsers``."""

@@ -6,6 +6,8 @@ import os
 
 from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_json
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     """Add ``recover`` to ``subparsers``."""

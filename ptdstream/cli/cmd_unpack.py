@@ -7,6 +7,8 @@ import sys
 from .cmd_pack import output_path
 from .common import EXIT_OK, UsageError, add_command, binary_stdout, print_report, progress_wanted
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     """Add ``unpack`` to ``subparsers``."""

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_report, progress_wanted
 
+__all__ = ["register", "run"]
+
 if TYPE_CHECKING:  # imported in _check, by the check it runs
     from ..check.compare import CompareReport
     from ..check.manifest import ManifestReport

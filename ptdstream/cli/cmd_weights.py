@@ -6,6 +6,8 @@ import argparse
 
 from .common import EXIT_OK, add_command, print_report, progress_wanted
 
+__all__ = ["register", "run"]
+
 
 def _mapping(text: str):
     old, sep, new = text.partition("=")

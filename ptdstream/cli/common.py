@@ -15,6 +15,11 @@ from collections.abc import Callable, Sequence
 
 from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, OverwriteError, PtdstreamError
 
+__all__ = ["EPILOG", "EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "EXPECTED_ERRORS", "Parser",
+           "UsageError", "add_command", "binary_stdout", "exit_for", "parse_nbytes", "print_error",
+           "print_json", "print_report", "progress_wanted", "quiet_third_party", "silence_stdout",
+           "spool_stdin"]
+
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\

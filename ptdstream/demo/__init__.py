@@ -4,6 +4,8 @@ of the library's core: nothing else in ptdstream imports it."""
 
 import argparse
 
+__all__ = ["DATA_TAG", "METHODS", "add_arguments"]
+
 #: The data file's tag: every weight goes to ``<out>/model.ptd``.
 DATA_TAG = "model"
 #: The exported methods: (name, tokens per call).

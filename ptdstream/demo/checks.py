@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from . import METHODS
 
+__all__ = ["ATOL", "RuntimeCheck", "TiedEmbedding", "check_runtime", "find_tied_embedding"]
+
 ATOL = 1e-4
 RTOL = 1e-4
 

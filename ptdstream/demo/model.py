@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+__all__ = ["TinyLMConfig", "build_tiny_lm"]
+
 
 @dataclass(frozen=True)
 class TinyLMConfig:

@@ -6,6 +6,8 @@ import os
 import sys
 import threading
 
+__all__ = ["PeakRssSampler"]
+
 
 class PeakRssSampler:
     """Context manager: the peak resident set size added while it is entered.

@@ -47,6 +47,9 @@ from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_
 from . import DATA_TAG, METHODS
 from .rss import PeakRssSampler
 
+__all__ = ["ATOL", "PeakRssSampler", "RuntimeCheck", "Stages", "TiedEmbedding", "backend_config",
+           "build_demo", "export_programs", "format_summary", "lower", "main", "run_demo"]
+
 if TYPE_CHECKING:  # imported where they are used: torch and the writer load only when the demo runs
     from ..check.compare import CompareReport
     from ..save import SaveReport

@@ -28,6 +28,8 @@ from typing import Iterable, Tuple
 
 from ..sources.fingerprint import Fingerprint
 
+__all__ = ["combine", "digest_piece"]
+
 P = (1 << 61) - 1
 K = 3
 ALGO = "poly61x3"

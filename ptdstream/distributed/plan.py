@@ -13,6 +13,8 @@ from ..errors import LayoutError
 from ..sources import BufferRing, Source
 from ..sources.fingerprint import Fingerprint
 
+__all__ = ["PREFIX_NBYTES", "PieceInfo", "collate", "dedup_candidates", "plan_files", "wire_plan"]
+
 PREFIX_NBYTES = 32
 
 

@@ -9,3 +9,5 @@ code) and ``fb_tables.py`` are generated from executorch's installed schemas by
 ``tools/gen_format_schema.sh``; ``verifier`` checks a buffer the way the runtime's
 C++ ``flatbuffers::Verifier`` does before ``fb_roots`` hands it to the flatc code.
 """
+
+__all__: list[str] = []

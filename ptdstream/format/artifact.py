@@ -16,6 +16,9 @@ from typing import Any
 from ..errors import FormatError
 from .identity import HEADER_OFFSET, ExtendedHeader, FlatTensorHeader
 
+__all__ = ["Artifact", "ExternalTensor", "NamedEntry", "ReadAt", "Section", "Segment",
+           "TensorMeta", "check_index", "fail", "label", "segments_of", "subsegments"]
+
 #: ``read_at(offset, nbytes) -> bytes``: random access to a file being read.
 ReadAt = Callable[[int, int], bytes]
 
@@ -129,10 +132,6 @@ class Artifact:
 
 def fail(name: str, offset: int, what: str) -> FormatError:
     return FormatError(f"{name}: at offset {offset}: {what}")
-
-
-def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
 
 
 def check_index(name: str, base: int, spans: Sequence[tuple[int, int]], index: int, what: str) -> None:

@@ -15,6 +15,8 @@ from .program_fb.Program import Program
 from .program_fb.Tensor import Tensor
 from .verifier import verify_buffer
 
+__all__ = ["flat_tensor_root", "program_root", "text", "union_tensor"]
+
 Buffer = bytes | bytearray | memoryview
 
 

@@ -11,6 +11,8 @@ element are reflection.fbs BaseType values (1 UType, 2 Bool, 3 Byte, 4 UByte, 5 
 unions[union] = {type value: table}.
 """
 
+__all__ = ["SCHEMAS"]
+
 SCHEMAS = {
     'flat_tensor': {
         'file_identifier': 'FT01',

@@ -19,6 +19,20 @@ import struct
 from dataclasses import dataclass
 from typing import ClassVar
 
+__all__ = [
+    "FLAT_TENSOR_VERSION",
+    "HEADER_OFFSET",
+    "HEAD_NBYTES",
+    "MAX_SUPPORTED_FLAT_TENSOR_VERSION",
+    "PTD_IDENTIFIER_PREFIX",
+    "PTE_IDENTIFIER_PREFIX",
+    "ExtendedHeader",
+    "FlatTensorHeader",
+    "expected_identifier",
+    "kind_of",
+    "u32",
+]
+
 #: Offset of an inserted header: after the flatbuffer's root offset (u32) and its
 #: 4-byte file identifier.
 HEADER_OFFSET = 8

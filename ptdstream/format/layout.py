@@ -32,6 +32,9 @@ from .identity import (
     u32,
 )
 
+__all__ = ["Placement", "SegmentSpec", "aligned_size", "check_alignment", "pack_subsegments",
+           "padding_required", "place_segments", "ptd_head", "pte_head"]
+
 
 def padding_required(offset: int, alignment: int) -> int:
     """Zero bytes needed after ``offset`` (bytes) to reach a multiple of ``alignment``."""

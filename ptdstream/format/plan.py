@@ -13,11 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..sources.base import Source
 from ..sources.fingerprint import PREFIX_NBYTES, Fingerprint
 from .layout import Placement, SegmentSpec, place_segments
+
+__all__ = ["DataEntry", "Extent", "ExtentKind", "FilePlan", "FileRole", "PlannedFile", "SavePlan",
+           "SegmentPlan", "assemble", "named_segments", "place"]
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,6 @@ class FilePlan:
         nbytes: the file's size in bytes.
         segment_base_offset: file offset of segment 0 (0 when there is no segment data).
         placements: each segment's offset (relative to the base) and size.
-        segment_labels: what each segment holds ("constant segment", "named data", ...).
         flatbuffer_nbytes: the metadata flatbuffer's size in bytes, header excluded.
     """
 
@@ -129,7 +131,6 @@ class FilePlan:
     nbytes: int
     segment_base_offset: int
     placements: tuple[Placement, ...]
-    segment_labels: tuple[str, ...]
     flatbuffer_nbytes: int
 
     def payload_nbytes(self) -> int:
@@ -179,17 +180,8 @@ def assemble(
         nbytes=total,
         segment_base_offset=segment_base_offset,
         placements=tuple(placements),
-        segment_labels=tuple(s.label for s in segments),
         flatbuffer_nbytes=flatbuffer_nbytes,
     )
-
-
-def iter_sources(plans: Iterable[FilePlan]) -> Iterator[tuple[FilePlan, Extent]]:
-    """Every payload extent of ``plans``, in write order."""
-    for plan in plans:
-        for e in plan.extents:
-            if e.kind is ExtentKind.SOURCE:
-                yield plan, e
 
 
 def named_segments(

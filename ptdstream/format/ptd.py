@@ -21,6 +21,8 @@ from .identity import FLAT_TENSOR_VERSION
 from .layout import ptd_head
 from .plan import DataEntry, FilePlan, FileRole, PlannedFile, SegmentPlan, assemble, named_segments, place
 
+__all__ = ["check_ptd_file_names", "plan_data_files", "ptd_file_name"]
+
 _INT32_MAX = (1 << 31) - 1
 
 

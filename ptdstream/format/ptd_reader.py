@@ -15,6 +15,8 @@ from .fb_roots import flat_tensor_root, text
 from .identity import FlatTensorHeader
 from .verifier import FlatbufferError
 
+__all__ = ["parse_ptd"]
+
 
 def parse_ptd(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
     header = FlatTensorHeader.from_bytes(head[8 : 8 + FlatTensorHeader.LENGTH])

@@ -26,6 +26,8 @@ from ..sources.fingerprint import CandidateKey, candidate_key
 from .layout import pack_subsegments, padding_required, pte_head
 from .plan import DataEntry, Extent, FilePlan, SegmentPlan, assemble, named_segments, place
 
+__all__ = ["PteOptions", "plan_pte"]
+
 #: ``exir/tensor.py::ALIGNMENT``: the default constant tensor alignment.
 DEFAULT_TENSOR_ALIGNMENT = 16
 

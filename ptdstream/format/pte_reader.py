@@ -28,6 +28,8 @@ from .fb_roots import program_root, text, union_tensor
 from .identity import HEADER_OFFSET, ExtendedHeader
 from .verifier import FlatbufferError
 
+__all__ = ["parse_pte"]
+
 _SEGMENT_LOCATION = 1  # schema.DataLocation.SEGMENT
 _EXTERNAL_LOCATION = 1  # schema.TensorDataLocation.EXTERNAL
 _TENSOR_TYPE = 5  # schema.KernelTypes.Tensor

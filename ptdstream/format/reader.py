@@ -21,7 +21,7 @@ from .identity import HEAD_NBYTES, kind_of
 from .ptd_reader import parse_ptd
 from .pte_reader import parse_pte
 
-__all__ = ["Artifact", "HEAD_NBYTES", "parse_artifact", "read_artifact"]
+__all__ = ["HEAD_NBYTES", "Artifact", "parse_artifact", "read_artifact"]
 
 
 def read_artifact(path: str) -> Artifact:

@@ -53,6 +53,8 @@ from typing import Any
 from ..errors import FormatError
 from .fb_tables import SCHEMAS
 
+__all__ = ["FlatbufferError", "verify_buffer"]
+
 MAX_DEPTH = 64
 MAX_TABLES = 1_000_000
 MAX_SIZE = (1 << 31) - 1

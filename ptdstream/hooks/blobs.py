@@ -19,7 +19,7 @@ One check refuses it: torch's export verifier
 ``LoweredBackendModule`` only when ``isinstance(processed_bytes, bytes)``.
 Inside :func:`delegate_blobs_from_files`, that module's global name ``bytes``
 is shadowed by a type whose ``isinstance`` also accepts a :class:`FileBlob`
-(the only use of ``bytes`` there, pinned by ``tests/test_upstream.py``). The
+(its only use of ``bytes``; the module is registered in :mod:`ptdstream.upstream.names`). The
 emitter's ``hashlib.sha256(processed_bytes)`` is answered from the blob's
 SHA-256 (given to :func:`file_blob`, or read from the file once), so the
 mapping is not read at all on the way to the save. The smallest upstream
@@ -40,6 +40,8 @@ from typing import Iterator, Optional, Union
 from ..upstream import adapter
 from .interop import EMITTER_HASHLIB, ByReference, FileBackedData
 from ..upstream.patching import shadowed
+
+__all__ = ["FileBlob", "delegate_blobs_from_files", "file_blob"]
 
 
 class FileBlob(ByReference, FileBackedData):

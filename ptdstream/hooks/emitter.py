@@ -24,9 +24,8 @@ globals), and ``_Emitter._tensor_spec_to_evalue`` is wrapped to know which spec
 it is emitting; only a call whose argument is exactly that spec's CPU storage
 is answered with a reference, and only in a context (thread or asyncio task)
 that entered :func:`constants_by_reference`. No upstream code is copied. The
-names are registered in :mod:`ptdstream.upstream.names` and checked by
-``tests/executorch/test_upstream.py``; the patches are scoped
-(:mod:`ptdstream.upstream.patching`).
+names are registered in :mod:`ptdstream.upstream.names` (checked against each
+release); the patches are scoped (:mod:`ptdstream.upstream.patching`).
 
 A storage mapped from a file (``torch.load(mmap=True)``, safetensors) is read
 piece by piece into a ring and each piece's pages are paged out of the process
@@ -53,6 +52,8 @@ from ..system.pagecache import file_mapping
 from ..upstream import adapter
 from .interop import EMITTER_HASHLIB, ByReference, SourceBackedData
 from ..upstream.patching import shadowed
+
+__all__ = ["StorageReference", "constants_by_reference", "reference"]
 
 # Contexts entered by the current thread or task (ids), and those still open anywhere:
 # a context exited from another thread is closed for the one that entered it too.

@@ -29,6 +29,9 @@ from ..write.writer import write_plan
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
 
+__all__ = ["install", "installed", "record_backend_configs", "stop_recording_backend_configs",
+           "uninstall"]
+
 _installed = Scope()
 _recording = Scope()
 

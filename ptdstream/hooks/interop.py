@@ -18,6 +18,8 @@ from ..defaults import CHUNK_NBYTES
 from ..sources import BufferRing, Source, as_source
 from ..upstream import adapter
 
+__all__ = ["EMITTER_HASHLIB", "ByReference", "FileBackedData", "SourceBackedData"]
+
 FileBackedData = adapter.file_backed_data_type()
 
 

@@ -35,6 +35,8 @@ from .emitter import constants_by_reference
 from .install import installed
 from .xnnpack import xnnpack_constants_by_reference
 
+__all__ = ["export", "main", "saving_with_ptdstream"]
+
 
 @contextlib.contextmanager
 def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:

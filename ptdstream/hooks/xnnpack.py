@@ -13,7 +13,7 @@ Inside :func:`xnnpack_constants_by_reference`, a ``bytes(array)`` call of that
 module whose ``array`` is exactly the storage of the parameter
 ``get_param_tensor`` just returned (the weight went through unchanged: already
 contiguous, already the dtype XNNPACK keeps) returns a
-:class:`~ptdstream.constants.StorageReference` instead; the module's
+:class:`~ptdstream.hooks.emitter.StorageReference` instead; the module's
 ``hashlib.sha256`` of it streams the storage (the same digest, so the same
 key), and the ``NamedDataStore`` takes it as it takes a file
 (``FileBackedData``). A converted weight (quantized, packed, permuted, cast)
@@ -27,8 +27,7 @@ upstream's writers write the same bytes as without the context. The module's
 global names ``bytes``, ``hashlib`` and ``get_param_tensor`` are shadowed while
 a context is active (through :func:`ptdstream.upstream.patching.shadowed`);
 only the thread or task that entered a context gets references. The names are
-registered in :mod:`ptdstream.upstream.names` and checked by
-``tests/hooks/test_xnnpack.py``.
+registered in :mod:`ptdstream.upstream.names` (checked against each release).
 """
 
 from __future__ import annotations
@@ -46,6 +45,8 @@ from ..upstream import adapter
 from .emitter import reference
 from .interop import EMITTER_HASHLIB
 from ..upstream.patching import shadowed
+
+__all__ = ["xnnpack_constants_by_reference"]
 
 _entered: contextvars.ContextVar = contextvars.ContextVar("ptdstream_xnnpack_by_reference", default=())
 _open: set = set()

@@ -26,6 +26,8 @@ from ..sources import Source, as_source
 from ..sources.fingerprint import Fingerprint, seal
 from ..store import StreamingNamedDataStore
 
+__all__ = ["data_files", "plan_program"]
+
 
 @dataclass(frozen=True)
 class DataFiles:

@@ -29,6 +29,8 @@ from ..format.layout import pack_subsegments
 from ..format.pte import PteOptions
 from .files import plan_program
 
+__all__ = ["resolve_options"]
+
 _POWERS = [1 << i for i in range(0, 15)]
 
 

@@ -39,6 +39,8 @@ from ..system.files import pread_exact
 from ..write.stream_sink import open_sink, target_name
 from .seek_table import EMPTY_CHECKSUM, MAX_FRAME_NBYTES, MAX_FRAMES, ContentFrame, encode_seek_table, frame_checksum
 
+__all__ = ["DEFAULT_LEVEL", "PackReport", "artifact_head", "pack", "plan_frames", "rate_mbps"]
+
 #: Default zstd level, the ``zstd`` command's default.
 DEFAULT_LEVEL = 3
 _local = threading.local()

@@ -20,6 +20,8 @@ from .compress import rate_mbps
 from .seek_table import MAX_FRAME_NBYTES
 from .seekable import SeekableReader
 
+__all__ = ["UnpackReport", "unpack"]
+
 
 @dataclass(frozen=True)
 class UnpackReport(Report):

@@ -17,6 +17,8 @@ from ..write.sink import ChunkedFileSink
 from .seek_table import MAX_FRAME_NBYTES
 from .seekable import SeekableReader
 
+__all__ = ["ExtractReport", "PackedArtifact"]
+
 
 @dataclass(frozen=True)
 class ExtractReport(Report):

@@ -28,6 +28,20 @@ import xxhash
 
 from ..errors import FormatError
 
+__all__ = [
+    "EMPTY_CHECKSUM",
+    "MAX_FRAMES",
+    "MAX_FRAME_NBYTES",
+    "SKIPPABLE_HEADER_NBYTES",
+    "SKIPPABLE_MAGIC_BASE",
+    "ContentFrame",
+    "FrameEntry",
+    "encode_seek_table",
+    "frame_checksum",
+    "read_seek_table",
+    "zstd_frame_extent",
+]
+
 SEEK_TABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
 ZSTD_MAGIC = 0xFD2FB528

@@ -32,6 +32,8 @@ from .seek_table import (
     zstd_frame_extent,
 )
 
+__all__ = ["SeekableReader"]
+
 
 class SeekableReader:
     """Random access to the content of a seekable zstd file, frame by frame.

@@ -21,6 +21,8 @@ from typing import Iterator, List, Optional
 from ..defaults import CHUNK_NBYTES
 from ..errors import LayoutError
 
+__all__ = ["BufferRing", "Source"]
+
 
 class BufferRing:
     """``count`` reusable host buffers of ``chunk_nbytes`` bytes each.

@@ -37,6 +37,8 @@ from .base import BufferRing, Source
 from .fingerprint import Fingerprint, StreamingDigest
 from .tensor import TensorSource
 
+__all__ = ["Checkpoint", "DcpTensorSource", "open_checkpoint"]
+
 #: The file Hugging Face writes beside the shards of a sharded safetensors checkpoint.
 HF_INDEX_NAME = "model.safetensors.index.json"
 #: The metadata file of a DCP directory (``torch.distributed.checkpoint.filesystem._metadata_fn``).

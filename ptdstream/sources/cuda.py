@@ -23,6 +23,8 @@ from ..timeline import stage_timeline
 from .base import BufferRing, Source
 from .tensor import check_storage
 
+__all__ = ["CudaTensorSource", "PinnedRing"]
+
 _RINGS: Dict[Tuple[int, int, int], "PinnedRing"] = {}
 _RINGS_LOCK = threading.Lock()
 
@@ -90,7 +92,7 @@ class CudaTensorSource(Source):
         self._gpu_fingerprint = None
 
     def gpu_fingerprint(self):
-        """This tensor's :func:`~ptdstream.cuda_fingerprint.gpu_fingerprint` (cached)."""
+        """This tensor's :func:`~ptdstream.sources.cuda_fingerprint.gpu_fingerprint` (cached)."""
         if self._gpu_fingerprint is None:
             from .cuda_fingerprint import gpu_fingerprint
 

@@ -10,7 +10,7 @@ from ..system.files import pread_exact
 from ..system.pagecache import READAHEAD_NBYTES, drop_pages, drop_read
 from .base import BufferRing, Source
 
-
+__all__ = ["FileRangeSource", "pread_pieces"]
 
 
 class FileRangeSource(Source):

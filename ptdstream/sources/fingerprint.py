@@ -4,7 +4,7 @@ Dedup follows upstream's two levels (``exir/_serialize/_named_data_store.py``):
 a cheap candidate key, ``(nbytes, first 32 bytes)``, rejects almost every
 non-duplicate without reading the payload; only buffers whose candidate keys
 collide are digested. Upstream confirms with SHA-256; ptdstream uses xxh3-128,
-about 10x faster per core. For a fixed pair of distinct inputs the probability
+which costs far less CPU per byte. For a fixed pair of distinct inputs the probability
 that their xxh3-128 digests collide is about 2^-128, so the equality classes
 are upstream's except with that probability.
 """
@@ -18,6 +18,17 @@ import xxhash
 
 from ..errors import IntegrityError
 from .base import BufferRing, Source
+
+__all__ = [
+    "PREFIX_NBYTES",
+    "CandidateKey",
+    "Fingerprint",
+    "StreamingDigest",
+    "candidate_key",
+    "check_expected",
+    "fingerprint",
+    "seal",
+]
 
 #: Bytes of the prefix in the candidate key (upstream uses 32).
 PREFIX_NBYTES = 32
@@ -76,7 +87,7 @@ def seal(source: Source) -> Source:
     A ``bytearray``, a ``memoryview`` of a mutable buffer or a CPU tensor may be
     written to by the caller while the save runs; upstream copies it at hand-over,
     ptdstream reads it in place. Its xxh3-128 digest is taken now (one pass over
-    RAM, 10-20 GB/s per core) into ``source.expected_fingerprint``, and the
+    its bytes, on the calling thread) into ``source.expected_fingerprint``, and the
     writer, which digests each piece after writing it, refuses the source when
     the two differ (:func:`check_expected`): nothing torn is published.
     ``bytes`` (immutable), file sources (checked by identity and change time),

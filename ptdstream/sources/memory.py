@@ -7,6 +7,8 @@ from typing import Iterator
 from ..errors import IntegrityError, LayoutError
 from .base import BufferRing, Source
 
+__all__ = ["MemorySource"]
+
 
 class MemorySource(Source):
     """Bytes, bytearray or any C-contiguous buffer, read in place (no copy).

@@ -7,6 +7,8 @@ from typing import Iterator
 from ..errors import IntegrityError, LayoutError
 from .base import BufferRing, Source
 
+__all__ = ["TensorSource", "check_storage"]
+
 
 def check_storage(tensor, start_nbytes: int, nbytes: int, what: str) -> None:
     """Refuse a tensor whose storage no longer holds ``[start_nbytes, start_nbytes +

@@ -7,6 +7,9 @@ import os
 import stat
 from collections.abc import Iterable
 
+__all__ = ["case_insensitive", "check_regular_inputs", "pread_exact", "pwrite_all",
+           "refuse_overwrite", "same_file"]
+
 
 def pread_exact(fd: int, view: memoryview, offset: int) -> int:
     """Fill ``view`` from ``fd`` at file ``offset`` (bytes), looping on short reads.

@@ -14,6 +14,8 @@ import os
 import threading
 from collections.abc import Callable
 
+__all__ = ["fsync", "fsync_dir", "link", "replace", "set_hook", "unlink"]
+
 #: ``hook(op, path)`` called before each operation; ``op`` is ``"rename"``,
 #: ``"link"``, ``"unlink"``, ``"fsync"`` or ``"fsync_dir"``; ``path`` the path the
 #: operation changes (the destination of a rename or link).

@@ -8,6 +8,18 @@ import mmap
 import os
 from typing import NamedTuple
 
+__all__ = [
+    "FOLIO_NBYTES",
+    "READAHEAD_NBYTES",
+    "FileMapping",
+    "drop_pages",
+    "drop_read",
+    "file_mapping",
+    "page_out",
+    "resident_nbytes",
+    "will_need",
+]
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+__all__ = ["FdThread"]
+
 
 class FdThread:
     """A daemon thread running ``target()`` that may write to (or advise on) a file

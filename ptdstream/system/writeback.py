@@ -9,10 +9,8 @@ are cached while writing (11 x 64 MiB by default; :class:`WritebackWindows`
 gives the exact bound).
 
 Why a thread: ``SYNC_FILE_RANGE_WRITE`` blocks while the disk's queue is full.
-Called from the writer, it put the writer's copies into the page cache and the
-disk's work end to end: on an H200 host at 32 GiB, 0.86-0.94x a raw write +
-fsync whatever the depth (4, 8 or 16 windows; ``benchmarks/bench_cuda.py
---sweep``), with 10 s of the 22 s spent copying and 12 s waiting.
+Called from the writer, it would put the writer's copies into the page cache and
+the disk's work end to end instead of side by side, whatever the depth.
 
 Used by :class:`ptdstream.write.sink.ChunkedFileSink` (one writer, front to back)
 and by :mod:`ptdstream.distributed.writer` (each rank's ``pwrite`` ranges in one
@@ -34,6 +32,8 @@ from ..defaults import WINDOW_NBYTES
 from ..timeline import stage_timeline
 from .pagecache import drop_read
 from .threads import FdThread
+
+__all__ = ["DEFAULT_INFLIGHT_WINDOWS", "WritebackWindows"]
 
 #: Windows under writeback at once (see the module docstring).
 DEFAULT_INFLIGHT_WINDOWS = 8

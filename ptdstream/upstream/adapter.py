@@ -16,7 +16,37 @@ from collections.abc import Sequence
 
 from .names import CHECKED_VERSIONS, resolve
 
-__all__ = ["CHECKED_VERSIONS", "ManagerParts"]
+__all__ = [
+    "CHECKED_VERSIONS",
+    "CUDA_COLLECTOR_PATCHED",
+    "FILE_BACKED_FIELDS",
+    "RECORDED_CONFIG_ATTR",
+    "ManagerParts",
+    "backend_config_argument",
+    "cached_sha256",
+    "cord_items",
+    "cuda_weight_collector",
+    "emitter_class",
+    "emitter_module",
+    "export_verifier_module",
+    "external_tensor_layouts",
+    "file_backed_data_type",
+    "file_backed_path",
+    "flat_tensor_to_flatbuffer",
+    "flatbuffer_to_program",
+    "init_file_backed",
+    "int_mm",
+    "manager_class",
+    "manager_parts",
+    "preload_serializer",
+    "program_to_flatbuffer",
+    "recorded_backend_config",
+    "reference_cords",
+    "set_cached_sha256",
+    "tensor_spec_fqn",
+    "tensor_spec_storage",
+    "xnnpack_node_visitor_module",
+]
 
 _CORD = "executorch.exir._serialize._cord"
 _FB = "executorch.exir._serialize._flatbuffer_program"

@@ -1,12 +1,12 @@
 """The registry of every private executorch and torch name ptdstream relies on.
 
 Checked against executorch 1.5.1 (:data:`CHECKED_VERSIONS`). Code outside
-:mod:`ptdstream.executorch` reaches none of these names: it calls the accessors
+:mod:`ptdstream.upstream` reaches none of these names: it calls the accessors
 of :mod:`ptdstream.upstream.adapter`, which resolve them through
-:func:`resolve` (an unregistered name raises ``KeyError``). ``tests/executorch/
-test_upstream.py`` imports every entry of :data:`NAMES`, checks every
-:data:`FIELDS` entry on real objects and fails loudly, naming it, when a release
-renames or removes one. Supporting a newer executorch release starts here.
+:func:`resolve` (an unregistered name raises ``KeyError``). Every entry of
+:data:`NAMES` must import and every :data:`FIELDS` entry must exist on real
+objects of each checked release; one a release renames or removes fails by
+name. Supporting a newer executorch release starts here.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from typing import Any
+
+__all__ = ["CHECKED_VERSIONS", "FIELDS", "NAMES", "resolve"]
 
 #: executorch releases the names below were checked against.
 CHECKED_VERSIONS = ("1.5.1",)

@@ -14,6 +14,8 @@ import threading
 from typing import Any
 from collections.abc import Iterator
 
+__all__ = ["Scope", "is_shadowed", "shadowed"]
+
 _lock = threading.Lock()
 _shadows: dict[tuple[int, str], list] = {}  # (id(owner), name) -> [count, had_own, original]
 

@@ -25,6 +25,8 @@ import threading
 from .names import resolve
 from .patching import shadowed
 
+__all__ = ["parse_program"]
+
 _FB = "executorch.exir._serialize._flatbuffer_program"
 _parse_lock = threading.Lock()
 

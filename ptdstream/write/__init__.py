@@ -5,3 +5,5 @@
 -> ``publish`` (a set of synced temp files, all or none) -> ``set_writer`` (a
 whole ``SavePlan``).
 """
+
+__all__: list[str] = []

@@ -1,12 +1,12 @@
 """O_DIRECT writes from page-aligned staging blocks, several in flight at once.
 
-:class:`~ptdstream.sink.ChunkedFileSink` with ``direct=True`` gathers the bytes
+:class:`~ptdstream.write.sink.ChunkedFileSink` with ``direct=True`` gathers the bytes
 it is given into ``DIRECT_BLOCK_NBYTES`` (8 MiB) anonymous-mmap blocks (page
 aligned, as O_DIRECT needs) and hands each full block to one of ``depth`` I/O
 threads, which ``pwrite`` it at its own offset (``os.pwrite`` releases the GIL).
 So the staging copy of the next block overlaps the writes of the previous ones,
 and the disk sees ``depth`` requests at once instead of one (one synchronous
-8 MiB write at a time left the disk idle between writes: issue 12).
+write at a time leaves the disk idle between writes).
 
 Host memory: ``(depth + 1) * block_nbytes`` bytes (32 MiB by default).
 """
@@ -22,6 +22,8 @@ from typing import Callable, List, Optional
 
 from ..system.threads import FdThread
 from ..timeline import stage_timeline
+
+__all__ = ["DEFAULT_DIRECT_DEPTH", "DirectBlockWriter"]
 
 #: O_DIRECT writes in flight (I/O threads).
 DEFAULT_DIRECT_DEPTH = 3

@@ -13,6 +13,8 @@ from typing import List
 from .sink import ChunkedFileSink
 from . import journal, tempfiles
 
+__all__ = ["folder_locks", "publish_set", "remove_stale_temp_files"]
+
 #: Exclusive ``flock`` on each folder while a set is published (sorted, no lock file).
 folder_locks = tempfiles.folder_lock
 

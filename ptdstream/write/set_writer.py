@@ -20,6 +20,8 @@ from .publish import folder_locks, publish_set
 from .sink import ChunkedFileSink
 from .writer import write_plan
 
+__all__ = ["FileReport", "write_save_plan"]
+
 
 @dataclass(frozen=True)
 class FileReport:
@@ -58,11 +60,7 @@ def write_save_plan(
         sink_factory: makes the sink of a target path (tests inject faults).
         direct: O_DIRECT writes instead of buffered writes with windowed
             writeback (:mod:`ptdstream.system.writeback`). Buffered is the
-            default for every source: on an H200 with CUDA sources it was
-            faster in every same-run comparison since writeback moved to its
-            own thread (``benchmarks/bench_cuda.py --sizes-gib 16 --alternate 4``:
-            median 7.54 s buffered, 8.93 s O_DIRECT, 11.29 s raw write + fsync;
-            2 GiB, 10 methods: 1.24 against 1.72 s).
+            default for every source, CUDA sources included.
         extra_files: called with the synced sinks before publishing; returns more
             synced sinks (a manifest of the set, read back from the temp files)
             that are published in the same set, after the plan's files (it must

@@ -44,6 +44,8 @@ from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
 from . import tempfiles
 from .journal import RecoveryError, clean_folder
 
+__all__ = ["ChunkedFileSink", "Sink", "SinkState", "write_zeros"]
+
 #: O_DIRECT: bytes per write from the staging block, and the alignment of the
 #: last (padded, then truncated) block.
 DIRECT_BLOCK_NBYTES = CHUNK_NBYTES

@@ -6,6 +6,8 @@ import io
 
 from .sink import write_zeros
 
+__all__ = ["StreamSink", "open_sink", "target_name"]
+
 
 class StreamSink:
     """Write to a caller's open binary file object, as upstream's ``Cord.write_to_file`` does.

@@ -28,10 +28,12 @@ from typing import Iterator, List, Optional, Tuple
 
 from ..system import fsops
 
+__all__ = ["create_locked", "folder_lock", "parse_name", "remove_if_unlocked", "stale_temp_files",
+           "stem", "temp_files_in", "temp_name_for"]
+
 #: Longest file-name stem kept in temp names; longer names are cut and hashed so
 #: that ``.<stem>.ptdstream-<pid>-<hex>.<suffix>`` stays under NAME_MAX (255 bytes).
 STEM_MAX = 160
-SUFFIXES = ("tmp", "bak", "journal")
 #: Any character of a name, newline included (DOTALL), a pid of ASCII digits only.
 _NAME_RE = re.compile(
     r"\.(?P<stem>.+)\.ptdstream-(?P<pid>[0-9]+)-[0-9a-f]{8}\.(?P<suffix>tmp|bak|journal)", re.DOTALL

@@ -22,6 +22,8 @@ from ..system.threads import FdThread
 from ..timeline import stage_timeline
 from .sink import Sink
 
+__all__ = ["write_plan"]
+
 #: ``progress(nbytes)`` is called after each piece with the bytes just written.
 ProgressFn = Callable[[int], None]
 

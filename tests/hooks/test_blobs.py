@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import ptdstream
-from ptdstream.hooks import blobs
 from ptdstream.hooks.blobs import FileBlob, delegate_blobs_from_files, file_blob
 
 from conftest import Mlp, mapped_rss, read_folder, reference_files
@@ -39,7 +38,7 @@ def test_file_blob_export_equals_bytes_blob_export(tmp_path, monkeypatch):
 
     engine_dir = tmp_path / "engines"  # the same path both times: it is in the compile specs
     with monkeypatch.context() as m:  # upstream's way: the engine read into bytes
-        m.setattr(blobs, "file_blob", lambda path, sha256=None: open(path, "rb").read())
+        m.setattr(ptdstream, "file_blob", lambda path, sha256=None: open(path, "rb").read())  # the example's name
         upstream = reference_files(_lower(engine_dir), str(tmp_path / "up"))
     with delegate_blobs_from_files():
         manager = _lower(engine_dir)

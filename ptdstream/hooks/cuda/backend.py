@@ -50,7 +50,7 @@ from ...upstream import adapter
 from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 from ...upstream.patching import is_shadowed, shadowed
 
-__all__ = ["CudaWeightStats", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "stream_cuda_weights"]
+__all__ = ["DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "CudaWeightStats", "stream_cuda_weights"]
 
 #: Device memory (bytes) that copies of storages without a twin may take before
 #: the next ones are spilled to disk: the most the GPU holds beyond upstream's export.
@@ -107,9 +107,8 @@ def stream_cuda_weights(
         trim_host_memory: keep upstream's ``gc.collect()`` + ``malloc_trim(0)``
             before and after each method's weights. They hand back the host
             memory of upstream's ``.cpu()`` chunks; routed weights use none, and
-            the two full collections cost about 0.5 s per method on a lowered
-            model (measured on the H200 by ``benchmarks/bench_cuda_backend.py``),
-            so by default they are skipped.
+            they cost two full garbage collections per method, so by default
+            they are skipped.
         twins: serve a storage from a CUDA ``nn.Parameter`` the process already
             holds with equal bytes (no device memory added) when there is one;
             ``False``: never look for one (every storage is copied or spilled).
@@ -191,7 +190,7 @@ def stream_cuda_weights(
         if flat.device not in warmed and flat.numel():
             warmed.add(flat.device)
             # Load the comparison's kernels now, with the first method's storages,
-            # rather than on the first comparison of the next method (~25 ms).
+            # rather than on the first comparison of the next method.
             head = flat[: 1 << 16]  # large enough for the vectorized kernels
             same_bytes(head.clone(), head)
         fingerprints: List = []

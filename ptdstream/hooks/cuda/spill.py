@@ -43,6 +43,8 @@ from ...sources.base import BufferRing, Source
 from ...sources.file import pread_pieces
 from ...sources.fingerprint import StreamingDigest
 
+__all__ = ["SPILL_ALIGNMENT", "SpillFile", "SpilledSource"]
+
 #: Each spilled range starts on this boundary (bytes): whole pages, so that
 #: dropping one range's pages never touches its neighbour's.
 SPILL_ALIGNMENT = 4096

@@ -4,14 +4,14 @@ executorch 1.5.1's CUDA backend hands each AOTI weight storage to its collector
 (``backends/cuda/cuda_weight_collector.py``) and frees it afterwards. The model's
 own parameters usually still hold the same bytes on the GPU (the exported
 program shares them with the model). :class:`TwinFinder` finds such a twin so
-that :func:`ptdstream.cuda_backend.stream_cuda_weights` can keep a reference to
+that :func:`ptdstream.hooks.cuda.backend.stream_cuda_weights` can keep a reference to
 it (no device memory added) instead of a copy.
 
 A twin is an ``nn.Parameter`` (plain tensors are left out: a scratch buffer or a
 cache could be written to later) on the same device, contiguous, with exactly the
 storage's number of bytes, that is not itself one of the storages being
 collected. Candidates are found by one ``gc.get_objects()`` scan per collection
-round (about 0.1 s on a lowered model), matched by size, then by
+round, matched by size, then by
 :data:`PROBE_NBYTES` sampled bytes, then confirmed exactly with ``torch.equal``.
 """
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import gc
 from typing import Dict, Iterable, List, Optional, Tuple
+
+__all__ = ["PROBE_NBYTES", "TwinFinder", "probe", "same_bytes"]
 
 #: Bytes sampled, evenly spread, to tell storages of one size apart before ``torch.equal``.
 PROBE_NBYTES = 64
