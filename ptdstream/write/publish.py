@@ -8,7 +8,8 @@ writer into the folder, or by :func:`ptdstream.write.journal.recover`).
 from __future__ import annotations
 
 import os
-from typing import Iterable, List
+from collections.abc import Iterable
+from typing import List
 
 from .sink import ChunkedFileSink, prepare_folder, resolve_target
 from . import journal, tempfiles
@@ -38,12 +39,12 @@ def publish_set(sinks: List[ChunkedFileSink]) -> None:
     )
 
 
-def _folders(paths: Iterable[str]) -> List[str]:
+def _folders(paths: Iterable[str]) -> list[str]:
     """The distinct folders of ``paths``, in first-seen order."""
     return list(dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths))
 
 
-def prepare_folders(targets: Iterable[str]) -> List[str]:
+def prepare_folders(targets: Iterable[str]) -> list[str]:
     """The folder step of a save, once per folder, before any temp file is
     created: :func:`ptdstream.write.sink.prepare_folder` for the folder of
     each file a target's publication renames over (a symlink's target's folder).

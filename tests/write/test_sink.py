@@ -175,7 +175,8 @@ def test_direct_falls_back_where_refused(tmp_path, monkeypatch):
 def _count_folder_steps(monkeypatch):
     """Record each folder-recovery call (``journal.clean_folder``): its folder and
     the ptdstream temp files there at that moment."""
-    from ptdstream.write import journal, sink as sink_module
+    from ptdstream.write import journal
+    from ptdstream.write import sink as sink_module
     from ptdstream.write.tempfiles import temp_files_in
 
     calls = []
@@ -199,10 +200,10 @@ def _dead_writers_temp(folder, name="model.pte"):
 
 
 def test_save_recovers_each_folder_once_before_its_temp_files(tmp_path, monkeypatch):
+    from conftest import Mlp, export, reference_files
     from executorch.exir import ExecutorchBackendConfig
 
     import ptdstream
-    from conftest import Mlp, export, reference_files
 
     manager = export(Mlp(), config=ExecutorchBackendConfig(external_constants=True))
     ref = reference_files(manager, str(tmp_path / "ref"))
