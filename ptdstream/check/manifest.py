@@ -100,12 +100,13 @@ def manifest_sink(files: Sequence[Tuple[str, str]], out_path: str,
                   piece_nbytes: int = CHUNK_NBYTES) -> ChunkedFileSink:
     """A synced, unpublished sink for ``out_path`` holding the manifest of
     ``[(path to read, name to record)]``: a save describes its synced temp files
-    under their targets' names and publishes the manifest in the same set.
+    under their targets' names and publishes the manifest in the same set
+    (whose writer ran the folder step for ``out_path``'s folder: the sink skips it).
 
     Raises:
         OSError, IntegrityError: as :func:`describe_file` (the sink is aborted).
     """
-    sink = ChunkedFileSink(out_path)
+    sink = ChunkedFileSink(out_path, clean_folder=False)
     try:
         manifest = IntegrityManifest(tuple(describe_file(p, piece_nbytes, name) for p, name in files))
         sink.write(to_bytes(manifest))

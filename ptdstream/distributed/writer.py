@@ -376,14 +376,14 @@ def write_data_files(
 
 def _create_temp_files(files):
     """Rank 0: a sink (temp file) per file, at its full size (the gaps read as zeros)."""
-    from ..write.publish import remove_stale_temp_files
+    from ..write.publish import prepare_folders
     from ..write.sink import ChunkedFileSink
 
+    prepare_folders(target for target, _ in files)  # once per folder, before any temp file
     sinks = []
     try:
         for target, plan in files:
-            remove_stale_temp_files(target)
-            sink = ChunkedFileSink(target, window_nbytes=WINDOW_NBYTES)
+            sink = ChunkedFileSink(target, window_nbytes=WINDOW_NBYTES, clean_folder=False)
             sinks.append(sink)
             os.truncate(sink.temp_path, plan.nbytes)
     except BaseException:

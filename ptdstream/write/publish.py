@@ -8,9 +8,10 @@ writer into the folder, or by :func:`ptdstream.write.journal.recover`).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import List
 
-from .sink import ChunkedFileSink
+from .sink import ChunkedFileSink, prepare_folder, resolve_target
 from . import journal, tempfiles
 
 __all__ = ["folder_locks", "publish_set", "remove_stale_temp_files"]
@@ -31,11 +32,30 @@ def publish_set(sinks: List[ChunkedFileSink]) -> None:
         OSError: a link, rename or fsync failed (the previous set is back, or the
             journal stays for ``recover``).
     """
-    for sink in sinks:
-        journal.recover_locked(os.path.dirname(sink.publish_path), targets=[s.publish_path for s in sinks])
+    # Under the locks just taken: a set that a save killed since this one's
+    # folder step left half done is completed before this set replaces its files.
+    for folder in _folders(s.publish_path for s in sinks):
+        journal.recover_locked(folder, targets=[s.publish_path for s in sinks])
     journal.publish(
         [(s.temp_path, s.publish_path) for s in sinks], renames=[s.publish for s in sinks]
     )
+
+
+def _folders(paths: Iterable[str]) -> list[str]:
+    """The distinct folders of ``paths``, in first-seen order."""
+    return list(dict.fromkeys(os.path.dirname(os.path.abspath(p)) for p in paths))
+
+
+def prepare_folders(targets: Iterable[str]) -> list[str]:
+    """The folder step of a save, once per folder, before any temp file is
+    created: :func:`ptdstream.write.sink.prepare_folder` for the folder of
+    each file a target's publication renames over (a symlink's target's folder).
+    Then make the sinks with ``ChunkedFileSink(..., clean_folder=False)``.
+    Returns the folders, in first-seen order."""
+    folders = _folders(resolve_target(os.path.abspath(os.fspath(t))) for t in targets)
+    for folder in folders:
+        prepare_folder(folder)
+    return folders
 
 
 def remove_stale_temp_files(target: str) -> List[str]:

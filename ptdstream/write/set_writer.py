@@ -16,7 +16,7 @@ from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..format.plan import FileRole, SavePlan
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint
-from .publish import folder_locks, publish_set
+from .publish import folder_locks, prepare_folders, publish_set
 from .sink import ChunkedFileSink
 from .writer import write_plan
 
@@ -52,12 +52,18 @@ def write_save_plan(
 ) -> List[FileReport]:
     """Write every file of ``plan`` to temp files, sync them all, then publish.
 
+    Before the first temp file is created, each folder of the set gets the
+    folder step once (:func:`ptdstream.write.publish.prepare_folders`); the
+    sinks made here skip it. ``extra_files`` sinks go into those folders too
+    (make them with ``clean_folder=False``).
+
     Args:
         plan: the set to write (data files first, the program last).
         chunk_nbytes: piece size in bytes for file sources' ring.
         window_nbytes: bytes between page-cache drops.
         progress: called with the bytes of each piece written.
-        sink_factory: makes the sink of a target path (tests inject faults).
+        sink_factory: makes the sink of a target path (tests inject faults;
+            ``clean_folder=False`` spares the folder a second step).
         direct: O_DIRECT writes instead of buffered writes with windowed
             writeback (:mod:`ptdstream.system.writeback`). Buffered is the
             default for every source, CUDA sources included.
@@ -75,10 +81,11 @@ def write_save_plan(
     """
     ring = BufferRing(chunk_nbytes, count=2)
     make = sink_factory or (
-        lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct)
+        lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct, clean_folder=False)
     )
     sinks: List[ChunkedFileSink] = []
     reports: List[FileReport] = []
+    prepare_folders(planned.path for planned in plan.files)
     try:
         for planned in plan.files:
             sink = make(planned.path)

@@ -16,9 +16,16 @@ On any failure: the temp file is removed, the target is untouched (absent, or th
 previous complete file). Temp files are named ``.<name>.ptdstream-<pid>-<hex>.tmp``
 and locked (``flock``) by their writer until published or removed, so that
 leftovers of a killed process, in any PID namespace, are recognisable
-(:func:`ptdstream.write.tempfiles.stale_temp_files`); every sink removes its
-folder's leftovers and completes a set publication a killed save left half done
-(:func:`ptdstream.write.journal.clean_folder`) before it creates its temp file.
+(:func:`ptdstream.write.tempfiles.stale_temp_files`).
+
+Folder recovery (removing killed writers' leftovers and completing a set
+publication a killed save left half done: :func:`prepare_folder`, which runs
+:func:`ptdstream.write.journal.clean_folder`) runs once per save and folder,
+before the save's first temp file is created. A sink used on its own does it
+itself (``clean_folder=True``, the default); a set-level writer runs it once
+per folder (:func:`ptdstream.write.publish.prepare_folders`) and makes its
+sinks with ``clean_folder=False``, so that they only create, write, sync and
+abort their temp file.
 
 A target that is a symlink is written through the link, as upstream's ``open``
 does: the temp file is created beside the file the link points to and renamed
@@ -41,8 +48,7 @@ from ..system.pagecache import drop_pages
 from ..system.writeback import WritebackWindows
 from ..timeline import stage_timeline
 from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
-from . import tempfiles
-from .journal import RecoveryError, clean_folder
+from . import journal, tempfiles
 
 __all__ = ["ChunkedFileSink", "Sink", "SinkState", "write_zeros"]
 
@@ -104,6 +110,11 @@ class ChunkedFileSink:
         write_fn: ``os.write``-like function (tests inject short writes and faults).
         direct_depth: O_DIRECT writes in flight (I/O threads).
         pwrite_fn: ``os.pwrite``-like function for the O_DIRECT path.
+        clean_folder: run the folder step (:func:`prepare_folder`) for the
+            folder of the file renamed over before creating the temp file. Keep
+            it on for a sink used on its own; a writer of several files runs
+            :func:`ptdstream.write.publish.prepare_folders` once for all of
+            them first and passes ``False``.
 
     Raises:
         IsADirectoryError: ``target`` is a folder (nothing is created).
@@ -124,6 +135,7 @@ class ChunkedFileSink:
         write_fn: Callable[[int, memoryview], int] = os.write,
         direct_depth: int = DEFAULT_DIRECT_DEPTH,
         pwrite_fn: Callable[[int, memoryview, int], int] = os.pwrite,
+        clean_folder: bool = True,
     ) -> None:
         self.target = os.path.abspath(os.fspath(target))
         #: the path renamed over: ``target``, or the file a symlink ``target`` names
@@ -146,13 +158,8 @@ class ChunkedFileSink:
                 "another path",
                 self.target,
             )
-        if os.path.isdir(folder):
-            # Every writer removes the leftovers of killed writers the same way, and
-            # completes a set publication a killed save left half done.
-            try:
-                clean_folder(folder)
-            except RecoveryError:
-                pass  # left for `recover`; this file is still published atomically
+        if clean_folder:
+            prepare_folder(folder)
         self._staging: Optional[DirectBlockWriter] = None
         self.temp_path, self._fd, self._lock_fd = tempfiles.create_locked(self.publish_path)
         self.state = SinkState.OPEN
@@ -352,6 +359,21 @@ class ChunkedFileSink:
 
 #: fsync a folder so a rename in it is durable (ignored where unsupported).
 fsync_dir = fsops.fsync_dir
+
+
+def prepare_folder(folder: str) -> None:
+    """The folder step a save runs once per folder before creating its temp
+    files: complete the set publications killed saves left half done and remove
+    dead writers' leftovers (:func:`ptdstream.write.journal.clean_folder`; live
+    writers' files are never touched). A folder that does not exist is skipped
+    (the temp file's creation reports it). A journal that cannot be completed
+    is left for ``ptdstream recover`` (:class:`~ptdstream.write.journal.RecoveryError`
+    is not raised): the files of this save are still published atomically."""
+    if os.path.isdir(folder):
+        try:
+            journal.clean_folder(folder)
+        except journal.RecoveryError:
+            pass
 
 
 def resolve_target(target: str) -> str:

@@ -170,3 +170,81 @@ def test_direct_falls_back_where_refused(tmp_path, monkeypatch):
         assert sink.direct is False
         sink.write(b"buffered")
     assert target.read_bytes() == b"buffered"
+
+
+def _count_folder_steps(monkeypatch):
+    """Record each folder-recovery call (``journal.clean_folder``): its folder and
+    the ptdstream temp files there at that moment."""
+    from ptdstream.write import journal
+    from ptdstream.write import sink as sink_module
+    from ptdstream.write.tempfiles import temp_files_in
+
+    calls = []
+    real = journal.clean_folder
+
+    def counting(folder):
+        folder = os.path.abspath(folder)
+        calls.append((folder, sorted(os.path.basename(p) for p, _, _ in temp_files_in(folder))))
+        return real(folder)
+
+    monkeypatch.setattr(journal, "clean_folder", counting)
+    monkeypatch.setattr(sink_module, "clean_folder", counting, raising=False)  # where a sink bound it
+    return calls
+
+
+def _dead_writers_temp(folder, name="model.pte"):
+    """A leftover of a killed writer (unlocked ``.tmp``), which the folder step removes."""
+    path = folder / f".{name}.ptdstream-999999-0badf00d.tmp"
+    path.write_bytes(b"leftover")
+    return path.name
+
+
+def test_save_recovers_each_folder_once_before_its_temp_files(tmp_path, monkeypatch):
+    from conftest import Mlp, export, reference_files
+    from executorch.exir import ExecutorchBackendConfig
+
+    import ptdstream
+
+    manager = export(Mlp(), config=ExecutorchBackendConfig(external_constants=True))
+    ref = reference_files(manager, str(tmp_path / "ref"))
+    pte_dir, ptd_dir = tmp_path / "pte", tmp_path / "ptd"
+    pte_dir.mkdir()
+    ptd_dir.mkdir()
+    stale = [_dead_writers_temp(pte_dir), _dead_writers_temp(ptd_dir, "model.ptd")]
+    calls = _count_folder_steps(monkeypatch)
+    ptdstream.save(manager, str(pte_dir / "model.pte"), data_dir=str(ptd_dir), manifest=True)
+    # One step per folder, each before any temp file of this save existed.
+    assert sorted(calls) == sorted([(str(pte_dir), [stale[0]]), (str(ptd_dir), [stale[1]])])
+    assert sorted(os.listdir(pte_dir)) == ["model.manifest", "model.pte"]
+    assert (pte_dir / "model.pte").read_bytes() == ref["model.pte"]
+    assert {n: (ptd_dir / n).read_bytes() for n in os.listdir(ptd_dir)} == {
+        n: b for n, b in ref.items() if n.endswith(".ptd")}
+
+
+def test_write_data_files_recovers_its_folder_once_for_several_files(tmp_path, monkeypatch):
+    from ptdstream import StreamingNamedDataStore
+    from ptdstream.save import write_data_files
+
+    store = StreamingNamedDataStore()
+    store.add_named_data("a", b"\x01" * 1000, alignment=16, external_tag="w")
+    store.add_named_data("b", b"\x02" * 3000, alignment=16, external_tag="x")
+    stale = _dead_writers_temp(tmp_path, "w.ptd")
+    calls = _count_folder_steps(monkeypatch)
+    reports = write_data_files(store, str(tmp_path))
+    assert calls == [(str(tmp_path), [stale])]
+    assert sorted(os.listdir(tmp_path)) == ["w.ptd", "x.ptd"]
+    assert [os.path.getsize(r.path) for r in reports] == [r.nbytes for r in reports]
+
+
+def test_a_sink_on_its_own_recovers_its_folder_once_and_skips_it_when_told(tmp_path, monkeypatch):
+    stale = _dead_writers_temp(tmp_path, "a.bin")
+    calls = _count_folder_steps(monkeypatch)
+    with ChunkedFileSink(str(tmp_path / "b.bin"), clean_folder=False) as sink:
+        sink.write(b"set-level")
+    assert calls == []
+    assert sorted(os.listdir(tmp_path)) == sorted(["b.bin", stale])  # the leftover stays
+    with ChunkedFileSink(str(tmp_path / "a.bin")) as sink:
+        sink.write(b"alone")
+    assert calls == [(str(tmp_path), [stale])]
+    assert sorted(os.listdir(tmp_path)) == ["a.bin", "b.bin"]
+    assert (tmp_path / "a.bin").read_bytes() == b"alone"
