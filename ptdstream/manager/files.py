@@ -22,7 +22,7 @@ from ..upstream.adapter import ManagerParts
 from ..format.plan import DataEntry, FilePlan
 from ..format.pte import PteOptions, plan_pte
 from ..sources import Source, as_source
-from ..sources.fingerprint import Fingerprint, seal
+from ..sources.fingerprint import Fingerprint
 from ..store import StreamingNamedDataStore
 
 
@@ -39,7 +39,7 @@ class DataFiles:
 
 def buffer_sources(buffers: Sequence[Any]) -> List[Source]:
     """A store output's buffers as sources (labelled by index; nothing copied)."""
-    return [seal(as_source(b, label=f"buffer {i}")) for i, b in enumerate(buffers)]
+    return [as_source(b, label=f"buffer {i}").hand_over() for i, b in enumerate(buffers)]
 
 
 def plan_program(parts: ManagerParts, options: PteOptions, name: str) -> FilePlan:

@@ -129,6 +129,7 @@ def stream_cuda_weights(
     """
     import torch
 
+    from ...sources.base import Expectation
     from ...sources.cuda import CudaTensorSource
     from ...sources.cuda_fingerprint import gpu_fingerprint
     from .spill import SpillFile, SpilledSource
@@ -158,7 +159,7 @@ def stream_cuda_weights(
         if isinstance(source, SpilledSource):
             if not fingerprints:
                 fingerprints.append(gpu_fingerprint(flat))
-            return source.stands_for == fingerprints[0]
+            return source.gpu_fingerprint() == fingerprints[0]
         return same_bytes(source._flat(), flat)
 
     def materialize(self, weights, *args, **kwargs):
@@ -219,26 +220,24 @@ def stream_cuda_weights(
         label = f"CUDA weight storage ({nbytes} bytes)"
         if not fingerprints:
             fingerprints.append(gpu_fingerprint(flat))
+        expectation = Expectation(gpu_fingerprint=fingerprints[0])
         if twin is not None:
             # A parameter the process holds with these bytes: keep a reference.
-            source = CudaTensorSource(twin, label=label + " held by a parameter")
+            source = CudaTensorSource(twin, label=label + " held by a parameter", expectation=expectation)
             stats.twin_nbytes += nbytes
         elif device_copy_budget_nbytes is None or stats.copied_nbytes + _blocks(nbytes) <= device_copy_budget_nbytes:
             # Upstream frees (resizes to 0) the AOTI storage once it is written;
             # keep a device-side copy (at device bandwidth) until ptdstream saves it.
-            source = CudaTensorSource(flat.clone(), label=label)
+            source = CudaTensorSource(flat.clone(), label=label, expectation=expectation)
             stats.copied_nbytes += _blocks(nbytes)
         else:
             # Over the budget: to disk, through the pinned ring, before upstream frees it.
             if not spills:
                 spills.append(SpillFile(spill_dir or os.path.dirname(os.path.abspath(path))))
-            source = spills[0].append(CudaTensorSource(flat, label=label), label)
-            source.stands_for = fingerprints[0]
+            source = spills[0].append(CudaTensorSource(flat, label=label), label, gpu_fingerprint=fingerprints[0])
             stats.spilled_nbytes += nbytes
             kept.setdefault(wanted, []).append(source)
             return source
-        source._gpu_fingerprint = fingerprints[0]
-        source.verify_on_write = True
         kept.setdefault(wanted, []).append(source)
         return source
 
@@ -249,9 +248,7 @@ def stream_cuda_weights(
             if source is None:
                 return real_file_backed.move_from(path, sha256=sha256)
             os.remove(path)  # the empty temp file upstream made for it
-            data = SourceBackedData(source)
-            adapter.set_cached_sha256(data, sha256)
-            return data
+            return SourceBackedData(source, sha256=sha256)
 
     with contextlib.ExitStack() as patches:
         patches.enter_context(shadowed(collector, "_write_tensor_storage", write_storage))
