@@ -194,6 +194,8 @@ class CudaWeightStream:
         self._kept.clear()
         self._by_fqn.clear()
         self._positions.clear()
+        self._pending.clear()
+        self._fqn_of.clear()
         self._spill = None  # the file lives on while its sources do
         patches, self._patches = self._patches, None
         self.state = StreamState.CLOSED
