@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from .format.layout import check_alignment
 from .format.plan import DataEntry
 from .sources import BufferRing, Source, as_source, is_tensor
-from .sources.fingerprint import CandidateKey, Fingerprint, candidate_key, check_expected, fingerprint, seal
+from .sources.fingerprint import CandidateKey, Fingerprint, candidate_key, check_expected, fingerprint
 
 __all__ = ["DataEntry", "NamedDataOutput", "StreamingNamedDataStore"]
 
@@ -121,6 +121,8 @@ class StreamingNamedDataStore:
                 (upstream's text, with both sizes in bytes); a tensor whose layout
                 disagrees with ``tensor_layout``.
             TypeError: an unsupported data type.
+            IntegrityError: a tensor whose storage was already freed (a mutable
+                source is digested as it is handed over: ``Source.hand_over``).
         """
         alignment = check_alignment(alignment)
         if is_tensor(data):
@@ -133,7 +135,7 @@ class StreamingNamedDataStore:
                     f"The provided tensor layout {tensor_layout} does not match."
                 )
             tensor_layout = real_layout
-        source = seal(as_source(data, label=f"key {key!r}"))
+        source = as_source(data, label=f"key {key!r}").hand_over()
         target = (
             self.pte_data
             if external_tag is None

@@ -40,6 +40,9 @@ class PlannedSource(Source):
     """A buffer known to the planner by size, first bytes and fingerprint only;
     its bytes stay on the ranks that hold them."""
 
+    #: Its bytes are on the ranks, not here: nothing to digest at hand-over.
+    is_mutable = False
+
     def __init__(self, key: str, nbytes: int, head: bytes, fingerprint: Optional[Fingerprint]) -> None:
         self.key = key
         self.nbytes = nbytes

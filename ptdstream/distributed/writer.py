@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import IntegrityError, LayoutError
 from ..sources import BufferRing, Source, as_source
-from ..sources.fingerprint import StreamingDigest, check_expected, seal
+from ..sources.fingerprint import StreamingDigest, check_expected
 from .collective import Collective, DistributedIntegrityError, DistributedWriteError
 from .fingerprint import combine, digest_piece
 from .plan import PREFIX_NBYTES, PieceInfo, collate, dedup_candidates, plan_files, wire_plan
@@ -64,7 +64,7 @@ class DistributedReport:
 def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alignment: int, rank: int):
     """``[PieceInfo]`` and ``{key: (source, tensor, first bytes)}`` of this rank's
     pieces, taken at hand-over: a CPU piece the caller can still change carries its
-    xxh3-128 digest (:func:`~ptdstream.sources.fingerprint.seal`), a CUDA piece its
+    xxh3-128 digest (:meth:`~ptdstream.sources.base.Source.hand_over`), a CUDA piece its
     GPU fingerprint, checked again when the piece is written.
 
     A 0-dim DTensor is written whole by one rank (a ``Partial`` one is first
@@ -130,9 +130,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
             total = piece.numel() * piece.element_size()
         else:
             raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
-        source = as_source(piece, label=f"rank {rank} key {key!r}")
-        if not private and source.nbytes:
-            _take_fingerprint(source)
+        source = _handed_over(piece, f"rank {rank} key {key!r}", fingerprint=not private)
         head = source.prefix(PREFIX_NBYTES)
         infos.append(PieceInfo(key, tag_of(key), alignment, scalar, sizes, dim_order, total, coordinate,
                                sharded, source.nbytes, head, rank))
@@ -140,18 +138,24 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     return infos, local
 
 
-def _take_fingerprint(source: Source) -> None:
-    """The fingerprint a piece is checked against when written: xxh3-128 of a CPU
-    piece (``expected_fingerprint``), the GPU fingerprint of a CUDA piece (checked
-    once its bytes are copied out, as :mod:`ptdstream.hooks.cuda.backend` does)."""
-    if source.device_kind == "cuda":
-        from ..sources.cuda import CudaTensorSource
+def _handed_over(piece, label: str, fingerprint: bool) -> Source:
+    """The source of a piece, with the fingerprint it is checked against when
+    written: the xxh3-128 of a CPU piece (:meth:`~ptdstream.sources.base.Source.hand_over`),
+    the GPU fingerprint of a CUDA piece (checked once its bytes are copied out, as
+    :mod:`ptdstream.hooks.cuda.backend` does). ``fingerprint=False`` for a copy the
+    writer made itself (nobody else can change it)."""
+    if not (fingerprint and piece.numel()):
+        return as_source(piece, label=label)
+    if piece.is_cuda:
+        import torch
 
-        if isinstance(source, CudaTensorSource):
-            source.gpu_fingerprint()
-            source.verify_on_write = True
-    else:
-        seal(source)
+        from ..sources.base import Expectation
+        from ..sources.cuda import CudaTensorSource
+        from ..sources.cuda_fingerprint import gpu_fingerprint
+
+        now = gpu_fingerprint(piece.reshape(-1).view(torch.uint8))
+        return CudaTensorSource(piece, label=label, expectation=Expectation(gpu_fingerprint=now))
+    return as_source(piece, label=label).hand_over()
 
 
 def _candidate_digest(source: Source, offset: int, ring: BufferRing):
@@ -169,7 +173,7 @@ def _candidate_digest(source: Source, offset: int, ring: BufferRing):
             yield piece
 
     part = digest_piece(tee(), offset)
-    now, expected = seen.finish(), source.expected_fingerprint
+    now, expected = seen.finish(), source.expectation.fingerprint
     if expected is not None and now != expected:
         raise IntegrityError(f"{source.describe()} changed after it was handed over (digest {now.hex} before the "
                              f"plan != {expected.hex} when handed over); nothing was published")

@@ -68,8 +68,8 @@ class StorageReference(ByReference, SourceBackedData):
 
     Made by :func:`reference`. ``len()`` is the storage size in bytes;
     ``source`` reads it (a :class:`MappedTensorSource` when ``file_mapped``).
-    :meth:`sha256` streams it once and records ``source.expected_fingerprint``
-    (xxh3-128) in the same pass. Copying returns the same object; pickling
+    :meth:`sha256` streams it once and hands the source over with the xxh3-128
+    digest of the same pass (``source.expectation.fingerprint``). Copying returns the same object; pickling
     gives plain ``bytes`` (see :class:`~ptdstream.hooks.interop.ByReference`).
     """
 
@@ -83,7 +83,7 @@ class StorageReference(ByReference, SourceBackedData):
                 sha.update(piece)
                 xxh.update(piece)
             adapter.set_cached_sha256(self, sha.digest())
-            self.source.expected_fingerprint = xxh.finish()
+            self.source.hand_over(xxh.finish())
         return adapter.cached_sha256(self)
 
     def __repr__(self) -> str:

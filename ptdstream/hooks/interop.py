@@ -12,7 +12,7 @@ streams the source directly (the fast path).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Optional
 
 from ..defaults import CHUNK_NBYTES
 from ..sources import BufferRing, Source, as_source
@@ -30,15 +30,18 @@ class SourceBackedData(FileBackedData):
         data: a :class:`~ptdstream.sources.base.Source` or anything
             :func:`~ptdstream.sources.as_source` takes (tensor, bytes, ...).
         chunk_nbytes: piece size for upstream's slow path (8 MiB).
+        sha256: the bytes' SHA-256 when the caller already knows it (upstream's
+            collector hands it over; it is then never computed here).
 
     Memory: upstream's ``to_bytes()`` joins the whole payload (as it does for
     any ``FileBackedData``); ``write_to_file``, ``sha256`` and ``prefix`` stream.
     """
 
-    def __init__(self, data: Any, chunk_nbytes: int = CHUNK_NBYTES) -> None:  # noqa: D107
+    def __init__(self, data: Any, chunk_nbytes: int = CHUNK_NBYTES,  # noqa: D107
+                 sha256: Optional[bytes] = None) -> None:
         # No call to FileBackedData.__init__: there is no file to stat.
         self.source: Source = as_source(data, label="SourceBackedData")
-        adapter.init_file_backed(self, None, self.source.nbytes)
+        adapter.init_file_backed(self, None, self.source.nbytes, sha256)
         self._chunk_nbytes = chunk_nbytes
 
     def __ptdstream_source__(self) -> Source:

@@ -23,7 +23,7 @@ from ..upstream.adapter import ManagerParts
 from ..format.plan import DataEntry, FilePlan
 from ..format.pte import PteOptions, plan_pte
 from ..sources import Source, as_source
-from ..sources.fingerprint import Fingerprint, seal
+from ..sources.fingerprint import Fingerprint
 from ..store import StreamingNamedDataStore
 
 __all__ = ["data_files", "plan_program"]
@@ -42,7 +42,7 @@ class DataFiles:
 
 def buffer_sources(buffers: Sequence[Any]) -> list[Source]:
     """A store output's buffers as sources (labelled by index; nothing copied)."""
-    return [seal(as_source(b, label=f"buffer {i}")) for i, b in enumerate(buffers)]
+    return [as_source(b, label=f"buffer {i}").hand_over() for i, b in enumerate(buffers)]
 
 
 def plan_program(parts: ManagerParts, options: PteOptions, name: str) -> FilePlan:

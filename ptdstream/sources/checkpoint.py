@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import FormatError, IntegrityError
-from .base import BufferRing, Source
+from .base import BufferRing, Expectation, Source
 from .fingerprint import Fingerprint, StreamingDigest
 from .tensor import TensorSource
 
@@ -255,6 +255,9 @@ class DcpTensorSource(Source):
     it); :meth:`pieces` loads it again and frees it after the last piece.
     """
 
+    #: A checkpoint on disk: the second load is checked against the first.
+    is_mutable = False
+
     def __init__(self, folder: str, entry: CheckpointEntry, load: Callable[[str, object], object]) -> None:
         self.folder = folder
         self.entry = entry
@@ -262,6 +265,11 @@ class DcpTensorSource(Source):
         self._load = load
         self._prefix: Optional[bytes] = None
         self.expected_fingerprint: Optional[Fingerprint] = None
+
+    @property
+    def expectation(self) -> Expectation:
+        """The first load's digest (once :meth:`prefix` has run): the write checks the second load."""
+        return Expectation(fingerprint=self.expected_fingerprint)
 
     def describe(self) -> str:
         return f"{self.folder}: key {self.entry.key!r}"

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import IntegrityError, LayoutError
 from ..timeline import stage_timeline
-from .base import BufferRing, Source
+from .base import NO_EXPECTATION, BufferRing, Expectation, Source
+from .digest import Fingerprint
 from .tensor import check_storage
 
 __all__ = ["CudaTensorSource", "PinnedRing"]
@@ -63,21 +64,25 @@ class CudaTensorSource(Source):
     The tensor must be contiguous (any storage offset). The bytes equal those of
     the same tensor moved to the CPU.
 
+    Args:
+        tensor: the CUDA tensor (kept by reference; nothing is copied here).
+        label: what it is, for error messages.
+        ring_count: pinned buffers in the ring (>= 3).
+        expectation: with a ``gpu_fingerprint`` (a source that stands for bytes
+            someone else holds, e.g. one made by
+            :func:`ptdstream.hooks.cuda.backend.stream_cuda_weights`), the GPU
+            fingerprint is recomputed once every byte is copied out and a
+            difference is refused; it also serves :meth:`gpu_fingerprint`.
+
     Raises:
         LayoutError: a non-contiguous tensor ("call .contiguous()").
         IntegrityError: at write time, when the storage was freed or resized, or
-            (``verify_on_write``) when the bytes' GPU fingerprint differs from
-            the one recorded when the source was made.
+            (``expectation.gpu_fingerprint`` given) when the bytes' GPU
+            fingerprint differs from it.
     """
 
-    #: Recompute the GPU fingerprint once every byte is copied out and refuse a
-    #: difference from the cached one (set for sources that stand for bytes
-    #: someone else holds, e.g. :func:`ptdstream.hooks.cuda.backend.stream_cuda_weights`).
-    verify_on_write = False
-
-    device_kind = "cuda"
-
-    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4) -> None:  # noqa: D107
+    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4,  # noqa: D107
+                 expectation: Expectation = NO_EXPECTATION) -> None:
         if not tensor.is_contiguous():
             raise LayoutError(
                 f"{label}: CUDA tensor with shape {tuple(tensor.shape)} is not contiguous; "
@@ -89,10 +94,21 @@ class CudaTensorSource(Source):
         self._label = label
         self._ring_count = ring_count
         self.nbytes = tensor.numel() * tensor.element_size()
-        self._gpu_fingerprint = None
+        self._expectation = expectation
+        self._gpu_fingerprint = expectation.gpu_fingerprint  # a cache, filled on first use
+
+    def hand_over(self, fingerprint: Optional[Fingerprint] = None) -> "CudaTensorSource":
+        """A CUDA source takes no host digest at hand-over (it would copy the whole
+        tensor to the host once more): it proves at write time the GPU fingerprint
+        of its expectation, when it was given one. A given ``fingerprint`` is
+        recorded as by :meth:`Source.hand_over`."""
+        if fingerprint is not None:
+            super().hand_over(fingerprint)
+        return self
 
     def gpu_fingerprint(self):
-        """This tensor's :func:`~ptdstream.sources.cuda_fingerprint.gpu_fingerprint` (cached)."""
+        """This tensor's :func:`~ptdstream.sources.cuda_fingerprint.gpu_fingerprint` (cached;
+        the expectation's, when it was given one)."""
         if self._gpu_fingerprint is None:
             from .cuda_fingerprint import gpu_fingerprint
 
@@ -172,11 +188,11 @@ class CudaTensorSource(Source):
                 pinned.events[slot].synchronize()
                 timeline.add("D2H wait", time.perf_counter() - t, n)
             yield memoryview(pinned.buffers[slot].numpy()).cast("B")[:n]
-        if self.verify_on_write and self._gpu_fingerprint is not None:
-            self._verify(flat, pinned.stream, timeline)
+        if self._expectation.gpu_fingerprint is not None:
+            self._verify(flat, pinned.stream, timeline, self._expectation.gpu_fingerprint)
 
-    def _verify(self, flat, stream, timeline) -> None:
-        """Refuse bytes whose GPU fingerprint changed since the source was made."""
+    def _verify(self, flat, stream, timeline, expected: Fingerprint) -> None:
+        """Refuse bytes whose GPU fingerprint is no longer ``expected`` (the one they had when handed over)."""
         import torch
 
         from .cuda_fingerprint import gpu_fingerprint
@@ -186,9 +202,9 @@ class CudaTensorSource(Source):
             now = gpu_fingerprint(flat)
         if timeline is not None:
             timeline.add("GPU fingerprint check", time.perf_counter() - t, self.nbytes)
-        if now != self._gpu_fingerprint:
+        if now != expected:
             raise IntegrityError(
                 f"{self.describe()}: its bytes changed after they were handed to ptdstream "
-                f"(GPU fingerprint {now.hex} != {self._gpu_fingerprint.hex}); a tensor kept "
+                f"(GPU fingerprint {now.hex} != {expected.hex}); a tensor kept "
                 "for the save must not be modified before the save"
             )

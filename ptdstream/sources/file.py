@@ -55,6 +55,9 @@ class FileRangeSource(Source):
                 "written to while it is saved"
             )
 
+    #: Checked by its identity and change time when read, not digested at hand-over.
+    is_mutable = False
+
     def describe(self) -> str:
         return f"file {self.path} offset {self.offset}"
 

@@ -45,6 +45,10 @@ class MappedTensorSource(TensorSource):
         self.mapping = mapping
         self.read_file = read_file
 
+    #: Its bytes are a mapped checkpoint's: checked against the file before
+    #: reading, not digested at hand-over (a second read of the checkpoint).
+    is_mutable = False
+
     def _file_range(self) -> Optional[FileRangeSource]:
         """The same bytes as a file range, if the mapped path is still the mapped file."""
         m = self.mapping

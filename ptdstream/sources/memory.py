@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..errors import IntegrityError, LayoutError
-from .base import BufferRing, Source
+from .base import BufferRing, Source, digest_view
 
 __all__ = ["MemorySource"]
 
@@ -13,8 +13,9 @@ __all__ = ["MemorySource"]
 class MemorySource(Source):
     """Bytes, bytearray or any C-contiguous buffer, read in place (no copy).
 
-    A mutable buffer changed between hand-over and write is caught by the
-    fingerprint taken at hand-over (:func:`ptdstream.sources.fingerprint.seal`).
+    A mutable buffer (anything but ``bytes``) changed between hand-over and
+    write is caught by the fingerprint taken at hand-over
+    (:meth:`~ptdstream.sources.base.Source.hand_over`).
     """
 
     def __init__(self, data, label: str = "bytes") -> None:
@@ -36,6 +37,14 @@ class MemorySource(Source):
     def view(self) -> memoryview:
         """The bytes, in place."""
         return self._view
+
+    @property
+    def is_mutable(self) -> bool:
+        """``False`` for ``bytes`` (and views of them), ``True`` for any other buffer."""
+        return not isinstance(self.base, bytes)
+
+    def _digest_at_hand_over(self):
+        return digest_view(self._view)
 
     def prefix(self, nbytes: int = 32) -> bytes:
         return bytes(self._view[:nbytes])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..errors import IntegrityError, LayoutError
-from .base import BufferRing, Source
+from .base import BufferRing, Source, digest_view
 
 __all__ = ["TensorSource", "check_storage"]
 
@@ -41,7 +41,9 @@ class TensorSource(Source):
         LayoutError: a non-contiguous tensor that is not dense over its whole
             storage ("call .contiguous()").
         IntegrityError: at write time, when the storage was freed or resized
-            after the tensor was added.
+            after the tensor was added, or its bytes differ from those digested
+            when it was handed over (:meth:`~ptdstream.sources.base.Source.hand_over`:
+            the caller may write to a tensor, so it is digested then).
     """
 
     def __init__(self, tensor, label: str = "tensor") -> None:
@@ -104,6 +106,9 @@ class TensorSource(Source):
             IntegrityError: the storage was freed or resized.
         """
         return self._view()
+
+    def _digest_at_hand_over(self):
+        return digest_view(self._view())
 
     def prefix(self, nbytes: int = 32) -> bytes:
         return bytes(self._view()[:nbytes])

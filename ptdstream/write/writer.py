@@ -186,7 +186,7 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
     The previous piece is hashed while the writer thread writes the current one,
     so the digest covers the bytes as they were when written (or later): a memory
     source changed before or during its write no longer matches the fingerprint
-    taken when it was handed over (``expected_fingerprint``) and is refused.
+    taken when it was handed over (``source.expectation.fingerprint``) and is refused.
     """
     digest = StreamingDigest()
     where = f"{extent.label()} of {plan.name} at offset {offset}"

@@ -104,7 +104,7 @@ def test_reference_reads_in_place_and_copies_as_itself():
     data = t.numpy().tobytes()
     assert len(ref) == 4000 and ref.source._tensor.data_ptr() == t.data_ptr()
     assert EMITTER_HASHLIB.sha256(ref).digest() == ref.sha256() == hashlib.sha256(data).digest()
-    assert ref.source.expected_fingerprint.nbytes == 4000
+    assert ref.source.expectation.fingerprint.nbytes == 4000
     with pytest.raises(TypeError):
         memoryview(ref)  # no raw view of memory it does not own
     assert ref.prefix(8) == data[:8] and ref.to_bytes() == data

@@ -31,8 +31,8 @@ def test_spilled_bytes_read_back_exactly_from_a_file_without_a_name(tmp_path):
     assert (first.offset, second.offset) == (0, -(-10_000 // SPILL_ALIGNMENT) * SPILL_ALIGNMENT)
     assert (_read(first), _read(second, chunk=2)) == (a, b)
     assert (first.prefix(32), second.prefix(32)) == (a[:32], b)
-    assert first.expected_fingerprint.digest == xxhash.xxh3_128(a).digest()
-    assert first.expected_fingerprint.nbytes == 10_000
+    assert first.expectation.fingerprint.digest == xxhash.xxh3_128(a).digest()
+    assert first.expectation.fingerprint.nbytes == 10_000
     assert "storage b, spilled to an unlinked temp file in " + str(tmp_path) + " at offset 12288" == second.describe()
 
 

@@ -83,7 +83,7 @@ def test_dcp_one_tensor_at_a_time(tmp_path):
         assert sources["w"].same_content(sources["same"]) is True
         assert sources["w"].same_content(sources["other"]) is False
         assert sources["w"].same_content(sources["i"]) is None  # other sizes: the store never asks
-        assert sources["w"].expected_fingerprint is not None  # checked again when written
+        assert sources["w"].expectation.fingerprint is not None  # checked again when written
 
 
 def test_mapped_checkpoints_are_read_from_the_file_while_it_is_the_mapped_one(tmp_path, monkeypatch):

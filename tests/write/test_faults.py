@@ -435,6 +435,8 @@ def test_signals_during_a_save_change_nothing(previous, manager, reference):
 class BrokenSource(Source):
     """``nbytes`` bytes whose reading fails after the first piece (a device gone)."""
 
+    is_mutable = False  # immutable bytes: not digested as it is handed over, so it fails at the write
+
     def __init__(self, data: bytes) -> None:
         self._data = data
         self.nbytes = len(data)

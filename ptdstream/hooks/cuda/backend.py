@@ -42,15 +42,19 @@ CPU-resident AOTI weights keep upstream's path.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ...errors import StateError
+from ...sources.base import Expectation, Source
 from ...upstream import adapter
 from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 from ...upstream.patching import is_shadowed, shadowed
 
-__all__ = ["DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "CudaWeightStats", "stream_cuda_weights"]
+__all__ = ["CudaWeightStats", "CudaWeightStream", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "StreamState",
+           "stream_cuda_weights"]
 
 #: Device memory (bytes) that copies of storages without a twin may take before
 #: the next ones are spilled to disk: the most the GPU holds beyond upstream's export.
@@ -85,6 +89,246 @@ _ALLOCATOR_BLOCK_NBYTES = 512
 def _blocks(nbytes: int) -> int:
     """Device memory (bytes) a copy of ``nbytes`` bytes takes."""
     return -(-nbytes // _ALLOCATOR_BLOCK_NBYTES) * _ALLOCATOR_BLOCK_NBYTES
+
+
+class StreamState(enum.Enum):
+    """Where a :class:`CudaWeightStream` is: made, routing (patches in place), closed."""
+
+    READY = "ready"
+    ROUTING = "routing"
+    CLOSED = "closed"
+
+
+class CudaWeightStream:
+    """The state of one :func:`stream_cuda_weights` context: its options, its
+    patches and the sources it kept.
+
+    Calls, in order: 1) :meth:`open` (checks the process and the spill folder,
+    puts the patches in place: ``READY`` -> ``ROUTING``); 2) lowering, during
+    which executorch's collector calls :meth:`materialize` once per method and,
+    inside it, :meth:`write_storage` and :meth:`move_from` per storage; 3)
+    :meth:`close` (removes the patches and forgets the kept sources, which live
+    on in the manager: -> ``CLOSED``; idempotent). Each phase method first checks
+    the state and raises ``StateError`` naming the expected and the actual one.
+    A context manager (``with CudaWeightStream(...) as stats``) opens and closes
+    it. Not thread-safe: one lowering at a time, in one thread.
+
+    Args: as :func:`stream_cuda_weights`.
+    """
+
+    def __init__(self, trim_host_memory: bool = False, twins: bool = True,  # noqa: D107
+                 device_copy_budget_nbytes: Optional[int] = DEVICE_COPY_BUDGET_NBYTES,
+                 spill_dir: Optional[str] = None) -> None:
+        self.trim_host_memory = trim_host_memory
+        self.twins = twins
+        self.device_copy_budget_nbytes = device_copy_budget_nbytes
+        self.spill_dir = spill_dir
+        self.state = StreamState.READY
+        self.stats = CudaWeightStats()
+        self._patches: Optional[contextlib.ExitStack] = None
+        self._real: Dict[str, Any] = {}  # the collector's names the patches replace
+        self._pending: Dict[str, Source] = {}  # upstream's temp path -> the source written for it
+        self._kept: Dict[Tuple[int, bytes], List[Source]] = {}  # probe -> sources kept
+        self._positions: Dict[Tuple[object, int], object] = {}  # probe index cache
+        self._by_fqn: Dict[str, Source] = {}  # the source last chosen for each FQN
+        self._fqn_of: Dict[int, str] = {}  # storage data pointer -> FQN, for the current round
+        self._warmed: set = set()
+        self._finder: Optional[TwinFinder] = None  # this round's, inside materialize
+        self._spill: Optional[Any] = None  # the SpillFile, made at the first spill
+
+    def _expect(self, state: StreamState, what: str) -> None:
+        if self.state is not state:
+            raise StateError(f"stream_cuda_weights: {what} expects state {state.value}, "
+                             f"but it is {self.state.value}")
+
+    # ------------------------------------------------------------------ phases
+
+    def open(self) -> CudaWeightStats:
+        """Put the patches in place; returns the stats this context fills.
+
+        Raises:
+            StateError: not ``READY``.
+            ImportError: executorch's CUDA backend is not importable.
+            RuntimeError: a context is already active in this process.
+            OSError: a ``spill_dir`` that cannot hold a spill file.
+        """
+        from .spill import SpillFile
+
+        self._expect(StreamState.READY, "open")
+        collector = adapter.cuda_weight_collector()
+        if is_shadowed(collector, "_write_tensor_storage"):
+            raise RuntimeError("stream_cuda_weights is already active in this process: lower one model at a "
+                               "time (a second context would leave its budget, spill folder and stats unused)")
+        if self.spill_dir is not None:
+            SpillFile(self.spill_dir).close()  # a missing or read-only folder now, not in the middle of lowering
+        self._real = {"write": collector._write_tensor_storage, "file_backed": collector.FileBackedData,
+                      "materialize": collector.CudaWeightCollector.materialize}
+        stream = self
+
+        def materialize(collector_self, weights, *args, **kwargs):
+            return stream.materialize(collector_self, weights, *args, **kwargs)
+
+        file_backed: Any = self._real["file_backed"]
+
+        class _FileBackedData(file_backed):
+            @classmethod
+            def move_from(cls, path, sha256=None):
+                return stream.move_from(path, sha256)
+
+        patches = contextlib.ExitStack()
+        with patches:
+            patches.enter_context(shadowed(collector, "_write_tensor_storage", self.write_storage))
+            patches.enter_context(shadowed(collector, "FileBackedData", _FileBackedData))
+            patches.enter_context(shadowed(collector.CudaWeightCollector, "materialize", materialize))
+            if not self.trim_host_memory:
+                patches.enter_context(shadowed(collector, "trim_host_memory", lambda: None))
+            self._patches = patches.pop_all()
+        self.state = StreamState.ROUTING
+        return self.stats
+
+    def close(self) -> None:
+        """Remove the patches and forget the kept sources (idempotent); the sources
+        handed out, and the spill file they read, live on with the manager."""
+        if self.state is StreamState.CLOSED:
+            return
+        self._kept.clear()
+        self._by_fqn.clear()
+        self._positions.clear()
+        self._pending.clear()
+        self._fqn_of.clear()
+        self._spill = None  # the file lives on while its sources do
+        patches, self._patches = self._patches, None
+        self.state = StreamState.CLOSED
+        if patches is not None:
+            patches.close()
+
+    def __enter__(self) -> CudaWeightStats:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the collector's calls
+
+    def materialize(self, collector_self, weights, *args, **kwargs):
+        """``CudaWeightCollector.materialize`` (one method's weights): learns each
+        storage's FQN and the storages being collected (no twin among them)."""
+        self._expect(StreamState.ROUTING, "materialize")
+        excluded = set()
+        for fqn, (tensor, _) in weights.items():
+            try:
+                ptr = tensor.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001 - not a real tensor: nothing to exclude
+                continue
+            excluded.add(ptr)
+            self._fqn_of[ptr] = fqn
+        self._finder = TwinFinder(excluded, self._positions) if self.twins else None
+        try:
+            return self._real["materialize"](collector_self, weights, *args, **kwargs)
+        finally:
+            self._finder = None
+            self._fqn_of.clear()
+
+    def write_storage(self, tensor, path):
+        """``_write_tensor_storage``: a CUDA storage becomes a source (kept for
+        ``path``); returns its GPU fingerprint's digest, the key upstream dedups by.
+        A CPU storage goes upstream's way."""
+        import torch
+
+        self._expect(StreamState.ROUTING, "write_storage")
+        if not tensor.is_cuda:
+            self.stats.upstream += 1
+            return self._real["write"](tensor, path)
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            storage, 0, (nbytes,), (1,)
+        )
+        fqn = self._fqn_of.get(storage.data_ptr())
+        guess = self._by_fqn.get(fqn) if fqn is not None else None
+        if flat.device not in self._warmed and flat.numel():
+            self._warmed.add(flat.device)
+            # Load the comparison's kernels now, with the first method's storages,
+            # rather than on the first comparison of the next method (~25 ms).
+            head = flat[: 1 << 16]  # large enough for the vectorized kernels
+            same_bytes(head.clone(), head)
+        fingerprints: List = []
+        if guess is not None and guess.nbytes == nbytes and self._same(guess, flat, fingerprints):
+            source = guess  # this FQN's storage of an earlier method, unchanged
+        else:
+            source = self._find_or_keep(flat, storage, nbytes, fingerprints, path)
+        if fqn is not None:
+            self._by_fqn[fqn] = source
+        self._pending[path] = source
+        self.stats.routed += 1
+        self.stats.routed_nbytes += source.nbytes
+        return source.gpu_fingerprint().digest
+
+    def move_from(self, path, sha256=None):
+        """``FileBackedData.move_from``: the source written for ``path`` as a
+        ``SourceBackedData`` carrying upstream's key (``sha256``); any other path
+        goes upstream's way."""
+        from ..interop import SourceBackedData
+
+        self._expect(StreamState.ROUTING, "move_from")
+        source = self._pending.pop(path, None)
+        if source is None:
+            return self._real["file_backed"].move_from(path, sha256=sha256)
+        os.remove(path)  # the empty temp file upstream made for it
+        return SourceBackedData(source, sha256=sha256)
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _same(source, flat, fingerprints: List) -> bool:
+        """Whether ``source`` holds ``flat``'s bytes (``fingerprints``: flat's, once computed)."""
+        from ...sources.cuda_fingerprint import gpu_fingerprint
+        from .spill import SpilledSource
+
+        if isinstance(source, SpilledSource):
+            if not fingerprints:
+                fingerprints.append(gpu_fingerprint(flat))
+            return source.gpu_fingerprint() == fingerprints[0]
+        return same_bytes(source._flat(), flat)
+
+    def _find_or_keep(self, flat, storage, nbytes, fingerprints, path):
+        """A kept source with ``flat``'s bytes, else a new one (twin, device copy or spill)."""
+        from ...sources.cuda import CudaTensorSource
+        from ...sources.cuda_fingerprint import gpu_fingerprint
+        from .spill import SpillFile
+
+        wanted = probe(flat, self._positions)
+        for source in self._kept.get(wanted, ()):
+            if self._same(source, flat, fingerprints):
+                return source  # a later method's equal storage: reuse the kept source
+        finder = self._finder
+        if finder is None and self.twins:
+            finder = TwinFinder({storage.data_ptr()}, self._positions)
+        twin = finder.find(flat, wanted) if finder is not None and nbytes else None
+        label = f"CUDA weight storage ({nbytes} bytes)"
+        if not fingerprints:
+            fingerprints.append(gpu_fingerprint(flat))
+        expectation = Expectation(gpu_fingerprint=fingerprints[0])
+        budget = self.device_copy_budget_nbytes
+        source: Source
+        if twin is not None:
+            # A parameter the process holds with these bytes: keep a reference.
+            source = CudaTensorSource(twin, label=label + " held by a parameter", expectation=expectation)
+            self.stats.twin_nbytes += nbytes
+        elif budget is None or self.stats.copied_nbytes + _blocks(nbytes) <= budget:
+            # Upstream frees (resizes to 0) the AOTI storage once it is written;
+            # keep a device-side copy (at device bandwidth) until ptdstream saves it.
+            source = CudaTensorSource(flat.clone(), label=label, expectation=expectation)
+            self.stats.copied_nbytes += _blocks(nbytes)
+        else:
+            # Over the budget: to disk, through the pinned ring, before upstream frees it.
+            if self._spill is None:
+                self._spill = SpillFile(self.spill_dir or os.path.dirname(os.path.abspath(path)))
+            source = self._spill.append(CudaTensorSource(flat, label=label), label,
+                                        gpu_fingerprint=fingerprints[0])
+            self.stats.spilled_nbytes += nbytes
+        self._kept.setdefault(wanted, []).append(source)
+        return source
 
 
 @contextlib.contextmanager
@@ -126,142 +370,9 @@ def stream_cuda_weights(
         OSError: at entry, a ``spill_dir`` that cannot hold a spill file; while
             lowering, a spill that failed (names the folder and offset).
     """
-    import torch
-
-    from ...sources.cuda import CudaTensorSource
-    from ...sources.cuda_fingerprint import gpu_fingerprint
-    from .spill import SpillFile, SpilledSource
-    from ..interop import SourceBackedData
-
-    collector = adapter.cuda_weight_collector()
-    if is_shadowed(collector, "_write_tensor_storage"):
-        raise RuntimeError("stream_cuda_weights is already active in this process: lower one model at a "
-                           "time (a second context would leave its budget, spill folder and stats unused)")
-    if spill_dir is not None:
-        SpillFile(spill_dir).close()  # a missing or read-only folder now, not in the middle of lowering
-    real_write = collector._write_tensor_storage
-    real_file_backed = collector.FileBackedData
-    real_materialize = collector.CudaWeightCollector.materialize
-    pending: Dict[str, CudaTensorSource] = {}
-    kept: Dict[Tuple[int, bytes], List[CudaTensorSource]] = {}
-    positions: Dict[Tuple[object, int], object] = {}
-    by_fqn: Dict[str, CudaTensorSource] = {}  # the source last chosen for each FQN
-    fqn_of: Dict[int, str] = {}  # storage data pointer -> FQN, for the current round
-    warmed: set = set()
-    stats = CudaWeightStats()
-    rounds: List[Optional[TwinFinder]] = [None]
-    spills: List[SpillFile] = []
-
-    def same(source, flat, fingerprints: List) -> bool:
-        """Whether ``source`` holds ``flat``'s bytes (``fingerprints``: flat's, once computed)."""
-        if isinstance(source, SpilledSource):
-            if not fingerprints:
-                fingerprints.append(gpu_fingerprint(flat))
-            return source.stands_for == fingerprints[0]
-        return same_bytes(source._flat(), flat)
-
-    def materialize(self, weights, *args, **kwargs):
-        excluded = set()
-        for fqn, (tensor, _) in weights.items():
-            try:
-                ptr = tensor.untyped_storage().data_ptr()
-            except Exception:  # noqa: BLE001 - not a real tensor: nothing to exclude
-                continue
-            excluded.add(ptr)
-            fqn_of[ptr] = fqn
-        rounds[0] = TwinFinder(excluded, positions) if twins else None
-        try:
-            return real_materialize(self, weights, *args, **kwargs)
-        finally:
-            rounds[0] = None
-            fqn_of.clear()
-
-    def write_storage(tensor, path):
-        if not tensor.is_cuda:
-            stats.upstream += 1
-            return real_write(tensor, path)
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-            storage, 0, (nbytes,), (1,)
-        )
-        fqn = fqn_of.get(storage.data_ptr())
-        guess = by_fqn.get(fqn) if fqn is not None else None
-        if flat.device not in warmed and flat.numel():
-            warmed.add(flat.device)
-            # Load the comparison's kernels now, with the first method's storages,
-            # rather than on the first comparison of the next method.
-            head = flat[: 1 << 16]  # large enough for the vectorized kernels
-            same_bytes(head.clone(), head)
-        fingerprints: List = []
-        if guess is not None and guess.nbytes == nbytes and same(guess, flat, fingerprints):
-            source = guess  # this FQN's storage of an earlier method, unchanged
-        else:
-            source = find_or_keep(flat, storage, nbytes, fingerprints, path)
-        if fqn is not None:
-            by_fqn[fqn] = source
-        pending[path] = source
-        stats.routed += 1
-        stats.routed_nbytes += source.nbytes
-        return source.gpu_fingerprint().digest
-
-    def find_or_keep(flat, storage, nbytes, fingerprints, path):
-        """A kept source with ``flat``'s bytes, else a new one (twin, device copy or spill)."""
-        wanted = probe(flat, positions)
-        for source in kept.get(wanted, ()):
-            if same(source, flat, fingerprints):
-                return source  # a later method's equal storage: reuse the kept source
-        finder = rounds[0]
-        if finder is None and twins:
-            finder = TwinFinder({storage.data_ptr()}, positions)
-        twin = finder.find(flat, wanted) if finder is not None and nbytes else None
-        label = f"CUDA weight storage ({nbytes} bytes)"
-        if not fingerprints:
-            fingerprints.append(gpu_fingerprint(flat))
-        if twin is not None:
-            # A parameter the process holds with these bytes: keep a reference.
-            source = CudaTensorSource(twin, label=label + " held by a parameter")
-            stats.twin_nbytes += nbytes
-        elif device_copy_budget_nbytes is None or stats.copied_nbytes + _blocks(nbytes) <= device_copy_budget_nbytes:
-            # Upstream frees (resizes to 0) the AOTI storage once it is written;
-            # keep a device-side copy (at device bandwidth) until ptdstream saves it.
-            source = CudaTensorSource(flat.clone(), label=label)
-            stats.copied_nbytes += _blocks(nbytes)
-        else:
-            # Over the budget: to disk, through the pinned ring, before upstream frees it.
-            if not spills:
-                spills.append(SpillFile(spill_dir or os.path.dirname(os.path.abspath(path))))
-            source = spills[0].append(CudaTensorSource(flat, label=label), label)
-            source.stands_for = fingerprints[0]
-            stats.spilled_nbytes += nbytes
-            kept.setdefault(wanted, []).append(source)
-            return source
-        source._gpu_fingerprint = fingerprints[0]
-        source.verify_on_write = True
-        kept.setdefault(wanted, []).append(source)
-        return source
-
-    class _FileBackedData(real_file_backed):
-        @classmethod
-        def move_from(cls, path, sha256=None):
-            source = pending.pop(path, None)
-            if source is None:
-                return real_file_backed.move_from(path, sha256=sha256)
-            os.remove(path)  # the empty temp file upstream made for it
-            data = SourceBackedData(source)
-            adapter.set_cached_sha256(data, sha256)
-            return data
-
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(shadowed(collector, "_write_tensor_storage", write_storage))
-        patches.enter_context(shadowed(collector, "FileBackedData", _FileBackedData))
-        patches.enter_context(shadowed(collector.CudaWeightCollector, "materialize", materialize))
-        if not trim_host_memory:
-            patches.enter_context(shadowed(collector, "trim_host_memory", lambda: None))
-        try:
-            yield stats
-        finally:
-            kept.clear()
-            by_fqn.clear()
-            positions.clear()
-            spills.clear()  # the file lives on while its sources do
+    stream = CudaWeightStream(trim_host_memory, twins, device_copy_budget_nbytes, spill_dir)
+    stats = stream.open()
+    try:
+        yield stats
+    finally:
+        stream.close()

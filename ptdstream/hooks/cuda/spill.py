@@ -15,7 +15,7 @@ the pinned ring), with bounded writeback
 (:class:`~ptdstream.system.writeback.WritebackWindows`), and digests the bytes
 (xxh3-128) on the way; the :class:`SpilledSource` it returns reads them back
 with ``pread`` at the save, dropping pages as it goes, and the writer refuses
-bytes that no longer match that digest (``expected_fingerprint``).
+bytes that no longer match that digest (``expectation.fingerprint``).
 
 Limits: where the file system has no ``O_TMPFILE``, a kill between creating
 and removing the name leaves an empty ``.ptdstream-spill-*`` file, and on NFS
@@ -32,16 +32,16 @@ import os
 import tempfile
 import threading
 import weakref
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ...defaults import WINDOW_NBYTES
 from ...errors import IntegrityError
 from ...system.files import pwrite_all
 from ...system.pagecache import drop_pages
 from ...system.writeback import WritebackWindows
-from ...sources.base import BufferRing, Source
+from ...sources.base import NO_EXPECTATION, BufferRing, Expectation, Source
 from ...sources.file import pread_pieces
-from ...sources.fingerprint import StreamingDigest
+from ...sources.fingerprint import Fingerprint, StreamingDigest
 
 __all__ = ["SPILL_ALIGNMENT", "SpillFile", "SpilledSource"]
 
@@ -103,17 +103,21 @@ class SpillFile:
         #: bytes of the file so far (the end of the last range, before alignment)
         self.nbytes = 0
 
-    def append(self, source: Source, label: str, chunk_nbytes: int = 8 << 20) -> "SpilledSource":
+    def append(self, source: Source, label: str, chunk_nbytes: int = 8 << 20,
+               gpu_fingerprint: Optional[Fingerprint] = None) -> "SpilledSource":
         """Copy ``source``'s bytes to the end of the file (page-aligned).
 
         Args:
             source: what to spill; its pieces are read once, in order.
             label: what the bytes are, for error messages ("CUDA weight storage ...").
             chunk_nbytes: piece size (bytes) for sources read through a ring.
+            gpu_fingerprint: the GPU fingerprint of the bytes where they came
+                from, if the caller matches them by it (kept, not checked).
 
         Returns:
-            A :class:`SpilledSource` over the range, with ``expected_fingerprint``
-            set to the xxh3-128 digest of the bytes as spilled.
+            A :class:`SpilledSource` over the range whose expectation holds the
+            xxh3-128 digest of the bytes as spilled (``fingerprint``) and
+            ``gpu_fingerprint``.
 
         Raises:
             OSError: the write failed (ENOSPC, EFBIG: names the folder and the
@@ -157,9 +161,8 @@ class SpillFile:
                 raise IntegrityError(f"{label}: {source.describe()} gave {done} bytes, not {source.nbytes}, "
                                      f"when spilled to {self.folder}")
             self.nbytes = offset + done
-            spilled = SpilledSource(self, offset, done, label)
-            spilled.expected_fingerprint = digest.finish()
-            return spilled
+            return SpilledSource(self, offset, done, label,
+                                 Expectation(fingerprint=digest.finish(), gpu_fingerprint=gpu_fingerprint))
 
     def fileno(self) -> int:
         """The descriptor (open while this object or a source of it lives).
@@ -182,21 +185,23 @@ class SpilledSource(Source):
     """``nbytes`` bytes at ``offset`` of a :class:`SpillFile`, read with ``pread``.
 
     Made by :meth:`SpillFile.append`; keeps the spill file open while it lives.
-    ``stands_for`` is an optional fingerprint of the bytes where they came from
-    (a CUDA storage's GPU fingerprint), for callers that matched them by it.
+    ``expectation``: the digest of the bytes as spilled (``fingerprint``) and,
+    optionally, the GPU fingerprint of the bytes where they came from (a CUDA
+    storage's), for callers that matched them by it (``gpu_fingerprint``).
 
     Raises:
         IntegrityError: while reading, when the file ends early or was closed
             (bytes changed through ``/proc/PID/fd`` are refused by the writer,
-            against ``expected_fingerprint``).
+            against ``expectation.fingerprint``).
     """
 
-    def __init__(self, spill: SpillFile, offset: int, nbytes: int, label: str) -> None:  # noqa: D107
+    def __init__(self, spill: SpillFile, offset: int, nbytes: int, label: str,  # noqa: D107
+                 expectation: Expectation = NO_EXPECTATION) -> None:
         self.spill = spill
         self.offset = offset
         self.nbytes = nbytes
         self.label = label
-        self.stands_for = None
+        self._expectation = expectation
 
     def describe(self) -> str:
         return f"{self.label}, spilled to an unlinked temp file in {self.spill.folder} at offset {self.offset}"
@@ -208,6 +213,6 @@ class SpilledSource(Source):
         return pread_pieces(self.spill.fileno(), self.offset, self.nbytes, ring, lambda end: IntegrityError(
             f"{self.describe()}: the spill file ended at offset {end}, {self.nbytes} bytes expected"))
 
-    def gpu_fingerprint(self):
-        """The fingerprint the bytes had where they came from (``stands_for``)."""
-        return self.stands_for
+    def gpu_fingerprint(self) -> Optional[Fingerprint]:
+        """The fingerprint the bytes had where they came from (``expectation.gpu_fingerprint``)."""
+        return self._expectation.gpu_fingerprint
