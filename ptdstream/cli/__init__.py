@@ -19,7 +19,7 @@ import shutil
 import sys
 from typing import List, Optional
 
-from ..system.files import check_regular_inputs, refuse_overwrite
+from ..system.files import check_regular_inputs, refuse_overwrite, refuse_stdout_input, stdout_input
 from . import (cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_recover, cmd_unpack,
                cmd_verify, cmd_weights)
 from .common import (EPILOG, EXIT_OK, EXIT_USAGE, EXPECTED_ERRORS, Parser, UsageError, exit_for, print_error,
@@ -71,6 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             check_regular_inputs(args.inputs(args))
             if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
                 refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
+            refuse_stdout_input(args.inputs(args))  # every command writes to stdout
             return int(args.run(args) or 0)
     except SystemExit as e:  # --help / --version print and exit
         return int(e.code or 0)
@@ -136,12 +137,20 @@ def _report_error(error: BaseException, args: Optional[argparse.Namespace]) -> i
     if spool:
         message = message.replace(spool, "- (stdin)")
     print_error(message)
-    if getattr(args, "json", False):
+    if getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
             print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
         except BrokenPipeError:
             silence_stdout()
     return code
+
+
+def _inputs(args: argparse.Namespace) -> List[str]:
+    """The command's inputs, or none when they cannot be told."""
+    try:
+        return list(args.inputs(args))
+    except Exception:  # noqa: BLE001 - a usage error before the inputs were parsed
+        return []
 
 
 if __name__ == "__main__":  # pragma: no cover
