@@ -44,6 +44,32 @@ def manifest_path_for(path: str) -> str:
     return os.path.splitext(os.fspath(path))[0] + SUFFIX
 
 
+def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDigester) -> List[bytes]:
+    """The xxh3-128 digest of every ``piece_nbytes`` piece of ``source`` (the last
+    may be shorter), feeding ``digester`` the same single read (and finishing it).
+
+    The file is read in reads of at most ``CHUNK_NBYTES`` (one buffer of that
+    size, or of ``piece_nbytes`` when smaller), whatever the piece size: a
+    manifest's piece size is read from the manifest, so it never sizes a buffer.
+    """
+    pieces: List[bytes] = []
+    hasher, filled = xxhash.xxh3_128(), 0
+    for read in source.pieces(BufferRing(min(piece_nbytes, CHUNK_NBYTES), count=1)):
+        digester.update(read)
+        view = memoryview(read)
+        while len(view):
+            n = min(len(view), piece_nbytes - filled)
+            hasher.update(view[:n])
+            view, filled = view[n:], filled + n
+            if filled == piece_nbytes:
+                pieces.append(hasher.digest())
+                hasher, filled = xxhash.xxh3_128(), 0
+    if filled:
+        pieces.append(hasher.digest())
+    digester.finish()
+    return pieces
+
+
 def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[str] = None) -> FileManifest:
     """Read ``path`` once and describe it under ``name`` (default: its base name; a
     save describes its synced temp files under their targets' names). Non-ExecuTorch files get pieces only.
@@ -67,11 +93,7 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[st
     source = FileRangeSource(path)  # reads in pieces, drops the pages behind it
     digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in sections]
                              + [(start, end) for _, start, end in key_ranges])
-    pieces: List[bytes] = []
-    for piece in source.pieces(BufferRing(piece_nbytes, count=1)):
-        pieces.append(xxhash.xxh3_128(piece).digest())
-        digester.update(piece)
-    digester.finish()
+    pieces = piece_digests(source, piece_nbytes, digester)
     keys = tuple((key, end - start, digester.digest(start, end)) for key, start, end in key_ranges)
     sections = tuple(SectionEntry(s.name, s.key, s.offset, s.nbytes, digester.digest(s.offset, s.offset + s.nbytes))
                      for s in sections)
@@ -202,11 +224,7 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
     digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in entry.sections] + list(ranges.values()),
                              entry.block_nbytes)
     source = FileRangeSource(path)
-    pieces: List[bytes] = []
-    for piece in source.pieces(BufferRing(entry.piece_nbytes, count=1)):
-        pieces.append(xxhash.xxh3_128(piece).digest())
-        digester.update(piece)
-    digester.finish()
+    pieces = piece_digests(source, entry.piece_nbytes, digester)
     bad = next((i for i, (w, g) in enumerate(zip(entry.pieces, pieces)) if w != g), None)
     if bad is None and len(entry.pieces) != len(pieces):
         bad = min(len(entry.pieces), len(pieces))

@@ -14,6 +14,9 @@ from ..errors import FormatError
 
 ALGORITHM = "xxh3-128"
 IDENTIFIER = b"PSM1"
+#: The largest block size a manifest may give (bytes): a block is buffered whole
+#: while it is checked (ptdstream writes 4 KiB blocks).
+MAX_BLOCK_NBYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -144,9 +147,14 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
     budget of ``4 * len(data) + 4096``; a manifest that exceeds it is refused
     instead of being expanded.
 
+    Sizes are read as given (the files they describe are checked against them
+    when verified, in bounded reads); a block size above ``MAX_BLOCK_NBYTES``
+    is refused, since a block is buffered whole.
+
     Raises:
         FormatError: wrong identifier, a structure that does not parse or points
-            outside the data, or more work than its size allows.
+            outside the data, more work than its size allows, or a block size
+            above ``MAX_BLOCK_NBYTES``.
     """
     from .manifest_fb.Manifest import Manifest as M
 
@@ -190,6 +198,9 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
                 keys.append((text(k.Key()), k.Size(), _digest(k.Digest())))
             if fe.PieceSize() <= 0:
                 raise ValueError(f"piece size {fe.PieceSize()}")
+            if fe.BlockSize() > MAX_BLOCK_NBYTES:
+                raise FormatError(f"{name}: file entry {i} gives block size {fe.BlockSize()} bytes, more than "
+                                  f"the {MAX_BLOCK_NBYTES} a manifest may give (ptdstream writes 4096); refused")
             files.append(FileManifest(text(fe.Name()), text(fe.Kind()), fe.Size(), fe.PieceSize(), pieces,
                                       tuple(sections), tuple(keys), fe.BlockSize(), blocks))
         return IntegrityManifest(tuple(files), text(root.Algorithm()), root.Version())
