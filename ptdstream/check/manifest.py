@@ -23,6 +23,7 @@ import xxhash
 
 from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError
+from ..format.fb_roots import shown
 from ..format.reader import read_artifact
 from ..reports import Report
 from ..sources import BufferRing, FileRangeSource
@@ -219,7 +220,7 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
     name = os.path.basename(path)
     entry = next((f for f in manifest.files if f.name == name), None)
     if entry is None:
-        return ManifestCheck(path, False, f"{path}: the manifest has no entry named {name!r}")
+        return ManifestCheck(path, False, f"{path}: the manifest has no entry named {shown(name, True)}")
     ranges = manifest_key_ranges(entry.sections, entry.keys)
     digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in entry.sections] + list(ranges.values()),
                              entry.block_nbytes)
@@ -239,15 +240,15 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
     if offset is not None and span is not None:
         parts.append(f"differs in bytes [{offset:,}, {offset + span:,})")
     if section is not None:
-        parts.append(f"section {section.name!r} at {section.offset:,} ({section.nbytes:,} bytes)"
-                     + (f", key {section.key!r}" if section.key else ""))
+        parts.append(f"section {shown(section.name, True)} at {section.offset:,} ({section.nbytes:,} bytes)"
+                     + (f", key {shown(section.key, True)}" if section.key else ""))
     if bad_sections:
-        parts.append("sections differing: " + ", ".join(f"{s.name!r}@{s.offset}" for s in bad_sections[:5])
+        parts.append("sections differing: " + ", ".join(f"{shown(s.name, True)}@{s.offset}" for s in bad_sections[:5])
                      + (f" and {len(bad_sections) - 5} more" if len(bad_sections) > 5 else ""))
     if source.nbytes != entry.nbytes:
         parts.append(f"size {source.nbytes} != {entry.nbytes}")
     if bad_keys:
-        parts.append(f"keys differing: {', '.join(repr(k) for k in bad_keys[:5])}"
+        parts.append(f"keys differing: {', '.join(shown(k, True) for k in bad_keys[:5])}"
                      + (f" and {len(bad_keys) - 5} more" if len(bad_keys) > 5 else ""))
     return ManifestCheck(
         path, False, "; ".join(parts), bad, offset, section.name if section else None,

@@ -66,6 +66,9 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
 
     b = flatbuffers.Builder(1024)
 
+    def string(value: str) -> int:  # names and keys read from files: any bytes (surrogateescape)
+        return b.CreateString(value, errors="surrogateescape")
+
     def digest_vector(start_fn, digests: Sequence[bytes]) -> int:
         start_fn(b, len(digests))
         for d in reversed(digests):
@@ -82,8 +85,8 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
     for fm in manifest.files:
         sections = []
         for s in fm.sections:
-            name = b.CreateString(s.name)
-            key = b.CreateString(s.key) if s.key is not None else None
+            name = string(s.name)
+            key = string(s.key) if s.key is not None else None
             S.SectionStart(b)
             S.SectionAddName(b, name)
             if key is not None:
@@ -96,7 +99,7 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
             sections.append(S.SectionEnd(b))
         keys = []
         for key, nbytes, digest in fm.keys:
-            k = b.CreateString(key)
+            k = string(key)
             KF.KeyFingerprintStart(b)
             KF.KeyFingerprintAddKey(b, k)
             KF.KeyFingerprintAddSize(b, nbytes)
@@ -114,8 +117,8 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
             for check in reversed(fm.blocks):
                 b.PrependUint32(check)
             blocks = b.EndVector()
-        name = b.CreateString(fm.name)
-        kind = b.CreateString(fm.kind)
+        name = string(fm.name)
+        kind = string(fm.kind)
         FE.FileEntryStart(b)
         FE.FileEntryAddName(b, name)
         FE.FileEntryAddKind(b, kind)

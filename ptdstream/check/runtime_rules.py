@@ -92,7 +92,7 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
-from ..format.fb_roots import union_tensor
+from ..format.fb_roots import shown, union_tensor
 from ..format.program_fb.KernelTypes import KernelTypes as KT
 
 HEAD_NBYTES = 64
@@ -300,7 +300,7 @@ def ptd_entry(ptds: Sequence[PtdMap], key: bytes, where: str):
             return ptd, entry
     names = ", ".join(p.path for p in ptds)
     raise RuleError("flat_tensor_data_map.cpp::get_named_data",
-                    f"{where}: key {key.decode(errors='replace')!r} is not in {names}")
+                    f"{where}: key {shown(key, True)} is not in {names}")
 
 
 def ptd_key(ptd: PtdMap, key: bytes, need_layout: bool = False):
@@ -314,14 +314,14 @@ def ptd_key(ptd: PtdMap, key: bytes, need_layout: bool = False):
         if e.Key() != key:
             continue
         idx = e.SegmentIndex()
-        need(idx < root.SegmentsLength(), rule, f"{ptd.path}: key {key.decode(errors='replace')!r} names "
+        need(idx < root.SegmentsLength(), rule, f"{ptd.path}: key {shown(key, True)} names "
               f"segment {idx} of {root.SegmentsLength()}")
         seg = root.Segments(idx)
         end = seg.Offset() + seg.Size()
         need(end <= _U64 and end <= ptd.segment_base_offset + ptd.segment_data_nbytes, rule,
-              f"{ptd.path}: key {key.decode(errors='replace')!r}: segment end {end} beyond segment data")
+              f"{ptd.path}: key {shown(key, True)}: segment end {end} beyond segment data")
         need(not need_layout or e.TensorLayout() is not None, "flat_tensor_data_map.cpp::get_tensor_layout",
-              f"{ptd.path}: key {key.decode(errors='replace')!r} has no tensor_layout")
+              f"{ptd.path}: key {shown(key, True)} has no tensor_layout")
         return e
     return None
 

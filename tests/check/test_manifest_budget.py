@@ -117,7 +117,8 @@ def test_a_lying_piece_size_never_sizes_a_buffer(tmp_path, piece_nbytes):
     (tmp_path / "m.manifest").write_bytes(to_bytes(lying))
     root = os.path.dirname(os.path.dirname(ptdstream.__file__))
     proc = subprocess.run([sys.executable, "-c", _VERIFY_IN_A_CHILD, str(tmp_path / "w.bin"),
-                           str(tmp_path / "m.manifest")], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root), timeout=300)
+                           str(tmp_path / "m.manifest")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=root), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["ok"] is True
