@@ -291,6 +291,16 @@ def list_items(value) -> Optional[Tuple[int, ...]]:
     return struct.unpack_from(f"<{count}{fmt}", tab.Bytes, start)
 
 
+def runtime_key(name):
+    """The key the runtime looks an external tensor up by, given the program's
+    ``fully_qualified_name`` (bytes or str): the flatbuffer string read as a C
+    string, cut at its first NUL (``tensor_parser_exec_aten.cpp`` passes
+    ``fully_qualified_name()->c_str()`` to ``NamedDataMap::get_data`` /
+    ``get_tensor_layout``). The .ptd key it is compared with is taken whole
+    (executorch 1.5.1 refuses a .ptd key ``"w\\0x"`` for a name ``"w"``)."""
+    return name.split(b"\0" if isinstance(name, bytes) else "\0", 1)[0]
+
+
 def ptd_entry(ptds: Sequence[PtdMap], key: bytes, where: str):
     """(.ptd, entry) of the first entry of ``key`` for a tensor of the program
     (``get_tensor_layout``/``load_data_into``: the entry needs a tensor_layout)."""
