@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Iterable, Optional
+from typing import Iterable
 
 
 def pread_exact(fd: int, view: memoryview, offset: int) -> int:
@@ -128,7 +128,7 @@ def refuse_overwrite(inputs: Iterable[str], outputs: Iterable[str], force: bool 
             raise OverwriteError(f"output {output} exists; use -f/--force to replace it")
 
 
-def stdout_input(inputs: Iterable[str], fd: int = 1) -> Optional[str]:
+def stdout_input(inputs: Iterable[str | None], fd: int = 1) -> str | None:
     """The input that file descriptor ``fd`` (standard output) is open on, by
     device and inode (``fstat``, as zstd compares them), or None. Only a regular
     file can be one: a pipe, terminal or ``/dev/null`` never is. Opened in any
@@ -151,7 +151,7 @@ def stdout_input(inputs: Iterable[str], fd: int = 1) -> Optional[str]:
     return None
 
 
-def refuse_stdout_input(inputs: Iterable[str], fd: int = 1) -> None:
+def refuse_stdout_input(inputs: Iterable[str | None], fd: int = 1) -> None:
     """Refuse, before anything is written, a standard output that is one of the
     inputs (:func:`stdout_input`).
 
