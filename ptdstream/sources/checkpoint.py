@@ -418,8 +418,8 @@ def open_checkpoint(path: str, format: str = "auto") -> Checkpoint:
         if folder:
             raise FormatError(f"{path}: a folder, not a torch.save file")
         return TorchCheckpoint(path)
-    if safetensors is not None:
-        return SafetensorsCheckpoint(safetensors)
+    if safetensors is not None or (format == "safetensors" and not folder):
+        return SafetensorsCheckpoint(safetensors or path)
     if format == "safetensors":
         raise FormatError(f"{path}: holds no safetensors checkpoint (*.safetensors or {HF_INDEX_NAME})")
     if folder:

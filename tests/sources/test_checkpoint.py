@@ -189,6 +189,11 @@ def test_a_dcp_folder_is_read_only_when_named(tmp_path):
         open_checkpoint(str(folder), format="torch")
     with pytest.raises(FormatError, match="holds no safetensors checkpoint"):
         open_checkpoint(str(folder), format="safetensors")
+    import safetensors.torch as st
+
+    st.save_file({"w": STATE["w"]}, tmp_path / "weights.bin")  # named as a format, any file name
+    with open_checkpoint(str(tmp_path / "weights.bin"), format="safetensors") as ckpt:
+        assert ckpt.kind == "safetensors" and _bytes(ckpt.source("w")) == _raw(STATE["w"])
     with pytest.raises(ValueError, match="checkpoint format 'pickle' is none of auto, safetensors, torch, dcp"):
         open_checkpoint(str(folder), format="pickle")
     assert not marker.exists()
