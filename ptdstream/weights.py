@@ -336,7 +336,8 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
               key_map: KeyMap = None, allow_extra: bool = False,
               segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT,
               chunk_nbytes: int = CHUNK_NBYTES, window_nbytes: int = WINDOW_NBYTES,
-              progress: Any = False, old_checkpoint: Union[None, str, Checkpoint] = None) -> WeightsReport:
+              progress: Any = False, old_checkpoint: Union[None, str, Checkpoint] = None,
+              format: str = "auto", old_format: str = "auto") -> WeightsReport:
     """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors
     (and, for XNNPACK with ``old_checkpoint``, the new ``.pte``).
 
@@ -348,7 +349,7 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
     Args:
         program: path of the ``.pte`` (only its metadata is read).
         checkpoint: a path (``.safetensors``, a Hugging Face index or folder, a
-            ``torch.save`` file, a DCP folder; see
+            ``torch.save`` file, a DCP folder with ``format="dcp"``; see
             :func:`~ptdstream.sources.checkpoint.open_checkpoint`) or an open
             :class:`~ptdstream.sources.checkpoint.Checkpoint`.
         out_dir: existing folder for the ``<tag>.ptd`` files.
@@ -374,6 +375,13 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
             one with those keys replaced (:mod:`ptdstream.weights_xnnpack`);
             transformed weights are refused by key. Both checkpoints are read
             once more to take SHA-256 digests.
+        format, old_format: how to read ``checkpoint`` and ``old_checkpoint``
+            given as paths: ``"auto"`` (safetensors, a Hugging Face index or
+            folder, or a ``torch.save`` file read with ``weights_only=True``),
+            ``"safetensors"``, ``"torch"``, or ``"dcp"``: a
+            torch.distributed.checkpoint folder, whose metadata is a pickle
+            that runs code when read, so name it only for a trusted checkpoint
+            (it is never detected).
 
     Memory: about two pieces plus metadata for safetensors and ``torch.save``
     checkpoints (mapped, paged out as read); DCP adds the tensor being written.
@@ -383,7 +391,7 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
             mis-ordered keys, delegates, unknown tags: all listed at once, by
             key; nothing written.
         FormatError: the program or a ``like`` file is invalid, or the checkpoint
-            cannot be read.
+            cannot be read (a DCP folder without ``format="dcp"`` included).
         FileNotFoundError: ``out_dir`` does not exist.
         IntegrityError, OSError: a read or write failed (nothing published).
     """
@@ -395,9 +403,14 @@ def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
     if not os.path.isdir(out_dir):
         raise FileNotFoundError(f"{out_dir}: output folder does not exist")
     owned = not isinstance(checkpoint, Checkpoint)
-    ckpt = open_checkpoint(checkpoint) if owned else checkpoint
+    ckpt = open_checkpoint(checkpoint, format) if owned else checkpoint
     old_owned = old_checkpoint is not None and not isinstance(old_checkpoint, Checkpoint)
-    old = open_checkpoint(old_checkpoint) if old_owned else old_checkpoint
+    try:
+        old = open_checkpoint(old_checkpoint, old_format) if old_owned else old_checkpoint
+    except BaseException:
+        if owned:
+            ckpt.close()
+        raise
     try:
         plan, nkeys, changed = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
                                               allow_extra=allow_extra, segment_alignment=segment_alignment,

@@ -94,7 +94,8 @@ def test_ptd_equals_reexport_with_new_weights(exports, tmp_path, kind, model):
     key_map = {"head.weight": "embed.weight"} if model == "tied" and kind != "torch" else None
     if model == "pair":
         key_map = {"pair.": ""}
-    report = write_ptd(str(folder / "A" / "model.pte"), ckpt, str(out), key_map=key_map)
+    report = write_ptd(str(folder / "A" / "model.pte"), ckpt, str(out), key_map=key_map,
+                       format="dcp" if kind == "dcp" else "auto")
     assert sorted(os.listdir(out)) == [PTD]
     assert (out / PTD).read_bytes() == files["B"][PTD]
     assert report.nbytes == len(files["B"][PTD])
@@ -244,7 +245,8 @@ def test_dim_order_mismatch_is_named(tmp_path):
 def test_checkpoint_errors(tmp_path):
     from ptdstream.sources.checkpoint import open_checkpoint
 
-    with pytest.raises(FileNotFoundError, match="neither .metadata"):
+    with pytest.raises(FileNotFoundError, match=r"a directory with neither model.safetensors.index.json, "
+                                                r"model.safetensors, a \*.safetensors file nor .metadata"):
         open_checkpoint(str(tmp_path))
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(FormatError, match="not a Hugging Face safetensors index"):
@@ -315,3 +317,35 @@ def test_cli(exports, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing: 'a.weight' (FLOAT[8, 8] dim order [0, 1]) is not in" in err
     assert "extra: 4 checkpoint key(s) are not weights of the program" in err
+
+
+@pytest.mark.slow
+def test_cli_never_unpickles_a_planted_dcp_metadata(exports, tmp_path, capsys):
+    """A .metadata planted in a Hugging Face folder is not read: the command reads
+    the safetensors; a DCP folder is read only with --format dcp."""
+    import pickle
+
+    from ptdstream.cli import main
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    folder, model_b, files = exports["mlp"]
+    pte = str(folder / "A" / "model.pte")
+    hf = save_checkpoint("hf-sharded", state_of(model_b), tmp_path / "hf")
+    (tmp_path / "hf" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["weights", pte, "--from", hf, "-o", str(out)]) == 0
+    assert not (tmp_path / "pwned").exists()
+    assert (out / PTD).read_bytes() == files["B"][PTD]
+    dcp = save_checkpoint("dcp", state_of(model_b), tmp_path / "d")
+    (out / PTD).unlink()
+    assert main(["weights", pte, "--from", dcp, "-o", str(out)]) == 1
+    assert (f"ptdstream: invalid file: {dcp}: holds .metadata, a torch.distributed.checkpoint (DCP) folder: its "
+            "metadata is a pickle, which runs code when read, so it is never read unasked; pass --format dcp "
+            "(format='dcp') if you trust this checkpoint") in capsys.readouterr().err
+    assert os.listdir(out) == []
+    assert main(["weights", pte, "--from", dcp, "--format", "dcp", "-o", str(out)]) == 0
+    assert (out / PTD).read_bytes() == files["B"][PTD]

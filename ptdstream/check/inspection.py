@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..defaults import CHUNK_NBYTES
 from ..format.artifact import Section, TensorMeta
+from ..format.fb_roots import shown
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from ..sources import BufferRing, FileRangeSource
@@ -145,7 +146,7 @@ class InspectReport(Report):
             for g in self.duplicates:
                 lines.append(f"  {g.nbytes:,} bytes x{len(g.members)} (xxh3-128 {g.digest[:16]}...)")
                 for m in g.members:
-                    lines.append(f"    {m.path} @ {m.start:,}: {m.label}" + (f" {m.key!r}" if m.key else ""))
+                    lines.append(f"    {m.path} @ {m.start:,}: {m.label}" + (f" {shown(m.key, True)}" if m.key else ""))
         else:
             lines.append("duplicated content: none")
         return "\n".join(lines)
@@ -157,7 +158,7 @@ def _file_text(f: FileInspection) -> List[str]:
         lines.append("  header: " + ", ".join(f"{k} {v:,}" for k, v in f.header.items()))
     lines.append("  sections:")
     for s in f.sections:
-        key = f" {s.key!r}" if s.key else ""
+        key = f" {shown(s.key, True)}" if s.key else ""
         lines.append(f"    [{s.start:>10,} {s.end:>10,})  {s.nbytes:>10,}  {s.name}{key}")
     if f.segments:
         lines.append("  segments:")
@@ -169,7 +170,7 @@ def _file_text(f: FileInspection) -> List[str]:
         lines.append(f"  keys ({len(f.keys)}):")
     for k in f.keys:
         layout = f"  {_dtype_name(k.layout.scalar_type)} sizes {list(k.layout.sizes)}" if k.layout else ""
-        lines.append(f"    {k.key!r} -> segment {k.segment_index} ({k.nbytes:,} bytes){layout}")
+        lines.append(f"    {shown(k.key, True)} -> segment {k.segment_index} ({k.nbytes:,} bytes){layout}")
     parts = [f"{c} {f.total(c):,}" for c in ("metadata", "padding", "payload", "trailing") if f.total(c)]
     lines.append("  bytes: " + " + ".join(parts) + f" = {f.file_nbytes:,}")
     return lines

@@ -23,6 +23,7 @@ import xxhash
 
 from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError
+from ..format.fb_roots import shown
 from ..format.reader import read_artifact
 from ..reports import Report
 from ..sources import BufferRing, FileRangeSource
@@ -61,6 +62,32 @@ def manifest_path_for(path: str) -> str:
     return os.path.splitext(os.fspath(path))[0] + SUFFIX
 
 
+def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDigester) -> List[bytes]:
+    """The xxh3-128 digest of every ``piece_nbytes`` piece of ``source`` (the last
+    may be shorter), feeding ``digester`` the same single read (and finishing it).
+
+    The file is read in reads of at most ``CHUNK_NBYTES`` (one buffer of that
+    size, or of ``piece_nbytes`` when smaller), whatever the piece size: a
+    manifest's piece size is read from the manifest, so it never sizes a buffer.
+    """
+    pieces: List[bytes] = []
+    hasher, filled = xxhash.xxh3_128(), 0
+    for read in source.pieces(BufferRing(min(piece_nbytes, CHUNK_NBYTES), count=1)):
+        digester.update(read)
+        view = memoryview(read)
+        while len(view):
+            n = min(len(view), piece_nbytes - filled)
+            hasher.update(view[:n])
+            view, filled = view[n:], filled + n
+            if filled == piece_nbytes:
+                pieces.append(hasher.digest())
+                hasher, filled = xxhash.xxh3_128(), 0
+    if filled:
+        pieces.append(hasher.digest())
+    digester.finish()
+    return pieces
+
+
 def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[str] = None) -> FileManifest:
     """Read ``path`` once and describe it under ``name`` (default: its base name; a
     save describes its synced temp files under their targets' names). Non-ExecuTorch files get pieces only.
@@ -84,11 +111,7 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[st
     source = FileRangeSource(path)  # reads in pieces, drops the pages behind it
     digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in sections]
                              + [(start, end) for _, start, end in key_ranges])
-    pieces: List[bytes] = []
-    for piece in source.pieces(BufferRing(piece_nbytes, count=1)):
-        pieces.append(xxhash.xxh3_128(piece).digest())
-        digester.update(piece)
-    digester.finish()
+    pieces = piece_digests(source, piece_nbytes, digester)
     keys = tuple((key, end - start, digester.digest(start, end)) for key, start, end in key_ranges)
     sections = tuple(SectionEntry(s.name, s.key, s.offset, s.nbytes, digester.digest(s.offset, s.offset + s.nbytes))
                      for s in sections)
@@ -215,16 +238,12 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
     name = os.path.basename(path)
     entry = next((f for f in manifest.files if f.name == name), None)
     if entry is None:
-        return ManifestCheck(path, False, f"{path}: the manifest has no entry named {name!r}")
+        return ManifestCheck(path, False, f"{path}: the manifest has no entry named {shown(name, True)}")
     ranges = manifest_key_ranges(entry.sections, entry.keys)
     digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in entry.sections] + list(ranges.values()),
                              entry.block_nbytes)
     source = FileRangeSource(path)
-    pieces: List[bytes] = []
-    for piece in source.pieces(BufferRing(entry.piece_nbytes, count=1)):
-        pieces.append(xxhash.xxh3_128(piece).digest())
-        digester.update(piece)
-    digester.finish()
+    pieces = piece_digests(source, entry.piece_nbytes, digester)
     bad = next((i for i, (w, g) in enumerate(zip(entry.pieces, pieces)) if w != g), None)
     if bad is None and len(entry.pieces) != len(pieces):
         bad = min(len(entry.pieces), len(pieces))
@@ -239,15 +258,15 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
     if offset is not None and span is not None:
         parts.append(f"differs in bytes [{offset:,}, {offset + span:,})")
     if section is not None:
-        parts.append(f"section {section.name!r} at {section.offset:,} ({section.nbytes:,} bytes)"
-                     + (f", key {section.key!r}" if section.key else ""))
+        parts.append(f"section {shown(section.name, True)} at {section.offset:,} ({section.nbytes:,} bytes)"
+                     + (f", key {shown(section.key, True)}" if section.key else ""))
     if bad_sections:
-        parts.append("sections differing: " + ", ".join(f"{s.name!r}@{s.offset}" for s in bad_sections[:5])
+        parts.append("sections differing: " + ", ".join(f"{shown(s.name, True)}@{s.offset}" for s in bad_sections[:5])
                      + (f" and {len(bad_sections) - 5} more" if len(bad_sections) > 5 else ""))
     if source.nbytes != entry.nbytes:
         parts.append(f"size {source.nbytes} != {entry.nbytes}")
     if bad_keys:
-        parts.append(f"keys differing: {', '.join(repr(k) for k in bad_keys[:5])}"
+        parts.append(f"keys differing: {', '.join(shown(k, True) for k in bad_keys[:5])}"
                      + (f" and {len(bad_keys) - 5} more" if len(bad_keys) > 5 else ""))
     return ManifestCheck(
         path, False, "; ".join(parts), bad, offset, section.name if section else None,

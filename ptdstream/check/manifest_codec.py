@@ -24,6 +24,9 @@ __all__ = [
 
 ALGORITHM = "xxh3-128"
 IDENTIFIER = b"PSM1"
+#: The largest block size a manifest may give (bytes): a block is buffered whole
+#: while it is checked (ptdstream writes 4 KiB blocks).
+MAX_BLOCK_NBYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
 
     b = flatbuffers.Builder(1024)
 
+    def string(value: str) -> int:  # names and keys read from files: any bytes (surrogateescape)
+        return b.CreateString(value, errors="surrogateescape")
+
     def digest_vector(start_fn, digests: Sequence[bytes]) -> int:
         start_fn(b, len(digests))
         for d in reversed(digests):
@@ -89,8 +95,8 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
     for fm in manifest.files:
         sections = []
         for s in fm.sections:
-            name = b.CreateString(s.name)
-            key = b.CreateString(s.key) if s.key is not None else None
+            name = string(s.name)
+            key = string(s.key) if s.key is not None else None
             S.SectionStart(b)
             S.SectionAddName(b, name)
             if key is not None:
@@ -103,7 +109,7 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
             sections.append(S.SectionEnd(b))
         keys = []
         for key, nbytes, digest in fm.keys:
-            k = b.CreateString(key)
+            k = string(key)
             KF.KeyFingerprintStart(b)
             KF.KeyFingerprintAddKey(b, k)
             KF.KeyFingerprintAddSize(b, nbytes)
@@ -121,8 +127,8 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
             for check in reversed(fm.blocks):
                 b.PrependUint32(check)
             blocks = b.EndVector()
-        name = b.CreateString(fm.name)
-        kind = b.CreateString(fm.kind)
+        name = string(fm.name)
+        kind = string(fm.kind)
         FE.FileEntryStart(b)
         FE.FileEntryAddName(b, name)
         FE.FileEntryAddKind(b, kind)
@@ -154,9 +160,14 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
     budget of ``4 * len(data) + 4096``; a manifest that exceeds it is refused
     instead of being expanded.
 
+    Sizes are read as given (the files they describe are checked against them
+    when verified, in bounded reads); a block size above ``MAX_BLOCK_NBYTES``
+    is refused, since a block is buffered whole.
+
     Raises:
         FormatError: wrong identifier, a structure that does not parse or points
-            outside the data, or more work than its size allows.
+            outside the data, more work than its size allows, or a block size
+            above ``MAX_BLOCK_NBYTES``.
     """
     from .manifest_fb.Manifest import Manifest as M
 
@@ -200,6 +211,9 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
                 keys.append((text(k.Key()), k.Size(), _digest(k.Digest())))
             if fe.PieceSize() <= 0:
                 raise ValueError(f"piece size {fe.PieceSize()}")
+            if fe.BlockSize() > MAX_BLOCK_NBYTES:
+                raise FormatError(f"{name}: file entry {i} gives block size {fe.BlockSize()} bytes, more than "
+                                  f"the {MAX_BLOCK_NBYTES} a manifest may give (ptdstream writes 4096); refused")
             files.append(FileManifest(text(fe.Name()), text(fe.Kind()), fe.Size(), fe.PieceSize(), pieces,
                                       tuple(sections), tuple(keys), fe.BlockSize(), blocks))
         return IntegrityManifest(tuple(files), text(root.Algorithm()), root.Version())

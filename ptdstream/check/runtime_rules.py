@@ -92,7 +92,7 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
-from ..format.fb_roots import union_tensor
+from ..format.fb_roots import shown, union_tensor
 from ..format.program_fb.KernelTypes import KernelTypes as KT
 
 __all__ = [
@@ -310,6 +310,16 @@ def list_items(value) -> Optional[Tuple[int, ...]]:
     return struct.unpack_from(f"<{count}{fmt}", tab.Bytes, start)
 
 
+def runtime_key(name):
+    """The key the runtime looks an external tensor up by, given the program's
+    ``fully_qualified_name`` (bytes or str): the flatbuffer string read as a C
+    string, cut at its first NUL (``tensor_parser_exec_aten.cpp`` passes
+    ``fully_qualified_name()->c_str()`` to ``NamedDataMap::get_data`` /
+    ``get_tensor_layout``). The .ptd key it is compared with is taken whole
+    (executorch 1.5.1 refuses a .ptd key ``"w\\0x"`` for a name ``"w"``)."""
+    return name.split(b"\0" if isinstance(name, bytes) else "\0", 1)[0]
+
+
 def ptd_entry(ptds: Sequence[PtdMap], key: bytes, where: str):
     """(.ptd, entry) of the first entry of ``key`` for a tensor of the program
     (``get_tensor_layout``/``load_data_into``: the entry needs a tensor_layout)."""
@@ -319,7 +329,7 @@ def ptd_entry(ptds: Sequence[PtdMap], key: bytes, where: str):
             return ptd, entry
     names = ", ".join(p.path for p in ptds)
     raise RuleError("flat_tensor_data_map.cpp::get_named_data",
-                    f"{where}: key {key.decode(errors='replace')!r} is not in {names}")
+                    f"{where}: key {shown(key, True)} is not in {names}")
 
 
 def ptd_key(ptd: PtdMap, key: bytes, need_layout: bool = False):
@@ -333,14 +343,14 @@ def ptd_key(ptd: PtdMap, key: bytes, need_layout: bool = False):
         if e.Key() != key:
             continue
         idx = e.SegmentIndex()
-        need(idx < root.SegmentsLength(), rule, f"{ptd.path}: key {key.decode(errors='replace')!r} names "
+        need(idx < root.SegmentsLength(), rule, f"{ptd.path}: key {shown(key, True)} names "
               f"segment {idx} of {root.SegmentsLength()}")
         seg = root.Segments(idx)
         end = seg.Offset() + seg.Size()
         need(end <= _U64 and end <= ptd.segment_base_offset + ptd.segment_data_nbytes, rule,
-              f"{ptd.path}: key {key.decode(errors='replace')!r}: segment end {end} beyond segment data")
+              f"{ptd.path}: key {shown(key, True)}: segment end {end} beyond segment data")
         need(not need_layout or e.TensorLayout() is not None, "flat_tensor_data_map.cpp::get_tensor_layout",
-              f"{ptd.path}: key {key.decode(errors='replace')!r} has no tensor_layout")
+              f"{ptd.path}: key {shown(key, True)} has no tensor_layout")
         return e
     return None
 

@@ -21,6 +21,7 @@ from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from . import runtime_registry
 from .runtime_load import runtime_load_checks
+from .runtime_rules import runtime_key
 
 __all__ = ["StructureReport", "check_structure"]
 
@@ -163,13 +164,14 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: List[Artifact]) -> List
     for art in ptds:
         for e in art.named:
             layouts.setdefault(e.key, (art.path, e.layout))
-    missing = [t.fqn for t in pte.external_tensors if t.fqn not in layouts]
+    key = {t.fqn: runtime_key(t.fqn) for t in pte.external_tensors}  # cut at a NUL, as the runtime reads it
+    missing = [t.fqn for t in pte.external_tensors if key[t.fqn] not in layouts]
     checks = [Check(pte_path, "external data", not missing,
                     f"missing from the given .ptd files: {_names(missing)}" if missing
                     else f"all {len(pte.external_tensors)} external tensors found")]
-    wrong = [f"{t.fqn!r} program {t.layout} vs {layouts[t.fqn][0]} {layouts[t.fqn][1]}"
+    wrong = [f"{t.fqn!r} program {t.layout} vs {layouts[key[t.fqn]][0]} {layouts[key[t.fqn]][1]}"
              for t in pte.external_tensors
-             if t.fqn in layouts and layouts[t.fqn][1] is not None and layouts[t.fqn][1] != t.layout]
+             if key[t.fqn] in layouts and layouts[key[t.fqn]][1] is not None and layouts[key[t.fqn]][1] != t.layout]
     checks.append(Check(pte_path, "external layouts", not wrong,
                         "; ".join(wrong[:3]) if wrong else "layouts match where recorded"))
     return checks

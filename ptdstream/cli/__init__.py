@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 
-from ..system.files import check_regular_inputs, refuse_overwrite
+from ..system.files import check_regular_inputs, refuse_overwrite, refuse_stdout_input, stdout_input
 from . import (cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_recover, cmd_unpack,
                cmd_verify, cmd_weights)
 from .common import (EPILOG, EXIT_OK, EXIT_USAGE, EXPECTED_ERRORS, Parser, UsageError, exit_for, print_error,
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             check_regular_inputs(args.inputs(args))
             if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
                 refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
+            refuse_stdout_input(args.inputs(args))  # every command writes to stdout
             return int(args.run(args) or 0)
     except SystemExit as e:  # --help / --version print and exit
         return int(e.code or 0)
@@ -147,12 +148,20 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     if spool:
         message = message.replace(spool, "- (stdin)")
     print_error(message)
-    if getattr(args, "json", False):
+    if getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
             print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
         except BrokenPipeError:
             silence_stdout()
     return code
+
+
+def _inputs(args: argparse.Namespace) -> List[str]:
+    """The command's inputs, or none when they cannot be told."""
+    try:
+        return list(args.inputs(args))
+    except Exception:  # noqa: BLE001 - a usage error before the inputs were parsed
+        return []
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -48,6 +48,8 @@ def _output(args):
 
 
 def _list(art, args) -> int:
+    from ..format.fb_roots import shown
+
     rows = [dict(segment=s.index, offset=s.start, nbytes=s.nbytes, label=s.label, keys=list(s.keys))
             for s in art.segments]
     if args.json:
@@ -55,6 +57,6 @@ def _list(art, args) -> int:
         return EXIT_OK
     print(f"{args.packed}: {art.kind}, {art.file_nbytes:,} bytes, {len(rows)} segments")
     for r in rows:
-        keys = f"  keys: {', '.join(r['keys'])}" if r["keys"] else ""
+        keys = f"  keys: {', '.join(shown(k) for k in r['keys'])}" if r["keys"] else ""
         print(f"  segment {r['segment']:>4}  offset {r['offset']:>14,}  {r['nbytes']:>14,} bytes  {r['label']}{keys}")
     return EXIT_OK

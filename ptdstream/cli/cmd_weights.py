@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..sources.checkpoint import FORMATS
 from .common import EXIT_OK, add_command, print_report, progress_wanted
 
 __all__ = ["register", "run"]
@@ -29,12 +30,13 @@ def register(subparsers) -> None:
         examples=[("ptdstream weights model.pte --from finetuned.safetensors -o out/", "safetensors file"),
                   ("ptdstream weights model.pte --from hf_folder/ --map lm_head.=model.lm_head. -o out/",
                    "Hugging Face folder, other key names"),
-                  ("ptdstream weights model.pte --from dcp_ckpt/ --like old/weights.ptd -o out/",
-                   "torch.distributed.checkpoint folder, tags and key order of an old .ptd"),
+                  ("ptdstream weights model.pte --from dcp_ckpt/ --format dcp --like old/weights.ptd -o out/",
+                   "a trusted torch.distributed.checkpoint folder, tags and key order of an old .ptd"),
                   ("ptdstream weights model.pte --from new.safetensors --old old.safetensors "
                    "--like old/model.ptd -o out/", "XNNPACK with tagged external weights")],
         exit_codes="checkpoints: a .safetensors file, a Hugging Face folder or model.safetensors.index.json, a "
-                   "torch.save state dict, a torch.distributed.checkpoint folder\n"
+                   "torch.save state dict (read with weights_only=True), a torch.distributed.checkpoint folder "
+                   "only with --format dcp (its metadata is a pickle that runs code: trusted checkpoints only)\n"
                    "exit codes: 0 written, 1 the checkpoint does not fit the program (nothing written), "
                    "2 usage error or unreadable input",
         progress=True,
@@ -50,6 +52,10 @@ def register(subparsers) -> None:
     p.add_argument("--old", dest="old_checkpoint", metavar="CHECKPOINT",
                    help="XNNPACK with tagged external weights (with --like): the weights the program was exported "
                         "with; untransformed XNNPACK weights are rewritten and a new .pte is written to OUT")
+    p.add_argument("--format", default="auto", choices=FORMATS,
+                   help="how to read CHECKPOINT (default auto: safetensors or a weights-only torch.save; dcp, "
+                        "whose metadata is a pickle that runs code, only for a checkpoint you trust)")
+    p.add_argument("--old-format", default="auto", choices=FORMATS, help="how to read --old (as --format)")
     p.add_argument("--allow-extra", action="store_true", help="ignore checkpoint keys the program does not use")
     p.add_argument("--segment-alignment", type=int, default=128, help="bytes (default %(default)s)")
 
@@ -60,6 +66,6 @@ def run(args) -> int:
     report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
                        key_map=dict(args.map) or None, allow_extra=args.allow_extra,
                        segment_alignment=args.segment_alignment, progress=progress_wanted(args),
-                       old_checkpoint=args.old_checkpoint)
+                       old_checkpoint=args.old_checkpoint, format=args.format, old_format=args.old_format)
     print_report(args, report)
     return EXIT_OK

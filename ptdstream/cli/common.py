@@ -1,13 +1,15 @@
 """What every ``ptdstream`` command shares: the parser, exit codes, the one mapping
 from errors to exit codes and messages, output and input helpers.
 
-Exit codes: 0 ok; 1 mismatch or invalid file (or a failure inside a command);
+Exit codes: 0 ok; 1 mismatch or invalid file, an output that could not be
+written (disk full: ENOSPC, EDQUOT, EFBIG), or a failure inside a command;
 2 usage error or unreadable input; 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Any
@@ -21,6 +23,8 @@ __all__ = ["EPILOG", "EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "EXPECTED_ERRORS",
            "spool_stdin"]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: Errors only a write raises (no room left): an output not written, exit 1.
+OUTPUT_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 EPILOG = """\
 examples:
@@ -35,13 +39,14 @@ examples:
 
 exit codes:
   0  ok
-  1  files differ, or a file is not a valid .pte/.ptd
+  1  files differ, a file is not a valid .pte/.ptd, or an output could not be written (disk full)
   2  usage error, or an input cannot be read (missing file, permission)
   130  interrupted (Ctrl-C): one line, no temp file left
 """
 
 #: The exit codes line of a command's own epilog.
-EXIT_LINE = "exit codes: 0 ok, 1 corrupt input or mismatch, 2 usage error or unreadable input, 130 interrupted"
+EXIT_LINE = ("exit codes: 0 ok, 1 corrupt input, mismatch or output not written (disk full), 2 usage error or "
+             "unreadable input, 130 interrupted")
 
 
 class UsageError(Exception):
@@ -154,9 +159,10 @@ def exit_for(error: BaseException, command: str | None,
     """The one mapping from an error to ``(exit code, one-line message)``.
 
     Usage errors, bad parameters and keys a file does not hold exit 2; invalid or
-    corrupt input and mismatches exit 1; an input that cannot be read or an output
-    that cannot be written (``outputs``: the command's output paths) exits 2;
-    Ctrl-C 130. Anything else is a failure inside the command (1), in one line.
+    corrupt input and mismatches exit 1; a write that fails for want of room
+    (``ENOSPC``, ``EDQUOT``, ``EFBIG``: an output, file or stdout, not written)
+    exits 1; an input that cannot be read or an output that cannot be opened
+    (``outputs``: the command's output paths, None for stdout) exits 2; Ctrl-C 130. Anything else is a failure inside the command (1), in one line.
     """
     if isinstance(error, UsageError):
         return EXIT_USAGE, str(error)
@@ -170,6 +176,13 @@ def exit_for(error: BaseException, command: str | None,
         return EXIT_INVALID, f"ptdstream {command}: error: {error}"
     if isinstance(error, OSError):
         what = error.strerror or str(error) or type(error).__name__
+        if error.errno in OUTPUT_FULL_ERRNOS:
+            if error.filename:
+                written = _output_of(os.fspath(error.filename), outputs) or error.filename
+                return EXIT_INVALID, f"ptdstream: cannot write {written}: {what}"
+            if None in outputs:
+                return EXIT_INVALID, f"ptdstream: cannot write standard output: {what}"
+            return EXIT_INVALID, f"ptdstream: {what}"
         if error.filename:
             written = _output_of(os.fspath(error.filename), outputs)
             if written is not None:

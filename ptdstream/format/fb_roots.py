@@ -59,3 +59,19 @@ def union_tensor(value: Any) -> Tensor:
 def text(raw: bytes | None) -> str:
     """A flatbuffer string (bytes) as str; undecodable bytes kept as surrogates."""
     return raw.decode("utf-8", "surrogateescape") if raw is not None else ""
+
+
+def shown(value, quote: bool = False) -> str:
+    """How a key or name read from a file is shown in messages and listings: its
+    UTF-8 text, each undecodable byte as ``\\xNN`` (Python's ``backslashreplace``)
+    and each unprintable character (``\\x00``, other controls) escaped the same
+    way. ``value``: bytes, or str as :func:`text` decodes it (surrogateescape);
+    ``quote`` wraps it in single quotes."""
+    if isinstance(value, str):
+        try:
+            value = value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate of no byte: show its code point
+            value = value.encode("utf-8", "backslashreplace")
+    out = "".join(c if c.isprintable() else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+                  for c in bytes(value).decode("utf-8", "backslashreplace"))
+    return f"'{out}'" if quote else out

@@ -12,7 +12,9 @@ Kinds, each read through its own library:
 * a ``torch.save`` state dict (a flat ``{key: tensor}``): ``torch.load(mmap=True,
   weights_only=True)``, read the same way (through the mapping for an archive
   of the other byte order, which ``torch.load`` swaps in memory).
-* a ``torch.distributed.checkpoint`` (DCP) directory: ``FileSystemReader``'s
+* a ``torch.distributed.checkpoint`` (DCP) directory, only when named
+  (``format="dcp"``): its ``.metadata`` is a pickle, which runs code when
+  read, so it is never chosen by detection. ``FileSystemReader``'s
   metadata gives every key's dtype and shape; the bytes are loaded with
   ``torch.distributed.checkpoint.load`` one tensor at a time, into a tensor
   freed as soon as its pieces are written (DCP stores each chunk as a
@@ -35,6 +37,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from ..errors import FormatError, IntegrityError
 from .base import BufferRing, Expectation, Source
 from .fingerprint import Fingerprint, StreamingDigest
+from .safetensors_header import check_safetensors_header
 from .tensor import TensorSource
 
 __all__ = ["Checkpoint", "DcpTensorSource", "open_checkpoint"]
@@ -43,6 +46,8 @@ __all__ = ["Checkpoint", "DcpTensorSource", "open_checkpoint"]
 HF_INDEX_NAME = "model.safetensors.index.json"
 #: The metadata file of a DCP directory (``torch.distributed.checkpoint.filesystem._metadata_fn``).
 DCP_METADATA_NAME = ".metadata"
+#: The formats :func:`open_checkpoint` takes; ``"auto"`` detects all but ``"dcp"``.
+FORMATS = ("auto", "safetensors", "torch", "dcp")
 
 
 @dataclass(frozen=True)
@@ -122,10 +127,12 @@ def _mapped_source(tensor, label: str, read_file: bool = True) -> Source:
 class SafetensorsCheckpoint(Checkpoint):
     """One ``.safetensors`` file, or the shards named by a Hugging Face index.
 
+    Every file's header is checked first (:func:`check_safetensors_header`).
+
     Raises:
         FormatError: an index that is not JSON or has no ``weight_map``, a shard
-            that does not hold the key its index names, or a file safetensors
-            refuses.
+            that does not hold the key its index names, a header that lies, or
+            a file safetensors refuses.
     """
 
     kind = "safetensors"
@@ -145,6 +152,7 @@ class SafetensorsCheckpoint(Checkpoint):
         try:
             for name in files:
                 file = os.path.join(folder, name)
+                check_safetensors_header(file)
                 handle = safe_open(file, framework="pt")
                 self._handles[file] = handle
                 for key in handle.keys():
@@ -360,31 +368,78 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def open_checkpoint(path: str) -> Checkpoint:
-    """Open the checkpoint at ``path``, its kind found from what is there:
+def _safetensors_in(path: str) -> Optional[str]:
+    """The safetensors checkpoint a folder holds: its index, its
+    ``model.safetensors``, or its one ``*.safetensors`` file; None if none.
 
-    * a directory holding ``.metadata``: DCP;
-    * a directory holding ``model.safetensors.index.json`` or ``model.safetensors``,
-      a ``*.safetensors`` file or a ``*.json`` index: safetensors;
-    * any other file: a ``torch.save`` state dict.
+    Raises:
+        FormatError: several ``*.safetensors`` files and no index.
+    """
+    for name in (HF_INDEX_NAME, "model.safetensors"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if len(found) > 1:
+        raise FormatError(f"{path}: {len(found)} .safetensors files ({', '.join(found[:5])}) and no "
+                          f"{HF_INDEX_NAME}: name the file to read")
+    return os.path.join(path, found[0]) if found else None
+
+
+def open_checkpoint(path: str, format: str = "auto") -> Checkpoint:
+    """Open the checkpoint at ``path``.
+
+    ``format="auto"`` finds the kind from what is there, and only among the
+    kinds whose reading runs no code of the checkpoint:
+
+    * a ``*.safetensors`` file, a ``*.json`` Hugging Face index, or a directory
+      holding ``model.safetensors.index.json``, ``model.safetensors`` or a
+      single ``*.safetensors``: safetensors (a ``.metadata`` beside them is
+      ignored);
+    * any other file: a ``torch.save`` state dict, read with
+      ``torch.load(weights_only=True)``.
+
+    ``format="dcp"`` reads a ``torch.distributed.checkpoint`` directory: its
+    ``.metadata`` is a pickle, and unpickling runs whatever code it names, so
+    name this format only for a checkpoint you trust; it is never detected.
+    ``"safetensors"`` and ``"torch"`` name the other kinds.
 
     Raises:
         FileNotFoundError: nothing at ``path``, or a directory of none of these kinds.
-        FormatError: the checkpoint cannot be read (see each kind).
+        FormatError: a directory holding ``.metadata`` and no safetensors, without
+            ``format="dcp"``; a safetensors checkpoint named as DCP; a format
+            that does not fit ``path``; the checkpoint cannot be read (see each kind).
+        ValueError: ``format`` is none of :data:`FORMATS`.
     """
     path = os.fspath(path)
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, DCP_METADATA_NAME)):
-            return DcpCheckpoint(path)
-        for name in (HF_INDEX_NAME, "model.safetensors"):
-            if os.path.isfile(os.path.join(path, name)):
-                return SafetensorsCheckpoint(os.path.join(path, name))
-        raise FileNotFoundError(
-            f"{path}: a directory with neither {DCP_METADATA_NAME} (DCP), {HF_INDEX_NAME} "
-            "nor model.safetensors"
-        )
+    if format not in FORMATS:
+        raise ValueError(f"checkpoint format {format!r} is none of {', '.join(FORMATS)}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint")
-    if path.endswith((".safetensors", ".json")):
-        return SafetensorsCheckpoint(path)
+    folder = os.path.isdir(path)
+    safetensors = _safetensors_in(path) if folder else (path if path.endswith((".safetensors", ".json")) else None)
+    if format == "dcp":
+        if safetensors is not None:
+            raise FormatError(f"{path}: holds a safetensors checkpoint ({os.path.basename(safetensors)}), "
+                              "which is never read as DCP: leave out format='dcp' (--format dcp)")
+        if not folder or not os.path.isfile(os.path.join(path, DCP_METADATA_NAME)):
+            raise FormatError(f"{path}: not a DCP checkpoint (a folder holding {DCP_METADATA_NAME})")
+        return DcpCheckpoint(path)
+    if format == "torch":
+        if folder:
+            raise FormatError(f"{path}: a folder, not a torch.save file")
+        return TorchCheckpoint(path)
+    if safetensors is not None or (format == "safetensors" and not folder):
+        return SafetensorsCheckpoint(safetensors or path)
+    if format == "safetensors":
+        raise FormatError(f"{path}: holds no safetensors checkpoint (*.safetensors or {HF_INDEX_NAME})")
+    if folder:
+        if os.path.isfile(os.path.join(path, DCP_METADATA_NAME)):
+            raise FormatError(
+                f"{path}: holds {DCP_METADATA_NAME}, a torch.distributed.checkpoint (DCP) folder: its metadata is "
+                "a pickle, which runs code when read, so it is never read unasked; pass --format dcp "
+                "(format='dcp') if you trust this checkpoint")
+        raise FileNotFoundError(
+            f"{path}: a directory with neither {HF_INDEX_NAME}, model.safetensors, a *.safetensors file "
+            f"nor {DCP_METADATA_NAME} (DCP, with --format dcp)"
+        )
     return TorchCheckpoint(path)

@@ -130,3 +130,44 @@ def refuse_overwrite(inputs: Iterable[str], outputs: Iterable[str], force: bool 
                 )
         if not force and os.path.lexists(output):
             raise OverwriteError(f"output {output} exists; use -f/--force to replace it")
+
+
+def stdout_input(inputs: Iterable[str | None], fd: int = 1) -> str | None:
+    """The input that file descriptor ``fd`` (standard output) is open on, by
+    device and inode (``fstat``, as zstd compares them), or None. Only a regular
+    file can be one: a pipe, terminal or ``/dev/null`` never is. Opened in any
+    mode (``> F``, ``>> F``, ``1<> F``), writing to it would change the input."""
+    try:
+        out = os.fstat(fd)
+    except OSError:  # closed
+        return None
+    if not stat.S_ISREG(out.st_mode):
+        return None
+    for path in inputs:
+        if path is None:
+            continue
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
+            return path
+    return None
+
+
+def refuse_stdout_input(inputs: Iterable[str | None], fd: int = 1) -> None:
+    """Refuse, before anything is written, a standard output that is one of the
+    inputs (:func:`stdout_input`).
+
+    Raises:
+        OverwriteError: naming the input.
+    """
+    from ..errors import OverwriteError
+
+    inputs = list(inputs)
+    path = stdout_input(inputs, fd)
+    if path is not None:
+        raise OverwriteError(
+            f"standard output is the input {path}: writing to it would change the input; "
+            "redirect stdout to another file or give -o OUT"
+        )

@@ -81,3 +81,81 @@ def test_verify_manifest_exits_1_on_shared_tables(tmp_path, capsys):
     assert cli_main(["verify", str(tmp_path / "w.ptd"), "--manifest", str(tmp_path / "m.manifest")]) == 1
     assert time.perf_counter() - start < 10
     assert "manifest describes more entries" in capsys.readouterr().err
+
+
+_VERIFY_IN_A_CHILD = r"""
+import json, resource, sys, time
+from ptdstream.check.manifest import verify_files
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+report = verify_files(sys.argv[1:-1], sys.argv[-1])
+seconds = time.perf_counter() - start
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+print(json.dumps({"ok": report.ok, "messages": [c.message for c in report.checks], "seconds": seconds,
+                  "grown": grown}))
+"""
+
+
+@pytest.mark.parametrize("piece_nbytes", [4 << 30, 1 << 40, 1 << 63, (1 << 64) - 1])
+def test_a_lying_piece_size_never_sizes_a_buffer(tmp_path, piece_nbytes):
+    """A 2 KB file, its manifest rewritten with a piece size of 4 GiB .. 2^64-1: the
+    file is one piece under either size, so the answer is 'matches', given in a
+    fraction of a second and a few MiB (it allocated the piece size: 4.1 GiB and
+    30 s, MemoryError, OverflowError)."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import ptdstream
+    from ptdstream.check.manifest import to_bytes, write_manifest
+
+    (tmp_path / "w.bin").write_bytes(os.urandom(2048))
+    manifest = write_manifest([str(tmp_path / "w.bin")], str(tmp_path / "m.manifest"))
+    lying = dataclasses.replace(manifest, files=(dataclasses.replace(manifest.files[0], piece_nbytes=piece_nbytes),))
+    (tmp_path / "m.manifest").write_bytes(to_bytes(lying))
+    root = os.path.dirname(os.path.dirname(ptdstream.__file__))
+    proc = subprocess.run([sys.executable, "-c", _VERIFY_IN_A_CHILD, str(tmp_path / "w.bin"),
+                           str(tmp_path / "m.manifest")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=root), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["ok"] is True
+    assert got["messages"] == [f"{tmp_path / 'w.bin'}: matches the manifest (2,048 bytes, 1 piece)"]
+    assert got["seconds"] < 1.0, got
+    assert got["grown"] < 32 << 20, got
+
+
+def test_a_changed_byte_is_still_found_when_pieces_are_larger_than_a_read(tmp_path):
+    """Pieces of 8 MiB + 3 bytes are read in 8 MiB reads: the digests are the same
+    as one read per piece, and a flipped byte in the second piece is named."""
+    import os
+
+    import xxhash
+
+    from ptdstream.check.manifest import verify_manifest, write_manifest
+
+    data = bytearray(os.urandom((8 << 20) * 2 + 100))
+    (tmp_path / "w.bin").write_bytes(data)
+    piece = (8 << 20) + 3
+    manifest = write_manifest([str(tmp_path / "w.bin")], str(tmp_path / "m.manifest"), piece)
+    assert manifest.files[0].pieces == tuple(xxhash.xxh3_128(bytes(data[i:i + piece])).digest()
+                                             for i in range(0, len(data), piece))
+    data[piece + 5] ^= 1
+    (tmp_path / "w.bin").write_bytes(data)
+    check = verify_manifest(str(tmp_path / "w.bin"), manifest)
+    assert not check.ok and check.first_bad_piece == 1 and check.first_bad_offset == (piece + 5) // 4096 * 4096
+
+
+def test_a_block_size_above_the_ceiling_is_refused(tmp_path):
+    import dataclasses
+
+    from ptdstream.check.manifest import to_bytes, write_manifest
+
+    (tmp_path / "w.bin").write_bytes(b"x" * 100)
+    manifest = write_manifest([str(tmp_path / "w.bin")], str(tmp_path / "m.manifest"))
+    lying = dataclasses.replace(manifest, files=(dataclasses.replace(manifest.files[0], block_nbytes=1 << 40),))
+    with pytest.raises(FormatError, match=r"lying: file entry 0 gives block size 1099511627776 bytes, more than "
+                                          r"the 1048576 a manifest may give \(ptdstream writes 4096\); refused"):
+        from_bytes(to_bytes(lying), "lying")

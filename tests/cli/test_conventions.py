@@ -207,3 +207,39 @@ def test_an_os_error_without_errno_keeps_its_message(capsys):
                  "-o", "/nonexistent/out"]) == 2
     err = capsys.readouterr().err
     assert "FileNotFoundError" not in err and err.startswith("ptdstream: ") and "/nonexistent/" in err, err
+
+
+_NO_ROOM = """
+import errno, os, sys
+real_write = os.write
+def write(fd, data):  # every file the command opens is full; stderr still works
+    if fd > 2:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real_write(fd, data)
+os.write = write
+from ptdstream.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_is_an_output_error_exit_1_leaving_nothing(files, tmp_path):
+    """ENOSPC while unpacking (a fault injected in os.write, or stdout on /dev/full) is
+    an output that could not be written: exit 1, the output named, no file left."""
+    from ptdstream.pack import pack
+
+    pack(str(files / "model.pte"), str(tmp_path / "m.zst"))
+    proc = subprocess.run([sys.executable, "-c", _NO_ROOM, "unpack", str(tmp_path / "m.zst"), "-o",
+                           str(tmp_path / "m.pte")], capture_output=True, env=ENV, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert err.startswith("ptdstream: writing ") and err.endswith(f"(for {tmp_path / 'm.pte'}) at offset 0: "
+                                                                  "No space left on device\n")
+    assert os.listdir(tmp_path) == ["m.zst"]
+    if not os.path.exists("/dev/full"):
+        return
+    for argv in (["unpack", tmp_path / "m.zst", "-"], ["pack", files / "model.pte", "-"]):
+        with open("/dev/full", "wb") as full:
+            proc = subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)], stdout=full,
+                                  stderr=subprocess.PIPE, env=ENV, timeout=300)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr == b"ptdstream: cannot write standard output: No space left on device\n"

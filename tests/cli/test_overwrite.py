@@ -13,6 +13,8 @@ from conftest import Mlp, export
 from ptdstream.cli import main as cli_main
 from ptdstream.pack import pack
 
+ROOT = os.path.dirname(os.path.dirname(ptdstream.__file__))  # the ptdstream the subprocesses run
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -114,3 +116,46 @@ def test_the_python_api_keeps_replacing(work):
     out.write_bytes(b"old")
     pack(str(work / "model.pte"), str(out))
     assert out.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"  # a zstd frame
+
+
+def _first_key(work) -> str:
+    from ptdstream.format.reader import read_artifact
+
+    return read_artifact(str(work / "_default_external_constant.ptd")).named[0].key
+
+
+@pytest.mark.parametrize("mode", ["r+b", "ab"], ids=["1<>", ">>"])
+@pytest.mark.parametrize("command", ["pack", "unpack", "extract", "inspect"])
+def test_stdout_opened_on_an_input_is_refused_before_a_byte_is_written(work, command, mode):
+    """``pack F - 1<> F``, ``unpack F.zst - >> F.zst``, ``extract F.zst KEY -o - 1<> F.zst``:
+    stdout is the input itself (same device and inode); the command exits 2 naming
+    it and the input keeps its bytes (a --json error goes to stderr only)."""
+    import subprocess
+    import sys
+
+    target = work / ("model.pte" if command in ("pack", "inspect") else "w.ptd.zst")
+    argv = {"pack": ["pack", target, "-"], "unpack": ["unpack", target, "-"],
+            "extract": ["extract", target, _first_key(work), "-o", "-"], "inspect": ["inspect", target]}[command]
+    before = snapshot(work)
+    for extra in ([], ["--json"]):
+        with open(target, mode) as stdout:
+            proc = subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv), *extra], stdout=stdout,
+                                  stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.decode().strip() == (
+            f"ptdstream {command}: error: standard output is the input {target}: writing to it would change "
+            "the input; redirect stdout to another file or give -o OUT")
+        assert snapshot(work) == before
+
+
+def test_stdout_on_another_file_is_written(work):
+    import subprocess
+    import sys
+
+    with open(work / "copy.zst", "wb") as stdout:
+        proc = subprocess.run([sys.executable, "-m", "ptdstream", "pack", str(work / "model.pte"), "-", "-q"],
+                              stdout=stdout, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT),
+                              timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert cli_main(["unpack", str(work / "copy.zst"), "-o", str(work / "copy.pte"), "-q"]) == 0
+    assert (work / "copy.pte").read_bytes() == (work / "model.pte").read_bytes()

@@ -72,7 +72,7 @@ def test_dcp_one_tensor_at_a_time(tmp_path):
 
     state = dict(STATE, same=STATE["w"].clone(), other=STATE["w"] + 1, note=b"not a tensor")
     dcp.save(state, checkpoint_id=str(tmp_path / "d"), no_dist=True)
-    with open_checkpoint(str(tmp_path / "d")) as ckpt:
+    with open_checkpoint(str(tmp_path / "d"), format="dcp") as ckpt:
         assert ckpt.kind == "dcp" and ckpt.skipped == ["note"]
         assert sorted(ckpt.entries) == ["h", "i", "other", "same", "w"]
         sources = {k: ckpt.source(k) for k in ckpt.entries}
@@ -130,3 +130,111 @@ def test_torch_save_of_native_byte_order_is_read_from_the_file(tmp_path, monkeyp
         for key, t in STATE.items():
             assert _bytes(ckpt.source(key)) == _raw(t)
     assert sum(reads) == sum(t.numel() * t.element_size() for t in STATE.values())
+
+
+class _Payload:
+    """Unpickling it creates the file ``marker``: what a planted pickle could do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant_dcp_metadata(folder, marker) -> None:
+    import pickle
+
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+
+
+@pytest.mark.parametrize("layout", ["model.safetensors", "index", "one-file"])
+def test_a_planted_dcp_metadata_beside_safetensors_is_never_unpickled(tmp_path, layout):
+    import safetensors.torch as st
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    name = "model.safetensors" if layout != "one-file" else "weights.safetensors"
+    st.save_file({"w": STATE["w"]}, folder / name)
+    if layout == "index":
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+    shown = "model.safetensors.index.json" if layout == "index" else name
+    marker = tmp_path / "pwned"
+    _plant_dcp_metadata(folder, marker)
+    with open_checkpoint(str(folder)) as ckpt:
+        assert ckpt.kind == "safetensors" and list(ckpt.entries) == ["w"]
+        assert _bytes(ckpt.source("w")) == _raw(STATE["w"])
+    with pytest.raises(FormatError, match=rf"holds a safetensors checkpoint \({shown}\), which is never read "
+                                          r"as DCP: leave out format='dcp'"):
+        open_checkpoint(str(folder), format="dcp")
+    assert not marker.exists()
+
+
+def test_a_dcp_folder_is_read_only_when_named(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "d"
+    dcp.save({"w": STATE["w"]}, checkpoint_id=str(folder), no_dist=True)
+    with pytest.raises(FormatError, match=r"d: holds .metadata, a torch.distributed.checkpoint \(DCP\) folder: its "
+                                          r"metadata is a pickle, which runs code when read, so it is never read "
+                                          r"unasked; pass --format dcp \(format='dcp'\) if you trust"):
+        open_checkpoint(str(folder))
+    with open_checkpoint(str(folder), format="dcp") as ckpt:
+        assert ckpt.kind == "dcp" and _bytes(ckpt.source("w")) == _raw(STATE["w"])
+    marker = tmp_path / "pwned"
+    _plant_dcp_metadata(folder, marker)
+    with pytest.raises(FormatError, match="pass --format dcp"):
+        open_checkpoint(str(folder))
+    with pytest.raises(FormatError, match="folder, not a torch.save file"):
+        open_checkpoint(str(folder), format="torch")
+    with pytest.raises(FormatError, match="holds no safetensors checkpoint"):
+        open_checkpoint(str(folder), format="safetensors")
+    import safetensors.torch as st
+
+    st.save_file({"w": STATE["w"]}, tmp_path / "weights.bin")  # named as a format, any file name
+    with open_checkpoint(str(tmp_path / "weights.bin"), format="safetensors") as ckpt:
+        assert ckpt.kind == "safetensors" and _bytes(ckpt.source("w")) == _raw(STATE["w"])
+    with pytest.raises(ValueError, match="checkpoint format 'pickle' is none of auto, safetensors, torch, dcp"):
+        open_checkpoint(str(folder), format="pickle")
+    assert not marker.exists()
+
+
+def _lying_safetensors(path, header: dict, data_nbytes: int = 16, header_nbytes=None) -> None:
+    raw = json.dumps(header).encode()
+    n = len(raw) if header_nbytes is None else header_nbytes
+    path.write_bytes(n.to_bytes(8, "little") + raw + bytes(data_nbytes))
+
+
+F32 = "F32"
+
+
+@pytest.mark.parametrize("header, header_nbytes, message", [
+    ({"w": {"dtype": F32, "shape": [8], "data_offsets": [0, 32]}}, None,
+     r"l.safetensors: key 'w': data_offsets \[0, 32\] are not inside the 16 bytes of data \(from file offset \d+\)"),
+    ({"a": {"dtype": F32, "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": F32, "shape": [2], "data_offsets": [4, 12]}}, None,
+     r"l.safetensors: key 'b' at data offset 4 overlaps key 'a' \[0, 8\)"),
+    ({"w": {"dtype": F32, "shape": [2], "data_offsets": [0, 8]}}, 1 << 60,
+     r"l.safetensors: header size 1152921504606846976 at offset 0 is larger than the \d+ bytes after it"),
+    ({"w": {"dtype": F32, "shape": [1 << 62, 1 << 62, 1 << 62], "data_offsets": [0, 16]}}, None,
+     r"l.safetensors: key 'w': shape \[4611686018427387904, .* of F32 needs more than the 16 bytes, "
+     r"data_offsets \[0, 16\] \(from file offset \d+\) hold 16"),
+    ({"w": {"dtype": F32, "shape": [3], "data_offsets": [0, 16]}}, None,
+     r"l.safetensors: key 'w': shape \[3\] of F32 needs 12 bytes, data_offsets \[0, 16\]"),
+    ({"w": {"dtype": F32, "shape": "big", "data_offsets": [0, 16]}}, None,
+     r"l.safetensors: key 'w': the header gives no valid data_offsets \[begin, end\] and shape"),
+], ids=["past-the-file", "overlapping", "header-larger-than-file", "huge-shape", "wrong-size", "no-shape"])
+def test_a_lying_safetensors_header_is_refused_naming_file_key_and_offset(tmp_path, header, header_nbytes,
+                                                                          message):
+    import tracemalloc
+
+    path = tmp_path / "l.safetensors"
+    _lying_safetensors(path, header, header_nbytes=header_nbytes)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=message):
+            open_checkpoint(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
