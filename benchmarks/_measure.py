@@ -29,9 +29,9 @@ import subprocess
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from typing import Any
-from collections.abc import Callable, Iterable
 
 MiB = 1 << 20
 PIECE_NBYTES = 8 * MiB

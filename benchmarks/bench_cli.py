@@ -58,9 +58,8 @@ def _exports(folder: str) -> dict[str, tuple[str, ...]]:
 
     warnings.filterwarnings("ignore")
     import torch
-    from executorch.exir import ExecutorchBackendConfig
-
     from conftest import Mlp, export
+    from executorch.exir import ExecutorchBackendConfig
 
     out = {}
     for name, kwargs in (("mlp", {}), ("mlp-xnnpack", {"xnnpack": True}),

@@ -96,8 +96,8 @@ def run(size_gib: int, out: str, piece: int, sweep=(), upstream_style: bool = Tr
     import torch
 
     from ptdstream import StreamingNamedDataStore
-    from ptdstream.sources.cuda_fingerprint import gpu_fingerprint
     from ptdstream.save import write_data_files
+    from ptdstream.sources.cuda_fingerprint import gpu_fingerprint
 
     nbytes = size_gib << 30
     weights = {f"layers.{i}.weight": torch.empty(1 << 14, 1 << 15, dtype=torch.bfloat16, device="cuda").normal_()
@@ -165,8 +165,8 @@ def run(size_gib: int, out: str, piece: int, sweep=(), upstream_style: bool = Tr
     os.remove(ptd)
 
     # Buffered saves with other windows and writeback depths, with timelines.
-    from ptdstream.timeline import record_stages
     from ptdstream.system import writeback as writeback_module
+    from ptdstream.timeline import record_stages
 
     default_inflight = writeback_module.DEFAULT_INFLIGHT_WINDOWS
     res["sweep"] = []

@@ -58,8 +58,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import (RssSampler, discard_file, files_under, raw_write_fsync, reset_peak_rss,
-                      status_kib, timeline_lines, xxh3_file)
+from _measure import (
+    RssSampler,
+    discard_file,
+    files_under,
+    raw_write_fsync,
+    reset_peak_rss,
+    status_kib,
+    timeline_lines,
+    xxh3_file,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20

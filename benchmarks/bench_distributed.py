@@ -43,13 +43,12 @@ WIDTH = 4096
 
 
 def rank_main(rank: int, world: int, layers: int, out: str, result_dir: str, backend: str = "gloo") -> None:
+    import executorch.exir.tensor  # imports outside the timed part
+    import executorch.extension.flat_tensor.serialize.serialize  # noqa: F401 - imported outside the timed part
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-
-    import executorch.exir.tensor  # imports outside the timed part
-    import executorch.extension.flat_tensor.serialize.serialize  # noqa: F401 - imported outside the timed part
 
     from ptdstream.distributed import write_data_files
 

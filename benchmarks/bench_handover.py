@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _measure import MiB, PIECE_NBYTES, discard_file, files_under, median, run_forked, write_all
+from _measure import PIECE_NBYTES, MiB, discard_file, files_under, median, run_forked, write_all
 
 METHODS = ("ptdstream", "ptdstream-noseal", "raw")
 MIN_RATIO_VS_RAW = 0.95

@@ -110,8 +110,8 @@ class PhasePeaks:
 
 
 def child(args) -> dict:
-    import torch  # noqa: F401 - imported before the export starts
     import optimum.exporters.executorch.recipes.xnnpack as xnnpack_recipe
+    import torch  # noqa: F401 - imported before the export starts
     from executorch.exir import ExecutorchProgramManager
     from optimum.exporters.executorch import main_export
 

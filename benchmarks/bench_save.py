@@ -49,19 +49,19 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _measure import (
-    MiB,
     PIECE_NBYTES,
     ChildError,
+    MiB,
     RssMonitor,
     device_written_nbytes,
     discard_file,
     files_under,
     fsync_dir,
     loadavg1,
-    wait_for_quiet,
     median,
     resident_nbytes,
     run_forked,
+    wait_for_quiet,
     write_all,
     xxh3_file,
 )
@@ -432,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     import torch
     import xxhash  # noqa: F401 - imported before forking
+
     import ptdstream  # noqa: F401 - imported before forking
 
     try:

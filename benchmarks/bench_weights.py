@@ -112,8 +112,8 @@ def _cold(paths) -> None:
 
 
 def child(args) -> dict:
-    import torch  # noqa: F401 - the imports every method needs, before the baseline
     import executorch.exir  # noqa: F401 - imported before the baseline, as torch
+    import torch  # noqa: F401 - the imports every method needs, before the baseline
 
     import ptdstream.weights  # imported before the baseline, as torch
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["progress_callback"]
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from .reports import Report
@@ -48,14 +49,14 @@ class SaveReport(Report):
         manifest_path: the manifest written with ``manifest=True``, else None.
     """
 
-    files: Tuple["FileReport", ...]
+    files: tuple[FileReport, ...]
     nbytes: int
     seconds: float
     gbps: float
     dedup_saved_nbytes: int
     plan_seconds: float
-    options: "PteOptions"
-    manifest_path: Optional[str] = None
+    options: PteOptions
+    manifest_path: str | None = None
 
     def summary(self) -> str:
         lines = [f"{f.path}  {f.nbytes:,} bytes" for f in self.files]
@@ -71,7 +72,7 @@ def save(
     path: str,
     *,
     config: Any = None,
-    data_dir: Optional[str] = None,
+    data_dir: str | None = None,
     chunk_nbytes: int = CHUNK_NBYTES,
     window_nbytes: int = WINDOW_NBYTES,
     progress: Any = False,
@@ -149,15 +150,15 @@ def save(
 
 
 def write_data_files(
-    store: "StreamingNamedDataStore",
+    store: StreamingNamedDataStore,
     folder: str,
     *,
     segment_alignment: int = 128,
     chunk_nbytes: int = CHUNK_NBYTES,
     window_nbytes: int = WINDOW_NBYTES,
-    progress: Optional[Callable[[int], None]] = None,
+    progress: Callable[[int], None] | None = None,
     direct: bool = False,
-) -> List["FileReport"]:
+) -> list[FileReport]:
     """Write each external tag of ``store`` as ``folder/<tag>.ptd`` (embedding API).
 
     For exporters that build a :class:`StreamingNamedDataStore` themselves: the

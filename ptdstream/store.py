@@ -20,7 +20,7 @@ objects (nothing is copied) and digests with xxh3-128 only the buffers whose
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .format.layout import check_alignment
 from .format.plan import DataEntry
@@ -38,10 +38,10 @@ class NamedDataOutput:
     ``external_data`` is ``{tag: {key: DataEntry}}`` with empty tags removed.
     """
 
-    buffers: List[Source]
-    pte_data: Dict[str, DataEntry]
-    external_data: Dict[str, Dict[str, DataEntry]]
-    fingerprints: Dict[int, Fingerprint] = field(default_factory=dict)
+    buffers: list[Source]
+    pte_data: dict[str, DataEntry]
+    external_data: dict[str, dict[str, DataEntry]]
+    fingerprints: dict[int, Fingerprint] = field(default_factory=dict)
 
 
 class StreamingNamedDataStore:
@@ -55,18 +55,18 @@ class StreamingNamedDataStore:
     thread-safe.
     """
 
-    def __init__(self, ring: Optional[BufferRing] = None) -> None:
-        self.buffers: List[Source] = []
-        self.pte_data: Dict[str, DataEntry] = {}
-        self.external_data: Dict[str, Dict[str, DataEntry]] = {}
+    def __init__(self, ring: BufferRing | None = None) -> None:
+        self.buffers: list[Source] = []
+        self.pte_data: dict[str, DataEntry] = {}
+        self.external_data: dict[str, dict[str, DataEntry]] = {}
         self._ring = ring or BufferRing(count=1)
-        self._candidates: Dict[CandidateKey, List[int]] = {}
-        self._fingerprints: Dict[int, Fingerprint] = {}
-        self._key_to_buffer: Dict[str, int] = {}
+        self._candidates: dict[CandidateKey, list[int]] = {}
+        self._fingerprints: dict[int, Fingerprint] = {}
+        self._key_to_buffer: dict[str, int] = {}
         #: Bytes not stored because an equal buffer was already there.
         self.dedup_saved_nbytes = 0
         # Digest of the source being added, computed at most once per add.
-        self._pending: Dict[Source, Fingerprint] = {}
+        self._pending: dict[Source, Fingerprint] = {}
 
     def _buffer_fingerprint(self, index: int) -> Fingerprint:
         fp = self._fingerprints.get(index)
@@ -101,8 +101,8 @@ class StreamingNamedDataStore:
         self,
         key: str,
         data: Any,
-        alignment: Optional[int] = 1,
-        external_tag: Optional[str] = None,
+        alignment: int | None = 1,
+        external_tag: str | None = None,
         tensor_layout: Any = None,
     ) -> None:
         """Add ``data`` under ``key``, in the .pte (``external_tag=None``) or in ``<tag>.ptd``.
@@ -148,7 +148,7 @@ class StreamingNamedDataStore:
         key: str,
         source: Source,
         alignment: int,
-        target: Dict[str, DataEntry],
+        target: dict[str, DataEntry],
         tensor_layout: Any,
     ) -> None:
         existing = self._key_to_buffer.get(key)
@@ -189,7 +189,7 @@ class StreamingNamedDataStore:
         Raises:
             ValueError: a key of ``other`` already holds different data here.
         """
-        sources: Dict[int, Source] = {}
+        sources: dict[int, Source] = {}
 
         def source_of(index: int) -> Any:
             data = other.buffers[index]

@@ -42,8 +42,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Union
 
 from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from .errors import CheckpointMismatchError
@@ -57,7 +58,7 @@ DEFAULT_TAG = "_default_external_constant"
 #: ``FlatTensorConfig.segment_alignment`` (``extension/flat_tensor/serialize/serialize.py``).
 DEFAULT_SEGMENT_ALIGNMENT = 128
 
-KeyMap = Union[None, Mapping[str, str], Callable[[str], Optional[str]]]
+KeyMap = Union[None, Mapping[str, str], Callable[[str], str | None]]
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,9 @@ class ProgramWeights:
     shared by FQNs whose bytes were equal (SHA-256) when the program was exported."""
 
     path: str
-    keys: Dict[str, Any]
-    delegates: Tuple[Tuple[str, str], ...]
-    buffer_index: Dict[str, int] = field(default_factory=dict)
+    keys: dict[str, Any]
+    delegates: tuple[tuple[str, str], ...]
+    buffer_index: dict[str, int] = field(default_factory=dict)
 
 
 def read_program_weights(path: str) -> ProgramWeights:
@@ -80,9 +81,9 @@ def read_program_weights(path: str) -> ProgramWeights:
         FormatError: not a valid ``.pte``.
     """
     from .errors import FormatError
+    from .format.reader import read_artifact
     from .upstream import adapter
     from .upstream.untrusted import parse_program
-    from .format.reader import read_artifact
 
     path = os.fspath(path)
     art = read_artifact(path)
@@ -94,7 +95,7 @@ def read_program_weights(path: str) -> ProgramWeights:
     delegates = tuple(
         (str(plan.name), str(d.id)) for plan in program.execution_plan or [] for d in plan.delegates or []
     )
-    buffer_index: Dict[str, int] = {}
+    buffer_index: dict[str, int] = {}
     for plan in program.execution_plan or []:
         for value in plan.values or []:
             info = getattr(value.val, "extra_tensor_info", None)
@@ -103,11 +104,11 @@ def read_program_weights(path: str) -> ProgramWeights:
     return ProgramWeights(path, layouts, delegates, buffer_index)
 
 
-def _changed_classes(keys, before: Mapping[str, int], after: Mapping[str, int]) -> Tuple[str, ...]:
+def _changed_classes(keys, before: Mapping[str, int], after: Mapping[str, int]) -> tuple[str, ...]:
     """Keys (in ``keys`` order) whose equal-content class differs between two
     ``{key: buffer index}`` maps (each class named by its first key)."""
-    first_before: Dict[int, str] = {}
-    first_after: Dict[int, str] = {}
+    first_before: dict[int, str] = {}
+    first_after: dict[int, str] = {}
     changed = []
     for key in keys:
         if key not in before or key not in after:
@@ -117,14 +118,14 @@ def _changed_classes(keys, before: Mapping[str, int], after: Mapping[str, int]) 
     return tuple(changed)
 
 
-def _mapper(key_map: KeyMap) -> Callable[[str], Optional[str]]:
+def _mapper(key_map: KeyMap) -> Callable[[str], str | None]:
     if key_map is None:
         return lambda k: k
     if callable(key_map):
         return key_map
     pairs = list(key_map.items())
 
-    def rename(key: str) -> Optional[str]:
+    def rename(key: str) -> str | None:
         for old, new in pairs:
             if key.startswith(old):
                 return new + key[len(old):]
@@ -134,15 +135,15 @@ def _mapper(key_map: KeyMap) -> Callable[[str], Optional[str]]:
 
 
 def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag,
-                    problems: List[str]) -> Tuple[Dict[str, List[str]], List[str]]:
+                    problems: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """``{tag: [key, ...]}`` in upstream's order, and the keys of ``like`` files
     that are no program FQN (a delegate's named data), in file order."""
     from .format.reader import read_artifact
 
     if like:
-        out: Dict[str, List[str]] = {}
-        owner: Dict[str, str] = {}
-        foreign: List[str] = []
+        out: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
+        foreign: list[str] = []
         for ptd in like:
             art = read_artifact(os.fspath(ptd))
             if art.kind != "ptd":
@@ -186,13 +187,13 @@ def _describe_layout(layout) -> str:
 
 
 def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_extra: bool,
-           problems: List[str], also_used=frozenset()) -> Dict[str, str]:
+           problems: list[str], also_used=frozenset()) -> dict[str, str]:
     """``{fqn: checkpoint key}``; every problem appended to ``problems``."""
     from executorch.exir.scalar_type import ScalarType
     from executorch.exir.tensor import scalar_type_enum
 
     lookup = _mapper(key_map)
-    chosen: Dict[str, str] = {}
+    chosen: dict[str, str] = {}
     for fqn, layout in program.keys.items():
         key = lookup(fqn)
         if key is None or key not in ckpt.entries:
@@ -247,7 +248,7 @@ class WeightsReport(Report):
     gbps: float
     dedup_saved_nbytes: int
     keys: int
-    pte_classes_changed: Tuple[str, ...] = ()
+    pte_classes_changed: tuple[str, ...] = ()
 
     def summary(self) -> str:
         lines = [f"{f.path}  {f.nbytes:,} bytes" for f in self.files]
@@ -262,7 +263,7 @@ class WeightsReport(Report):
 
 def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Sequence[str] = (),
                    tag=None, key_map: KeyMap = None, allow_extra: bool = False,
-                   segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT, old_checkpoint: Optional[Checkpoint] = None):
+                   segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT, old_checkpoint: Checkpoint | None = None):
     """Check ``checkpoint`` against ``program`` and plan every ``.ptd`` (nothing written).
 
     Returns ``(SavePlan, keys, pte_classes_changed)``: the plan of the ``.ptd``
@@ -277,7 +278,7 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     from .store import StreamingNamedDataStore
 
     weights = program if isinstance(program, ProgramWeights) else read_program_weights(program)
-    problems: List[str] = []
+    problems: list[str] = []
     xnnpack = bool(like) and old_checkpoint is not None and xnn.delegates_all_xnnpack(list(weights.delegates))
     if not xnnpack:
         for method, backend in weights.delegates:
@@ -288,7 +289,7 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
                    if backend == xnn.XNNPACK_ID else ")")
             )
     order, foreign = _tags_and_order(weights, like, tag, problems)
-    matches: Dict[str, Tuple[str, str]] = {}
+    matches: dict[str, tuple[str, str]] = {}
     if foreign and not xnnpack:
         for key in foreign:
             problems.append(f"key {key!r} of a like= file is not an external weight of {weights.path}: named data "
@@ -331,12 +332,12 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     return plan, len(chosen), changed
 
 
-def write_ptd(program: str, checkpoint: Union[str, Checkpoint], out_dir: str, *,
-              like: Sequence[str] = (), tag: Union[None, str, Mapping[str, str], Callable[[str], str]] = None,
+def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
+              like: Sequence[str] = (), tag: None | str | Mapping[str, str] | Callable[[str], str] = None,
               key_map: KeyMap = None, allow_extra: bool = False,
               segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT,
               chunk_nbytes: int = CHUNK_NBYTES, window_nbytes: int = WINDOW_NBYTES,
-              progress: Any = False, old_checkpoint: Union[None, str, Checkpoint] = None,
+              progress: Any = False, old_checkpoint: None | str | Checkpoint = None,
               format: str = "auto", old_format: str = "auto") -> WeightsReport:
     """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors
     (and, for XNNPACK with ``old_checkpoint``, the new ``.pte``).

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
 
 from .sources import BufferRing, FileRangeSource
 
@@ -45,8 +45,8 @@ def sha256_of(source, ring: BufferRing) -> str:
     return h.hexdigest()
 
 
-def match_keys(xnn_keys: List[str], old, new, problems: List[str],
-               lookup: Optional[Callable[[str], Optional[str]]] = None) -> Dict[str, Tuple[str, str]]:
+def match_keys(xnn_keys: list[str], old, new, problems: list[str],
+               lookup: Callable[[str], str | None] | None = None) -> dict[str, tuple[str, str]]:
     """``{old XNNPACK key: (new checkpoint's key, new XNNPACK key)}``; problems appended.
 
     ``old`` and ``new`` are open checkpoints (the old weights, exported, and the
@@ -56,14 +56,14 @@ def match_keys(xnn_keys: List[str], old, new, problems: List[str],
     """
     ring = BufferRing(count=1)
     wanted = set(xnn_keys)
-    by_digest: Dict[str, List[str]] = {}
+    by_digest: dict[str, list[str]] = {}
     for key, entry in old.entries.items():
         if entry.nbytes:
             digest = sha256_of(old.source(key), ring)
             if digest in wanted:
                 by_digest.setdefault(digest, []).append(key)
-    out: Dict[str, Tuple[str, str]] = {}
-    new_keys: Dict[str, str] = {}
+    out: dict[str, tuple[str, str]] = {}
+    new_keys: dict[str, str] = {}
     for xkey in xnn_keys:
         if xkey.startswith("scale_"):
             problems.append(f"XNNPACK key {xkey!r}: a quantization scale (its weight is quantized by XNNPACK); "
@@ -102,10 +102,10 @@ def match_keys(xnn_keys: List[str], old, new, problems: List[str],
     return out
 
 
-def find_once(path: str, keys: List[str], problems: List[str]) -> Dict[str, int]:
+def find_once(path: str, keys: list[str], problems: list[str]) -> dict[str, int]:
     """``{key: file offset}`` of each key's one ASCII occurrence in the file at ``path``
     (read in 8 MiB pieces); a key found 0 or 2+ times is a problem."""
-    positions: Dict[str, set] = {k: set() for k in keys}
+    positions: dict[str, set] = {k: set() for k in keys}
     needles = [(k, k.encode()) for k in keys]
     overlap = max((len(k) for k in keys), default=1) - 1
     with open(path, "rb") as f:
@@ -132,7 +132,7 @@ def find_once(path: str, keys: List[str], problems: List[str]) -> Dict[str, int]
     return out
 
 
-def rewritten_program_plan(path: str, replacements: Dict[int, Tuple[str, str]], name: str):
+def rewritten_program_plan(path: str, replacements: dict[int, tuple[str, str]], name: str):
     """A ``FilePlan`` of the ``.pte`` at ``path`` with the key at each offset replaced
     (``{offset: (old key, new key)}``, equal lengths): the file's own bytes
     streamed around the new keys."""
@@ -152,7 +152,7 @@ def rewritten_program_plan(path: str, replacements: Dict[int, Tuple[str, str]], 
     return FilePlan("pte", name, tuple(extents), nbytes, 0, (), 0)
 
 
-def delegates_all_xnnpack(delegates: List[Tuple[str, str]]) -> Optional[bool]:
+def delegates_all_xnnpack(delegates: list[tuple[str, str]]) -> bool | None:
     """True when every delegate is XNNPACK, None when there is none."""
     if not delegates:
         return None

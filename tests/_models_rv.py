@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Dict, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -60,7 +60,7 @@ class Tied(torch.nn.Module):
 KINDS = ("plain", "mutable", "xnnpack", "external", "xnnpack_ptd", "tied")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(kind: str) -> torch.nn.Module:
     """The seeded eager model behind ``manager(kind)``."""
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def _inputs(kind: str):
     return (torch.randn(2, 4 if kind == "mutable" else 8),)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def manager(kind: str):
     """An ``ExecutorchProgramManager`` for ``kind``:
 
@@ -93,7 +93,7 @@ def manager(kind: str):
     args = _inputs(kind)
     torch.manual_seed(0)
     ep = torch.export.export(m, args, strict=True)
-    config: Dict = {}
+    config: dict = {}
     if kind == "xnnpack_ptd":
         from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
 
@@ -115,7 +115,7 @@ def manager(kind: str):
     return edge.to_executorch(ExecutorchBackendConfig(**config))
 
 
-def write_reference(kind: str, folder, name: str = "model.pte") -> Dict[str, str]:
+def write_reference(kind: str, folder, name: str = "model.pte") -> dict[str, str]:
     """Write ``manager(kind)`` with upstream's ``write_to_file`` and
     ``write_tensor_data_to_file`` into ``folder``; ``{file name: path}``."""
     folder = os.fspath(folder)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Dict
 
 import pytest
 import torch
@@ -81,7 +80,7 @@ def export(models, *, xnnpack: bool = False, config=None, inputs=None):
     return edge.to_executorch(config or ExecutorchBackendConfig())
 
 
-def reference_files(manager, folder: str) -> Dict[str, bytes]:
+def reference_files(manager, folder: str) -> dict[str, bytes]:
     """What upstream's write_to_file + write_tensor_data_to_file put in ``folder``."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "model.pte"), "wb") as f:
@@ -121,7 +120,7 @@ def mapped_rss(path) -> int:
     return total
 
 
-def read_folder(folder: str) -> Dict[str, bytes]:
+def read_folder(folder: str) -> dict[str, bytes]:
     out = {}
     for name in sorted(os.listdir(folder)):
         with open(os.path.join(folder, name), "rb") as f:
@@ -129,7 +128,7 @@ def read_folder(folder: str) -> Dict[str, bytes]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _seeded(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return {"mlp": Mlp, "tied": TiedLM, "buffer": WithBuffer}[name]()

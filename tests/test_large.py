@@ -11,10 +11,9 @@ import time
 
 import pytest
 import torch
+from conftest import export, reference_files
 
 import ptdstream
-
-from conftest import export, reference_files
 
 pytestmark = pytest.mark.slow
 

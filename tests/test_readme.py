@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def readme_blocks() -> List[Tuple[int, str, str]]:
+def readme_blocks() -> list[tuple[int, str, str]]:
     """``(line, language, code)`` of each fenced ``python``/``sh`` block."""
     text = README.read_text()
     blocks = []

@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
+from conftest import Mlp, TiedLM, WithBuffer, export, read_folder, reference_files
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
 from ptdstream.errors import LayoutError
-
-from conftest import Mlp, TiedLM, WithBuffer, export, read_folder, reference_files
 
 
 def assert_identical(manager, tmp_path, **save_kwargs):

@@ -174,8 +174,8 @@ def test_write_data_files_matches_flat_tensor_serializer(tmp_path):
 
 
 def test_dimension_beyond_int32_is_refused_with_the_key(tmp_path):
-    from executorch.exir.tensor_layout import TensorLayout
     from executorch.exir.scalar_type import ScalarType
+    from executorch.exir.tensor_layout import TensorLayout
 
     from ptdstream.errors import LayoutError
 

@@ -11,9 +11,6 @@ import pathlib
 import re
 import threading
 import types
-from typing import Dict, Set
-
-import pytest
 
 import ptdstream
 
@@ -35,7 +32,7 @@ LAYERS = {
 }
 
 
-def _modules() -> Dict[str, pathlib.Path]:
+def _modules() -> dict[str, pathlib.Path]:
     found = {}
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).with_suffix("").as_posix()
@@ -55,9 +52,9 @@ def _layer(module: str) -> int:
     raise AssertionError(f"module ptdstream.{module} is in no layer: add it to LAYERS and ARCHITECTURE.md")
 
 
-def _imports(modules: Dict[str, pathlib.Path]) -> Dict[str, Set[str]]:
+def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     """Module -> the package modules it imports (any scope)."""
-    graph: Dict[str, Set[str]] = {m: set() for m in modules}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -98,7 +95,7 @@ def test_every_module_is_in_a_layer_and_imports_point_down():
 def test_no_import_cycles():
     graph = _imports(_modules())
     cycles = []
-    state: Dict[str, int] = {}
+    state: dict[str, int] = {}
 
     def visit(node, stack):
         state[node] = 1
@@ -125,7 +122,7 @@ def _folder(module: str) -> str:
 def test_no_two_folders_import_each_other():
     """Folders as units (``hooks`` imports ``sources``, so nothing in ``sources`` may import
     ``hooks``), function-level imports counted; cycles of any length are reported."""
-    graph: Dict[str, Set[str]] = {}
+    graph: dict[str, set[str]] = {}
     for module, targets in _imports(_modules()).items():
         for target in targets:
             if target and module and _folder(target) != _folder(module):

@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-
 from _checkpoints import save_checkpoint, state_of
 from conftest import Mlp, TiedLM, export, reference_files
 
@@ -268,9 +267,9 @@ def test_checkpoint_is_never_resident_whole(tmp_path, kind):
     """A 64 MiB checkpoint, written in 1 MiB pieces: at no piece more than 8 MiB of
     it is mapped into the process (each piece is read with pread and its pages
     dropped once copied)."""
+    from conftest import mapped_rss
     from executorch.exir import ExecutorchBackendConfig
 
-    from conftest import mapped_rss
     from ptdstream.system.pagecache import resident_nbytes
 
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-
 from _checkpoints import save_checkpoint, state_of
 from conftest import Mlp, reference_files
 

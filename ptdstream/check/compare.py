@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError
-from ..upstream import adapter
 from ..format.ptd import ptd_file_name
 from ..format.reader import Artifact, parse_artifact, read_artifact
 from ..progress import progress_callback
 from ..reports import Report
 from ..sources import BufferRing, as_source
 from ..system.pagecache import drop_read
+from ..upstream import adapter
 
 __all__ = ["CompareReport", "compare_files", "cord_pieces", "verify_against_manager"]
 
@@ -45,15 +45,15 @@ class CompareReport(Report):
 
     out_path: str
     ref_path: str
-    out_nbytes: Optional[int]
+    out_nbytes: int | None
     ref_nbytes: int
-    first_diff_offset: Optional[int] = None
-    section: Optional[str] = None
-    key: Optional[str] = None
-    out_byte: Optional[int] = None
-    ref_byte: Optional[int] = None
-    map_source: Optional[str] = None
-    error: Optional[str] = None
+    first_diff_offset: int | None = None
+    section: str | None = None
+    key: str | None = None
+    out_byte: int | None = None
+    ref_byte: int | None = None
+    map_source: str | None = None
+    error: str | None = None
 
     derived = ("ok",)
 
@@ -78,7 +78,7 @@ class CompareReport(Report):
 
 
 
-def _byte(value: Optional[int]) -> str:
+def _byte(value: int | None) -> str:
     return "<end of file>" if value is None else f"0x{value:02x}"
 
 
@@ -125,7 +125,7 @@ class _PieceFiller:
         return got
 
 
-def _first_difference(a, b, chunk_nbytes: int) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+def _first_difference(a, b, chunk_nbytes: int) -> tuple[int | None, int | None, int | None]:
     """(offset, byte of a, byte of b) of the first difference of two fillers, or Nones."""
     if chunk_nbytes <= 0:
         raise ValueError(f"chunk_nbytes must be > 0, got {chunk_nbytes}")
@@ -152,7 +152,7 @@ def _first_difference(a, b, chunk_nbytes: int) -> Tuple[Optional[int], Optional[
         return offset + n, (buf_a[n] if na > n else None), (buf_b[n] if nb > n else None)
 
 
-def _name_offset(offset: Optional[int], maps: Sequence[Tuple[str, Callable[[], Artifact]]]):
+def _name_offset(offset: int | None, maps: Sequence[tuple[str, Callable[[], Artifact]]]):
     """(section, key, map source) of ``offset`` in the first map that parses and covers it."""
     if offset is None:
         return None, None, None
@@ -251,8 +251,8 @@ def reference_label(name: str) -> str:
 
 
 def verify_against_manager(
-    manager, pte_path: str, data_dir: Optional[str] = None, chunk_nbytes: int = CHUNK_NBYTES
-) -> List[CompareReport]:
+    manager, pte_path: str, data_dir: str | None = None, chunk_nbytes: int = CHUNK_NBYTES
+) -> list[CompareReport]:
     """Compare saved files with ``manager``'s own upstream serialization.
 
     The reference is streamed from the manager's ``Cord`` pieces (never written,

@@ -14,8 +14,8 @@ Nothing is written.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..defaults import CHUNK_NBYTES
 from ..format.artifact import Section, TensorMeta
@@ -31,7 +31,7 @@ _METADATA = {"flatbuffer", "extended header", "flat tensor header"}
 _PADDING = {"padding", "header padding"}
 
 
-def alignment_of(offset: int) -> Optional[int]:
+def alignment_of(offset: int) -> int | None:
     """Largest power of two dividing ``offset`` (bytes); None for offset 0 (any)."""
     return offset & -offset if offset > 0 else None
 
@@ -43,12 +43,12 @@ class SegmentInfo:
 
     index: int
     label: str
-    keys: Tuple[str, ...]
+    keys: tuple[str, ...]
     offset: int
     start: int
     end: int
     nbytes: int
-    alignment: Optional[int]
+    alignment: int | None
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class KeyInfo:
     key: str
     segment_index: int
     nbytes: int
-    layout: Optional[TensorMeta]
+    layout: TensorMeta | None
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class BreakdownRow:
 
     category: str
     name: str
-    key: Optional[str]
+    key: str | None
     nbytes: int
 
 
@@ -80,12 +80,12 @@ class FileInspection:
     kind: str
     identifier: str
     file_nbytes: int
-    header: Optional[dict]
+    header: dict | None
     segment_base_offset: int
-    sections: Tuple[Section, ...]
-    segments: Tuple[SegmentInfo, ...]
-    keys: Tuple[KeyInfo, ...]
-    breakdown: Tuple[BreakdownRow, ...]
+    sections: tuple[Section, ...]
+    segments: tuple[SegmentInfo, ...]
+    keys: tuple[KeyInfo, ...]
+    breakdown: tuple[BreakdownRow, ...]
 
     def total(self, category: str) -> int:
         """Bytes of ``category`` in this file."""
@@ -99,7 +99,7 @@ class DuplicateMember:
     path: str
     segment_index: int
     label: str
-    key: Optional[str]
+    key: str | None
     start: int
 
 
@@ -109,7 +109,7 @@ class DuplicateGroup:
 
     nbytes: int
     digest: str
-    members: Tuple[DuplicateMember, ...]
+    members: tuple[DuplicateMember, ...]
 
     @property
     def duplicated_nbytes(self) -> int:
@@ -121,8 +121,8 @@ class DuplicateGroup:
 class InspectReport(Report):
     """Every file inspected, and the duplicate groups across all of them."""
 
-    files: Tuple[FileInspection, ...]
-    duplicates: Tuple[DuplicateGroup, ...]
+    files: tuple[FileInspection, ...]
+    duplicates: tuple[DuplicateGroup, ...]
 
     @property
     def duplicated_nbytes(self) -> int:
@@ -138,7 +138,7 @@ class InspectReport(Report):
 
     def summary(self) -> str:
         """Human-readable text: per file, its sections, segments, keys and breakdown."""
-        lines: List[str] = []
+        lines: list[str] = []
         for f in self.files:
             lines += _file_text(f)
         if self.duplicates:
@@ -152,7 +152,7 @@ class InspectReport(Report):
         return "\n".join(lines)
 
 
-def _file_text(f: FileInspection) -> List[str]:
+def _file_text(f: FileInspection) -> list[str]:
     lines = [f"{f.path}: {f.kind} ({f.identifier}), {f.file_nbytes:,} bytes"]
     if f.header is not None:
         lines.append("  header: " + ", ".join(f"{k} {v:,}" for k, v in f.header.items()))
@@ -176,9 +176,9 @@ def _file_text(f: FileInspection) -> List[str]:
     return lines
 
 
-def _breakdown(art: Artifact) -> Tuple[BreakdownRow, ...]:
-    totals: Dict[str, int] = {}
-    payload: List[BreakdownRow] = []
+def _breakdown(art: Artifact) -> tuple[BreakdownRow, ...]:
+    totals: dict[str, int] = {}
+    payload: list[BreakdownRow] = []
     for s in art.sections():
         if s.name in _METADATA:
             totals[s.name] = totals.get(s.name, 0) + s.nbytes
@@ -236,7 +236,7 @@ def inspect_files(paths: Sequence[str], chunk_nbytes: int = CHUNK_NBYTES) -> Ins
     """
     arts = [read_artifact(os.fspath(p)) for p in paths]
     ring = BufferRing(chunk_nbytes, count=1)
-    groups: Dict[Tuple[int, bytes], List[DuplicateMember]] = {}
+    groups: dict[tuple[int, bytes], list[DuplicateMember]] = {}
     for art in arts:
         for index, label, key, start, nbytes in _units(art):
             digest = StreamingDigest()

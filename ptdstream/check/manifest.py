@@ -16,8 +16,8 @@ difference lies, and every section and key whose bytes differ
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
 
 import xxhash
 
@@ -29,10 +29,23 @@ from ..reports import Report
 from ..sources import BufferRing, FileRangeSource
 from ..write.sink import ChunkedFileSink
 from .manifest_codec import (  # noqa: F401 - the manifest's data and bytes, re-exported
-    ALGORITHM, IDENTIFIER, FileManifest, IntegrityManifest, SectionEntry, from_bytes, to_bytes,
+    ALGORITHM,
+    IDENTIFIER,
+    FileManifest,
+    IntegrityManifest,
+    SectionEntry,
+    from_bytes,
+    to_bytes,
 )
 from .manifest_narrow import (
-    BLOCK_NBYTES, RangeDigester, bad_keys_of, differing_sections, key_ranges as manifest_key_ranges, locate,
+    BLOCK_NBYTES,
+    RangeDigester,
+    bad_keys_of,
+    differing_sections,
+    locate,
+)
+from .manifest_narrow import (
+    key_ranges as manifest_key_ranges,
 )
 
 __all__ = [
@@ -62,7 +75,7 @@ def manifest_path_for(path: str) -> str:
     return os.path.splitext(os.fspath(path))[0] + SUFFIX
 
 
-def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDigester) -> List[bytes]:
+def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDigester) -> list[bytes]:
     """The xxh3-128 digest of every ``piece_nbytes`` piece of ``source`` (the last
     may be shorter), feeding ``digester`` the same single read (and finishing it).
 
@@ -70,7 +83,7 @@ def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDig
     size, or of ``piece_nbytes`` when smaller), whatever the piece size: a
     manifest's piece size is read from the manifest, so it never sizes a buffer.
     """
-    pieces: List[bytes] = []
+    pieces: list[bytes] = []
     hasher, filled = xxhash.xxh3_128(), 0
     for read in source.pieces(BufferRing(min(piece_nbytes, CHUNK_NBYTES), count=1)):
         digester.update(read)
@@ -88,7 +101,7 @@ def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDig
     return pieces
 
 
-def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[str] = None) -> FileManifest:
+def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: str | None = None) -> FileManifest:
     """Read ``path`` once and describe it under ``name`` (default: its base name; a
     save describes its synced temp files under their targets' names). Non-ExecuTorch files get pieces only.
 
@@ -119,7 +132,7 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: Optional[st
                         BLOCK_NBYTES, tuple(digester.blocks))
 
 
-def manifest_sink(files: Sequence[Tuple[str, str]], out_path: str,
+def manifest_sink(files: Sequence[tuple[str, str]], out_path: str,
                   piece_nbytes: int = CHUNK_NBYTES) -> ChunkedFileSink:
     """A synced, unpublished sink for ``out_path`` holding the manifest of
     ``[(path to read, name to record)]``: a save describes its synced temp files
@@ -164,13 +177,13 @@ class ManifestCheck(Report):
     path: str
     ok: bool
     message: str
-    first_bad_piece: Optional[int] = None
-    first_bad_offset: Optional[int] = None
-    section: Optional[str] = None
-    key: Optional[str] = None
-    bad_keys: Tuple[str, ...] = field(default=())
-    bad_sections: Tuple[Tuple[str, Optional[str], int, int], ...] = field(default=())
-    bad_nbytes: Optional[int] = None
+    first_bad_piece: int | None = None
+    first_bad_offset: int | None = None
+    section: str | None = None
+    key: str | None = None
+    bad_keys: tuple[str, ...] = field(default=())
+    bad_sections: tuple[tuple[str, str | None, int, int], ...] = field(default=())
+    bad_nbytes: int | None = None
 
     def summary(self) -> str:
         return ("OK " if self.ok else "BAD ") + self.message
@@ -181,7 +194,7 @@ class ManifestReport(Report):
     """Every file checked against one manifest; ``ok`` when all match."""
 
     manifest_path: str
-    checks: Tuple[ManifestCheck, ...]
+    checks: tuple[ManifestCheck, ...]
 
     derived = ("ok",)
 

@@ -5,8 +5,8 @@ and :func:`from_bytes` (bounded work on untrusted input)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import flatbuffers
 
@@ -35,10 +35,10 @@ class SectionEntry:
     the xxh3-128 digest of its bytes."""
 
     name: str
-    key: Optional[str]
+    key: str | None
     offset: int
     nbytes: int
-    digest: Optional[bytes] = None
+    digest: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,18 @@ class FileManifest:
     kind: str
     nbytes: int
     piece_nbytes: int
-    pieces: Tuple[bytes, ...]
-    sections: Tuple[SectionEntry, ...]
-    keys: Tuple[Tuple[str, int, bytes], ...]
+    pieces: tuple[bytes, ...]
+    sections: tuple[SectionEntry, ...]
+    keys: tuple[tuple[str, int, bytes], ...]
     block_nbytes: int = 0
-    blocks: Tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class IntegrityManifest:
     """A whole manifest: one :class:`FileManifest` per file, in the order given."""
 
-    files: Tuple[FileManifest, ...]
+    files: tuple[FileManifest, ...]
     algorithm: str = ALGORITHM
     version: int = 2
 
@@ -85,7 +85,7 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
             CreateDigest128(b, int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little"))
         return b.EndVector()
 
-    def table_vector(start_fn, offsets: List[int]) -> int:
+    def table_vector(start_fn, offsets: list[int]) -> int:
         start_fn(b, len(offsets))
         for o in reversed(offsets):
             b.PrependUOffsetTRelative(o)

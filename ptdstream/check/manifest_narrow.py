@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import xxhash
 
@@ -40,12 +40,12 @@ class RangeDigester:
     hasher); ``block_nbytes`` 0 records no blocks.
     """
 
-    def __init__(self, ranges: Sequence[Tuple[int, int]], block_nbytes: int = BLOCK_NBYTES) -> None:
+    def __init__(self, ranges: Sequence[tuple[int, int]], block_nbytes: int = BLOCK_NBYTES) -> None:
         self.unique = sorted(set((s, e) for s, e in ranges if e > s))
         self.starts = [s for s, _ in self.unique]
         self.sorted_ends = all(a[1] <= b[0] for a, b in zip(self.unique, self.unique[1:]))
-        self.hashers: Dict[Tuple[int, int], "xxhash.xxh3_128"] = {}
-        self.seen: Dict[Tuple[int, int], int] = {}
+        self.hashers: dict[tuple[int, int], xxhash.xxh3_128] = {}
+        self.seen: dict[tuple[int, int], int] = {}
         self.block_nbytes = block_nbytes
         self.blocks = array("I")
         self.pending = bytearray()
@@ -84,14 +84,14 @@ class RangeDigester:
             self.pending += view[whole:]
         self.offset += n
 
-    def finish(self) -> "RangeDigester":
+    def finish(self) -> RangeDigester:
         """Close the last (shorter) block; call once after the last piece."""
         if self.pending:
             self.blocks.append(block_check(self.pending))
             self.pending = bytearray()
         return self
 
-    def digest(self, start: int, end: int) -> Optional[bytes]:
+    def digest(self, start: int, end: int) -> bytes | None:
         """xxh3-128 of ``[start, end)``, None when the file did not hold all of it."""
         if end <= start:
             return xxhash.xxh3_128(b"").digest()
@@ -101,7 +101,7 @@ class RangeDigester:
         return self.hashers[r].digest()
 
 
-def key_ranges(sections, keys) -> Dict[str, Tuple[int, int]]:
+def key_ranges(sections, keys) -> dict[str, tuple[int, int]]:
     """Byte range of each manifest key: the section naming it, or the section of a key
     with the same fingerprint (a key stored once under several names)."""
     by_key = {s.key: (s.offset, s.offset + s.nbytes) for s in sections if s.key is not None}
@@ -114,7 +114,7 @@ def key_ranges(sections, keys) -> Dict[str, Tuple[int, int]]:
     return out
 
 
-def first_bad_block(want: Sequence[int], got: Sequence[int]) -> Optional[int]:
+def first_bad_block(want: Sequence[int], got: Sequence[int]) -> int | None:
     """Index of the first block whose check differs (or is missing), None if all agree."""
     for i, (w, g) in enumerate(zip(want, got)):
         if w != g:
@@ -130,16 +130,16 @@ def section_at(sections, offset: int):
     return None
 
 
-def differing_sections(sections, digester: RangeDigester) -> List:
+def differing_sections(sections, digester: RangeDigester) -> list:
     """Sections whose recorded digest differs from the file's (or that the file cuts)."""
     return [s for s in sections if s.digest is not None and digester.digest(s.offset, s.offset + s.nbytes) != s.digest]
 
 
-def bad_keys_of(path: str, entry, ranges: Dict[str, Tuple[int, int]], digester: RangeDigester) -> Tuple[str, ...]:
+def bad_keys_of(path: str, entry, ranges: dict[str, tuple[int, int]], digester: RangeDigester) -> tuple[str, ...]:
     """Keys of manifest ``entry`` whose bytes, at the range the manifest gives them, differ
     from their fingerprint. A key whose range the manifest does not record (none in
     practice) is looked up in the file as it parses now."""
-    located: Dict[str, Tuple[int, int]] = {}
+    located: dict[str, tuple[int, int]] = {}
     if any(k not in ranges for k, _, _ in entry.keys):
         try:
             art = read_artifact(path)
@@ -162,7 +162,7 @@ def bad_keys_of(path: str, entry, ranges: Dict[str, Tuple[int, int]], digester: 
     return tuple(bad)
 
 
-def locate(entry, bad_piece: Optional[int], digester: RangeDigester, nbytes: int, bad_sections, bad_keys):
+def locate(entry, bad_piece: int | None, digester: RangeDigester, nbytes: int, bad_sections, bad_keys):
     """(offset, nbytes, section) of the first difference: the first differing block cut to
     the first differing section inside it (version >= 2), else the bad piece (with the
     section of its first differing key, version 1), else where the size changes."""

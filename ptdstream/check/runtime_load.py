@@ -9,7 +9,8 @@ detail)`` for each method. A failed detail names the rule's upstream function.
 
 from __future__ import annotations
 
-from typing import AbstractSet, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import AbstractSet
 
 from ..format.fb_roots import flat_tensor_root, program_root
 from .runtime_method import check_method
@@ -23,9 +24,9 @@ def _read(path: str, nbytes: int) -> bytes:
         return f.read(nbytes)
 
 
-def runtime_load_checks(pte_path: str, pte_art, ptds: Sequence[Tuple[str, object]] = (),
-                        operators: Optional[AbstractSet[str]] = None, backends: Optional[AbstractSet[str]] = None,
-                        max_planned_nbytes: Optional[int] = None) -> List[Tuple[str, bool, str]]:
+def runtime_load_checks(pte_path: str, pte_art, ptds: Sequence[tuple[str, object]] = (),
+                        operators: AbstractSet[str] | None = None, backends: AbstractSet[str] | None = None,
+                        max_planned_nbytes: int | None = None) -> list[tuple[str, bool, str]]:
     """Results of the runtime's program and method load rules.
 
     Args:
@@ -40,7 +41,7 @@ def runtime_load_checks(pte_path: str, pte_art, ptds: Sequence[Tuple[str, object
         OSError: a file cannot be read.
     """
     limit = default_planned_limit() if max_planned_nbytes is None else max_planned_nbytes
-    out: List[Tuple[str, bool, str]] = []
+    out: list[tuple[str, bool, str]] = []
     pte = ProgramFile(pte_path, program_root(_read(pte_path, pte_art.flatbuffer_end)),
                       pte_art.segment_base_offset if pte_art.header is not None else 0, pte_art.file_nbytes)
     maps = []

@@ -8,14 +8,27 @@ serializer writes), so such a forward reference is refused.
 
 from __future__ import annotations
 
-from typing import AbstractSet, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import AbstractSet
 
 from ..format.fb_roots import union_tensor
 from ..format.program_fb.InstructionArguments import InstructionArguments as IA
 from ..format.program_fb.KernelTypes import KernelTypes as KT
 from .runtime_rules import (
-    OPERATOR_NAME_LIMIT, ptd_entry as _ptd_entry, TENSOR_DIMENSION_LIMIT, PtdMap, ProgramFile, RuleError,
-    in_file, list_items, need, numbers, valid_type, tensor_nbytes,
+    OPERATOR_NAME_LIMIT,
+    TENSOR_DIMENSION_LIMIT,
+    ProgramFile,
+    PtdMap,
+    RuleError,
+    in_file,
+    list_items,
+    need,
+    numbers,
+    tensor_nbytes,
+    valid_type,
+)
+from .runtime_rules import (
+    ptd_entry as _ptd_entry,
 )
 
 __all__ = ["check_method"]
@@ -27,7 +40,7 @@ _U64 = (1 << 64) - 1
 
 
 def check_method(pte: ProgramFile, plan_index: int, name: str, ptds: Sequence[PtdMap], planned: Sequence[int],
-                 operators: Optional[AbstractSet[str]] = None, backends: Optional[AbstractSet[str]] = None) -> None:
+                 operators: AbstractSet[str] | None = None, backends: AbstractSet[str] | None = None) -> None:
     """Check that ``Program::load_method(name)`` succeeds.
 
     Args:
@@ -51,7 +64,7 @@ def check_method(pte: ProgramFile, plan_index: int, name: str, ptds: Sequence[Pt
     for k, v in enumerate(values):
         need(v.ValType() == KT.Null or v.Val() is not None, "Method::get_num_external_constants",
               f"{where}: null value at index {k}")
-    resolved: Dict[bytes, bool] = {}
+    resolved: dict[bytes, bool] = {}
     for k, v in enumerate(values):
         if v.ValType() != KT.Tensor:
             continue
@@ -73,7 +86,7 @@ def check_method(pte: ProgramFile, plan_index: int, name: str, ptds: Sequence[Pt
         in_file(ptd.segment_base_offset + seg.Offset(), seg.Size(), ptd.file_nbytes,
                  "FlatTensorDataMap::get_data", f"{ptd.path}: data of key {key.decode(errors='replace')!r}")
         resolved[key] = True
-    kinds: List[Optional[int]] = [None] * n
+    kinds: list[int | None] = [None] * n
     for k, v in enumerate(values):
         _parse_value(pte, plan, ptds, planned, k, v, kinds, where)
         kinds[k] = v.ValType()

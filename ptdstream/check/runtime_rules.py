@@ -89,8 +89,8 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 from ..format.fb_roots import shown, union_tensor
 from ..format.program_fb.KernelTypes import KernelTypes as KT
@@ -166,14 +166,14 @@ def _items(length: int, get) -> Iterator:
         yield get(i)
 
 
-def numbers(obj, name: str) -> Optional[Tuple[int, ...]]:
+def numbers(obj, name: str) -> tuple[int, ...] | None:
     if getattr(obj, f"{name}IsNone")():
         return None
     get = getattr(obj, name)
     return tuple(get(j) for j in range(getattr(obj, f"{name}Length")()))
 
 
-def tensor_nbytes(scalar_type: int, sizes: Sequence[int]) -> Optional[int]:
+def tensor_nbytes(scalar_type: int, sizes: Sequence[int]) -> int | None:
     """numel * elementSize, None when it overflows size_t (``validate_tensor``)."""
     n = 1
     for s in sizes:
@@ -223,8 +223,8 @@ def check_program(pte: ProgramFile, max_planned_nbytes: int) -> dict:
         seg = p.Segments(cs.SegmentIndex())
         in_file(pte.segment_base_offset + seg.Offset(), seg.Size(), pte.file_nbytes, "Program::load",
                  f"constant segment {cs.SegmentIndex()}")
-    methods: Dict[str, int] = {}
-    planned: Dict[int, int] = {}
+    methods: dict[str, int] = {}
+    planned: dict[int, int] = {}
     for i, plan in enumerate(plans):
         need(plan.Name() is not None, "Program::get_method_name", f"execution plan {i} has null name")
         raw = plan.Name().split(b"\0", 1)[0]
@@ -282,7 +282,7 @@ def _validate_plan(i: int, plan) -> None:
                       f"plan {i} value {k}: TensorList item {j} references a non-Tensor value {idx}")
 
 
-def _tensor_problem(t) -> Optional[str]:
+def _tensor_problem(t) -> str | None:
     sizes = numbers(t, "Sizes")
     if sizes is None:
         return "Tensor has null sizes"
@@ -295,7 +295,7 @@ def _tensor_problem(t) -> Optional[str]:
     return None
 
 
-def list_items(value) -> Optional[Tuple[int, ...]]:
+def list_items(value) -> tuple[int, ...] | None:
     from ..format.program_fb.IntList import IntList  # same layout for every *List table: items at slot 4
 
     tab = value.Val()

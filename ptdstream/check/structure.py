@@ -12,8 +12,9 @@ metadata (and XNNPACK delegate blobs) is read.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet
 
 from ..errors import FormatError
 from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identifier
@@ -41,8 +42,8 @@ class StructureReport(Report):
     """All checks :func:`check_structure` made; ``ok`` when every one passed."""
 
     pte_path: str
-    ptd_paths: Tuple[str, ...]
-    checks: Tuple[Check, ...]
+    ptd_paths: tuple[str, ...]
+    checks: tuple[Check, ...]
 
     derived = ("ok",)
 
@@ -51,7 +52,7 @@ class StructureReport(Report):
         return all(c.ok for c in self.checks)
 
     @property
-    def problems(self) -> Tuple[Check, ...]:
+    def problems(self) -> tuple[Check, ...]:
         return tuple(c for c in self.checks if not c.ok)
 
     def summary(self) -> str:
@@ -62,7 +63,7 @@ class StructureReport(Report):
         return "\n".join(lines)
 
 
-def _file_checks(path: str, art: Artifact, expected_kind: str) -> List[Check]:
+def _file_checks(path: str, art: Artifact, expected_kind: str) -> list[Check]:
     checks = [Check(path, "kind", art.kind == expected_kind,
                     f"{art.kind} (identifier {art.identifier}); expected {expected_kind}")]
     want = expected_identifier(art.kind).decode("ascii")
@@ -82,7 +83,7 @@ def _file_checks(path: str, art: Artifact, expected_kind: str) -> List[Check]:
         checks.append(Check(path, "constant offsets", True,
                             f"{len(art.constant_offsets)} offset{'' if len(art.constant_offsets) == 1 else 's'} within segment {seg.index} ({seg.nbytes:,} bytes)"))
     checks.append(Check(path, "named keys", True, f"{len(art.named)} keys resolve to segments"))
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for e in art.named:
         counts[e.key] = counts.get(e.key, 0) + 1
     dups = sorted(k for k, n in counts.items() if n > 1)
@@ -100,9 +101,9 @@ def _names(keys: Sequence[str], limit: int = 5) -> str:
 
 
 def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
-                    operators: Optional[AbstractSet[str]] = runtime_registry.OPERATORS,
-                    backends: Optional[AbstractSet[str]] = runtime_registry.BACKENDS,
-                    max_planned_nbytes: Optional[int] = None) -> StructureReport:
+                    operators: AbstractSet[str] | None = runtime_registry.OPERATORS,
+                    backends: AbstractSet[str] | None = runtime_registry.BACKENDS,
+                    max_planned_nbytes: int | None = None) -> StructureReport:
     """Check a .pte and its .ptd files the way the runtime would load them.
 
     When every file check passes, the runtime's own load rules follow
@@ -127,8 +128,8 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
     """
     pte_path = os.fspath(pte_path)
     ptd_paths = tuple(os.fspath(p) for p in ptd_paths)
-    checks: List[Check] = []
-    arts: Dict[str, Artifact] = {}
+    checks: list[Check] = []
+    arts: dict[str, Artifact] = {}
     for path, kind in [(pte_path, "pte")] + [(p, "ptd") for p in ptd_paths]:
         try:
             arts[path] = read_artifact(path)
@@ -138,7 +139,7 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
         checks.extend(_file_checks(path, arts[path], kind))
     pte = arts.get(pte_path)
     ptds = [arts[p] for p in ptd_paths if p in arts and arts[p].kind == "ptd"]
-    owners: Dict[str, List[str]] = {}
+    owners: dict[str, list[str]] = {}
     for art in ptds:
         for e in art.named:
             if art.path not in owners.setdefault(e.key, []):
@@ -156,7 +157,7 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
     return StructureReport(pte_path, ptd_paths, tuple(checks))
 
 
-def _external_checks(pte_path: str, pte: Artifact, ptds: List[Artifact]) -> List[Check]:
+def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list[Check]:
     if not pte.external_tensors:
         return [Check(pte_path, "external data", True, "the program marks no tensor EXTERNAL (keys that only a backend "
                       "blob references are checked below for XNNPACK blobs)")]

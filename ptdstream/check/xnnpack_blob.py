@@ -28,12 +28,12 @@ The graph itself (node types, value ids, datatypes): :mod:`ptdstream.check.xnnpa
 from __future__ import annotations
 
 import struct
-from typing import Callable, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 from ..format.fb_tables import SCHEMAS
 from ..format.verifier import FlatbufferError, verify_buffer
+from .runtime_rules import ProgramFile, PtdMap, RuleError, in_file, need, ptd_key
 from .xnnpack_graph import check_xnnpack_graph, tensor_nbytes
-from .runtime_rules import PtdMap, ProgramFile, RuleError, in_file, need, ptd_key
 
 __all__ = ["check_xnnpack_blob"]
 
@@ -104,7 +104,7 @@ def check_xnnpack_blob(read_blob: Callable[[int, int], bytes], nbytes: int, what
     check_xnnpack_graph(fb, root, what)
 
 
-def _vector(fb: bytes, pos: Optional[int]) -> Tuple[int, int]:
+def _vector(fb: bytes, pos: int | None) -> tuple[int, int]:
     """(first element position, length) of the (verified) vector whose offset is at ``pos``."""
     if pos is None:
         return 0, 0

@@ -29,7 +29,6 @@ node's filter with its bias, input or output: shapes meet at the first execute).
 from __future__ import annotations
 
 import struct
-from typing import Dict, Optional, Set, Tuple
 
 from ..format.fb_tables import SCHEMAS
 from .runtime_rules import default_planned_limit, need
@@ -52,7 +51,7 @@ SDPA = 36  # XNNScaledDotProductAttention: in the union, not in getDefineNodeFun
 MIN_MAX_NODES = {2, 6, 7, 11, 13, 14, 19, 39}
 CAT_INPUTS = {32: 2, 33: 3, 34: 4, 38: 5}  # XNNConcatenate2/3/4/5
 _OBJECTS = SCHEMAS["xnnpack"]["objects"]
-_NODE_TABLES: Dict[int, str] = SCHEMAS["xnnpack"]["unions"]["fb_xnnpack.XNodeUnion"]
+_NODE_TABLES: dict[int, str] = SCHEMAS["xnnpack"]["unions"]["fb_xnnpack.XNodeUnion"]
 _VALUE_RULE = "XNNCompiler.cpp::defineTensor"
 _NODE_RULE = "XNNCompiler.cpp::getDefineNodeFunc"
 _REMAP_RULE = "XNNCompiler.cpp::REMAP_ID"
@@ -91,7 +90,7 @@ def _tables(fb: bytes, root: int, field: str):
     return [_deref(fb, vec + 4 + 4 * i) for i in range(struct.unpack_from("<I", fb, vec)[0])]
 
 
-def check_xnnpack_graph(fb: bytes, root: int, what: str, memory_limit: Optional[int] = None) -> None:
+def check_xnnpack_graph(fb: bytes, root: int, what: str, memory_limit: int | None = None) -> None:
     """Refuse the verified XNNPACK graph at ``root`` of ``fb`` as ``compileModel`` would
     (after the checks of :func:`~ptdstream.check.xnnpack_blob.check_xnnpack_blob`).
 
@@ -99,7 +98,7 @@ def check_xnnpack_graph(fb: bytes, root: int, what: str, memory_limit: Optional[
         RuleError: the first check the graph fails (rule names the upstream function).
     """
     externs = _scalar(fb, root, "fb_xnnpack.XNNGraph", "num_externs")
-    defined: Set[int] = {INVALID_ID}
+    defined: set[int] = {INVALID_ID}
     constant_nbytes = 0
     for i, xv in enumerate(_tables(fb, root, "xvalues")):
         vid, nbytes = _check_value(fb, xv, externs, f"{what}: xvalue {i}")
@@ -114,7 +113,7 @@ def check_xnnpack_graph(fb: bytes, root: int, what: str, memory_limit: Optional[
         _check_node(fb, node, defined, f"{what}: xnode {i}")
 
 
-def _check_value(fb: bytes, xv: int, externs: int, where: str) -> Tuple[int, int]:
+def _check_value(fb: bytes, xv: int, externs: int, where: str) -> tuple[int, int]:
     """Checks one XValue (already known to be a (quantized) tensor value); returns its
     id_out and, for a constant, its bytes by its dims and datatype (else 0)."""
     t = "fb_xnnpack.XNNTensorValue"
@@ -161,7 +160,7 @@ def tensor_nbytes(fb: bytes, tv: int) -> int:
     return (count * BITS.get(_scalar(fb, tv, t, "datatype", "<h"), 8) + 7) // 8
 
 
-def _check_node(fb: bytes, node: int, defined: Set[int], where: str) -> None:
+def _check_node(fb: bytes, node: int, defined: set[int], where: str) -> None:
     kind = _scalar(fb, node, "fb_xnnpack.XNode", "xnode_union_type", "<B")
     need(kind in _NODE_TABLES and kind != SDPA, _NODE_RULE, f"{where}: unhandled node type {kind}")
     at = _field(fb, node, "fb_xnnpack.XNode", "xnode_union")

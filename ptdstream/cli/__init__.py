@@ -19,10 +19,30 @@ import shutil
 import sys
 
 from ..system.files import check_regular_inputs, refuse_overwrite, refuse_stdout_input, stdout_input
-from . import (cmd_demo, cmd_extract, cmd_inspect, cmd_manifest, cmd_pack, cmd_recover, cmd_unpack,
-               cmd_verify, cmd_weights)
-from .common import (EPILOG, EXIT_OK, EXIT_USAGE, EXPECTED_ERRORS, Parser, UsageError, exit_for, print_error,
-                     quiet_third_party, silence_stdout, spool_stdin)
+from . import (
+    cmd_demo,
+    cmd_extract,
+    cmd_inspect,
+    cmd_manifest,
+    cmd_pack,
+    cmd_recover,
+    cmd_unpack,
+    cmd_verify,
+    cmd_weights,
+)
+from .common import (
+    EPILOG,
+    EXIT_OK,
+    EXIT_USAGE,
+    EXPECTED_ERRORS,
+    Parser,
+    UsageError,
+    exit_for,
+    print_error,
+    quiet_third_party,
+    silence_stdout,
+    spool_stdin,
+)
 
 __all__ = ["main"]
 

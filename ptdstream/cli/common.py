@@ -12,8 +12,8 @@ import argparse
 import errno
 import os
 import sys
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, OverwriteError, PtdstreamError
 

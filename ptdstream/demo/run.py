@@ -39,12 +39,12 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
-from collections.abc import Iterator
 
-from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_embedding
 from . import DATA_TAG, METHODS
+from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_embedding
 from .rss import PeakRssSampler
 
 __all__ = ["ATOL", "PeakRssSampler", "RuntimeCheck", "Stages", "TiedEmbedding", "backend_config",

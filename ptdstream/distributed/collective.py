@@ -15,7 +15,8 @@ re-raised where it happened.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..errors import IntegrityError, PtdstreamError
 
@@ -23,7 +24,7 @@ __all__ = ["Collective", "DistributedIntegrityError", "DistributedWriteError"]
 
 T = TypeVar("T")
 #: What one rank sends: ``("ok", value)`` or ``("error", "Type: message", is an IntegrityError)``.
-_Report = Tuple[Any, ...]
+_Report = tuple[Any, ...]
 
 
 class DistributedWriteError(PtdstreamError):
@@ -41,8 +42,8 @@ class DistributedWriteError(PtdstreamError):
             cannot know: the group failed while rank 0 was publishing).
     """
 
-    def __init__(self, step: str, failures: Dict[int, str], group_error: Optional[str] = None,
-                 published: Optional[bool] = False) -> None:
+    def __init__(self, step: str, failures: dict[int, str], group_error: str | None = None,
+                 published: bool | None = False) -> None:
         self.step = step
         self.failures = dict(failures)
         self.group_error = group_error
@@ -50,7 +51,7 @@ class DistributedWriteError(PtdstreamError):
         if group_error is not None:
             what = f"the group failed (a rank was killed, timed out or left): {group_error}"
         else:
-            by_message: Dict[str, List[int]] = {}
+            by_message: dict[str, list[int]] = {}
             for rank in sorted(self.failures):
                 by_message.setdefault(self.failures[rank], []).append(rank)
             what = "; ".join(
@@ -88,7 +89,7 @@ class Collective:
         self.world_size = dist.get_world_size(group)
         self._root = dist.get_global_rank(group, 0) if group is not None else 0
 
-    def all_gather(self, step: str, fn: Callable[[], T]) -> List[T]:
+    def all_gather(self, step: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` on every rank; every rank's value in rank order, on every rank.
 
         Raises:
@@ -97,7 +98,7 @@ class Collective:
                 ``IntegrityError``) or the collective failed.
         """
         mine, error = _call(fn)
-        gathered: List[Any] = [None] * self.world_size
+        gathered: list[Any] = [None] * self.world_size
         self._collective(step, error, lambda: _dist().all_gather_object(gathered, mine, group=self.group))
         self._raise_failures(step, dict(enumerate(gathered)), error)
         return [report[1] for report in gathered]
@@ -110,12 +111,12 @@ class Collective:
                 the collective failed.
         """
         mine, error = _call(fn) if self.rank == 0 else (None, None)
-        box: List[Any] = [mine]
+        box: list[Any] = [mine]
         self._collective(step, error, lambda: _dist().broadcast_object_list(box, src=self._root, group=self.group))
         self._raise_failures(step, {0: box[0]}, error)
         return box[0][1]
 
-    def _collective(self, step: str, error: Optional[BaseException], call: Callable[[], None]) -> None:
+    def _collective(self, step: str, error: BaseException | None, call: Callable[[], None]) -> None:
         """Run the object collective; its own failure (a rank killed, a timeout)
         as :class:`DistributedWriteError`."""
         try:
@@ -124,7 +125,7 @@ class Collective:
             text = str(e).splitlines()[0] if str(e) else ""
             raise DistributedWriteError(step, {}, f"{type(e).__name__}: {text}") from (error or e)
 
-    def _raise_failures(self, step: str, reports: Dict[int, _Report], error: Optional[BaseException]) -> None:
+    def _raise_failures(self, step: str, reports: dict[int, _Report], error: BaseException | None) -> None:
         if error is not None and not isinstance(error, Exception):
             raise error  # Ctrl-C or SystemExit here: the others were told
         failed = {rank: r for rank, r in reports.items() if r[0] == "error"}
@@ -133,7 +134,7 @@ class Collective:
             raise kind(step, {rank: r[1] for rank, r in failed.items()}) from error
 
 
-def _call(fn: Callable[[], T]) -> Tuple[_Report, Optional[BaseException]]:
+def _call(fn: Callable[[], T]) -> tuple[_Report, BaseException | None]:
     try:
         return ("ok", fn()), None
     except BaseException as e:  # reported to every rank; re-raised here after the exchange

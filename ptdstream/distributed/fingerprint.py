@@ -23,8 +23,8 @@ meant for dedup candidates (equal size and first 32 bytes), not every tensor.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Tuple
 
 from ..sources.fingerprint import Fingerprint
 
@@ -42,7 +42,7 @@ _LIMB_BITS = 21
 _LIMB_MASK = (1 << _LIMB_BITS) - 1
 
 
-def _points() -> Tuple[int, ...]:
+def _points() -> tuple[int, ...]:
     return tuple(
         int.from_bytes(hashlib.sha256(f"ptdstream poly61 point {j}".encode()).digest()[:8], "little") % (P - 2) + 2
         for j in range(K)
@@ -81,7 +81,7 @@ class PieceDigest:
 
     offset: int
     nbytes: int
-    values: Tuple[int, ...]
+    values: tuple[int, ...]
 
 
 class _Accumulator:
@@ -109,7 +109,7 @@ class _Accumulator:
         if whole < len(data):
             self.carry += data[whole:]
 
-    def finish(self) -> Tuple[int, ...]:
+    def finish(self) -> tuple[int, ...]:
         if self.carry:  # zero-padded to a row: the zeros add nothing
             self.carry += bytes(ROW_NBYTES - len(self.carry))
             self._rows(memoryview(self.carry))

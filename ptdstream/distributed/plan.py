@@ -6,8 +6,8 @@ receives."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import LayoutError
 from ..sources import BufferRing, Source
@@ -26,8 +26,8 @@ class PieceInfo:
     tag: str
     alignment: int
     scalar_type: int
-    sizes: Tuple[int, ...]
-    dim_order: Tuple[int, ...]
+    sizes: tuple[int, ...]
+    dim_order: tuple[int, ...]
     total_nbytes: int
     coordinate: int  # order of the piece among the key's pieces
     sharded: bool  # a DTensor shard (the key is on every rank)
@@ -43,7 +43,7 @@ class PlannedSource(Source):
     #: Its bytes are on the ranks, not here: nothing to digest at hand-over.
     is_mutable = False
 
-    def __init__(self, key: str, nbytes: int, head: bytes, fingerprint: Optional[Fingerprint]) -> None:
+    def __init__(self, key: str, nbytes: int, head: bytes, fingerprint: Fingerprint | None) -> None:
         self.key = key
         self.nbytes = nbytes
         self._head = head
@@ -55,7 +55,7 @@ class PlannedSource(Source):
     def prefix(self, nbytes: int = 32) -> bytes:
         return self._head[:nbytes]
 
-    def same_content(self, other: Source) -> Optional[bool]:
+    def same_content(self, other: Source) -> bool | None:
         if isinstance(other, PlannedSource) and self.fingerprint is not None and other.fingerprint is not None:
             return self.fingerprint == other.fingerprint
         return None
@@ -64,21 +64,21 @@ class PlannedSource(Source):
         raise LayoutError(f"{self.describe()}: its bytes are written by the ranks, not read here")
 
 
-def collate(all_infos: List[List[PieceInfo]]):
+def collate(all_infos: list[list[PieceInfo]]):
     """Global key order and ``{key: [pieces in order]}`` with their offsets.
 
     Raises:
         LayoutError: a plain tensor key on two ranks, pieces that do not add up.
     """
-    order: List[str] = []
-    pieces: Dict[str, List[PieceInfo]] = {}
+    order: list[str] = []
+    pieces: dict[str, list[PieceInfo]] = {}
     for infos in all_infos:
         for info in infos:
             if info.key not in pieces:
                 order.append(info.key)
                 pieces[info.key] = []
             pieces[info.key].append(info)
-    offsets: Dict[Tuple[str, int], int] = {}
+    offsets: dict[tuple[str, int], int] = {}
     for key, group in pieces.items():
         if len(group) > 1 and not all(p.sharded for p in group):
             raise LayoutError(f"key {key!r} is held by ranks {[p.rank for p in group]}; a key that is not a "
@@ -93,10 +93,10 @@ def collate(all_infos: List[List[PieceInfo]]):
     return order, pieces, offsets
 
 
-def dedup_candidates(order: List[str], pieces: Dict[str, List[PieceInfo]]):
+def dedup_candidates(order: list[str], pieces: dict[str, list[PieceInfo]]):
     """``({key: first 32 bytes}, {keys whose (size, first bytes) another key shares})``."""
     heads = {}
-    seen: Dict[Tuple[int, bytes], int] = {}
+    seen: dict[tuple[int, bytes], int] = {}
     for key in order:
         head = b"".join(p.head for p in pieces[key])[:PREFIX_NBYTES]
         heads[key] = head
@@ -125,7 +125,7 @@ def plan_files(order, pieces, heads, fingerprints, segment_alignment, folder):
     return [(f.path, f.plan) for f in files], store.dedup_saved_nbytes
 
 
-def wire_plan(files, sinks) -> List[Tuple[str, str, int, List[Tuple[str, int, int]]]]:
+def wire_plan(files, sinks) -> list[tuple[str, str, int, list[tuple[str, int, int]]]]:
     """``[(target, temp path, size, [(key, file offset, bytes)])]`` for every rank."""
     from ..format.plan import ExtentKind
 

@@ -36,8 +36,9 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
+from typing import Any
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import IntegrityError, LayoutError
@@ -55,7 +56,7 @@ class DistributedReport:
     """What :func:`write_data_files` did: ``files`` ``[(path, bytes)]`` published,
     bytes this rank wrote, wall seconds, bytes saved by dedup."""
 
-    files: Tuple[Tuple[str, int], ...]
+    files: tuple[tuple[str, int], ...]
     rank_nbytes: int
     seconds: float
     dedup_saved_nbytes: int
@@ -83,8 +84,8 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
         from torch.distributed.tensor import DTensor, Replicate, Shard
     except ImportError:  # pragma: no cover - torch without DTensor
         DTensor = ()
-    infos: List[PieceInfo] = []
-    local: Dict[str, Tuple[Source, Any, bytes]] = {}
+    infos: list[PieceInfo] = []
+    local: dict[str, tuple[Source, Any, bytes]] = {}
     for key, tensor in tensors.items():
         if not isinstance(key, str):
             raise LayoutError(f"key {key!r} is not a str")
@@ -261,25 +262,25 @@ class _RankWrite:
                  chunk_nbytes: int) -> None:
         self.tensors, self.folder, self.tag_of, self.alignment = tensors, folder, tag_of, alignment
         self.rank, self.segment_alignment, self.chunk_nbytes = rank, segment_alignment, chunk_nbytes
-        self.local: Dict[str, Tuple[Source, Any, bytes]] = {}
-        self.sinks: List[Any] = []
-        self.files: List[Any] = []
+        self.local: dict[str, tuple[Source, Any, bytes]] = {}
+        self.sinks: list[Any] = []
+        self.files: list[Any] = []
         self.published = False
 
-    def describe(self) -> List[PieceInfo]:
+    def describe(self) -> list[PieceInfo]:
         if not os.path.isdir(self.folder):
             raise FileNotFoundError(f"{self.folder}: output folder does not exist (rank {self.rank})")
         infos, self.local = _local_pieces(self.tensors, self.tag_of, self.alignment, self.rank)
         return infos
 
-    def fingerprint(self, all_infos: List[List[PieceInfo]]) -> Dict[str, Any]:
+    def fingerprint(self, all_infos: list[list[PieceInfo]]) -> dict[str, Any]:
         self.order, self.pieces, self.offsets = collate(all_infos)
         self.heads, self.candidates = dedup_candidates(self.order, self.pieces)
         ring = BufferRing(self.chunk_nbytes, count=1)
         return {key: _candidate_digest(self.local[key][0], self.offsets[(key, self.rank)], ring)
                 for key in self.order if key in self.candidates and key in self.local}
 
-    def plan(self, all_partials: List[Dict[str, Any]]):
+    def plan(self, all_partials: list[dict[str, Any]]):
         """Rank 0: ``(wire plan, bytes saved by dedup)``."""
         fingerprints = {key: combine(self.pieces[key][0].total_nbytes, [p[key] for p in all_partials if key in p])
                         for key in self.candidates}
@@ -296,7 +297,7 @@ class _RankWrite:
                 sink.sync()
         return written
 
-    def publish(self, wire) -> List[Tuple[str, int]]:
+    def publish(self, wire) -> list[tuple[str, int]]:
         from ..write.publish import folder_locks, publish_set
 
         with folder_locks([self.folder]):
@@ -313,7 +314,7 @@ def write_data_files(
     tensors: Mapping[str, Any],
     folder: str,
     *,
-    external_tag: Union[str, Callable[[str], str]] = "model",
+    external_tag: str | Callable[[str], str] = "model",
     alignment: int = 1,
     group=None,
     segment_alignment: int = 128,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import FormatError

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..errors import FormatError, LayoutError
 from .identity import (

@@ -10,10 +10,10 @@ files), each with its path and role.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from collections.abc import Mapping, Sequence
 
 from ..sources.base import Source
 from ..sources.fingerprint import PREFIX_NBYTES, Fingerprint

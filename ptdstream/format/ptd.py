@@ -13,10 +13,10 @@ import os
 from collections.abc import Mapping, Sequence
 
 from ..errors import LayoutError
-from ..upstream import adapter
 from ..sources.base import Source
 from ..sources.fingerprint import Fingerprint
 from ..system.files import case_insensitive
+from ..upstream import adapter
 from .identity import FLAT_TENSOR_VERSION
 from .layout import ptd_head
 from .plan import DataEntry, FilePlan, FileRole, PlannedFile, SegmentPlan, assemble, named_segments, place

@@ -16,13 +16,13 @@ order, with the first key's alignment.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..upstream import adapter
 from ..sources import BufferRing, Source, as_source
 from ..sources.fingerprint import CandidateKey, candidate_key
+from ..upstream import adapter
 from .layout import pack_subsegments, padding_required, pte_head
 from .plan import DataEntry, Extent, FilePlan, SegmentPlan, assemble, named_segments, place
 

@@ -35,11 +35,11 @@ import ctypes
 import functools
 import mmap
 import os
-from typing import Iterator, Optional, Union
+from collections.abc import Iterator
 
 from ..upstream import adapter
-from .interop import EMITTER_HASHLIB, ByReference, FileBackedData
 from ..upstream.patching import shadowed
+from .interop import EMITTER_HASHLIB, ByReference, FileBackedData
 
 __all__ = ["FileBlob", "delegate_blobs_from_files", "file_blob"]
 
@@ -75,13 +75,13 @@ class FileBlob(ByReference, FileBackedData):
         return f"<FileBlob {adapter.file_backed_path(self)!r} ({len(self)} bytes)>"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _blob_type(nbytes: int) -> type:
     """:class:`FileBlob` with ``ctypes.c_char * nbytes`` (the buffer protocol over the mapping)."""
     return type("FileBlob", (FileBlob, ctypes.c_char * nbytes), {})
 
 
-def file_blob(path: Union[str, os.PathLike], sha256: Optional[bytes] = None) -> Union[FileBlob, bytes]:
+def file_blob(path: str | os.PathLike, sha256: bytes | None = None) -> FileBlob | bytes:
     """A delegate blob that stays in ``path``: return it as ``PreprocessResult.processed_bytes``.
 
     Args:

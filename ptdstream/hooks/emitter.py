@@ -43,15 +43,15 @@ import functools
 import hashlib
 import itertools
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from ..sources.fingerprint import StreamingDigest
 from ..sources.mapped import MappedTensorSource
 from ..sources.tensor import TensorSource
 from ..system.pagecache import file_mapping
 from ..upstream import adapter
-from .interop import EMITTER_HASHLIB, ByReference, SourceBackedData
 from ..upstream.patching import shadowed
+from .interop import EMITTER_HASHLIB, ByReference, SourceBackedData
 
 __all__ = ["StorageReference", "constants_by_reference", "reference"]
 
@@ -90,7 +90,7 @@ class StorageReference(ByReference, SourceBackedData):
         return f"<StorageReference {self.source.describe()} ({len(self)} bytes)>"
 
 
-def reference(storage, name: Optional[str] = None) -> StorageReference:
+def reference(storage, name: str | None = None) -> StorageReference:
     """A :class:`StorageReference` over a CPU ``torch.UntypedStorage`` (all its bytes).
 
     ``name`` (the tensor's fully qualified name, when the emitter knows it) goes

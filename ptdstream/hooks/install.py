@@ -18,16 +18,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..manager import plan_manager
 from ..save import save
 from ..sources import BufferRing
+from ..upstream import adapter
+from ..upstream.patching import Scope, shadowed
 from ..write.set_writer import write_save_plan
 from ..write.stream_sink import StreamSink
 from ..write.writer import write_plan
-from ..upstream import adapter
-from ..upstream.patching import Scope, shadowed
 
 __all__ = ["install", "installed", "record_backend_configs", "stop_recording_backend_configs",
            "uninstall"]

@@ -12,7 +12,7 @@ streams the source directly (the fast path).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any
 
 from ..defaults import CHUNK_NBYTES
 from ..sources import BufferRing, Source, as_source
@@ -37,8 +37,8 @@ class SourceBackedData(FileBackedData):
     any ``FileBackedData``); ``write_to_file``, ``sha256`` and ``prefix`` stream.
     """
 
-    def __init__(self, data: Any, chunk_nbytes: int = CHUNK_NBYTES,  # noqa: D107
-                 sha256: Optional[bytes] = None) -> None:
+    def __init__(self, data: Any, chunk_nbytes: int = CHUNK_NBYTES,
+                 sha256: bytes | None = None) -> None:
         # No call to FileBackedData.__init__: there is no file to stat.
         self.source: Source = as_source(data, label="SourceBackedData")
         adapter.init_file_backed(self, None, self.source.nbytes, sha256)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Dict, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 from .emitter import constants_by_reference
 from .install import installed
@@ -58,7 +58,7 @@ def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:
 
 
 def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
-           by_reference: bool = True, **options) -> Dict[str, object]:
+           by_reference: bool = True, **options) -> dict[str, object]:
     """``optimum.exporters.executorch.main_export`` with ptdstream saving.
 
     Args:
@@ -91,7 +91,7 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
         return main_export(model_dir, task=task, recipe=recipe, output_dir=output_dir, **options)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``optimum-cli`` with ptdstream saving; arguments as ``optimum-cli`` takes them.
 
     ``python -m ptdstream.hooks.optimum export executorch -m DIR --task

@@ -39,12 +39,12 @@ import ctypes
 import functools
 import itertools
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..upstream import adapter
+from ..upstream.patching import shadowed
 from .emitter import reference
 from .interop import EMITTER_HASHLIB
-from ..upstream.patching import shadowed
 
 __all__ = ["xnnpack_constants_by_reference"]
 

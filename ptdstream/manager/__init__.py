@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..upstream import adapter
 from ..format.plan import FileRole, PlannedFile, SavePlan
 from ..format.ptd import plan_data_files
 from ..sources.base import BufferRing
 from ..store import StreamingNamedDataStore
+from ..upstream import adapter
 from .files import data_files, plan_program
 from .options import resolve_options
 

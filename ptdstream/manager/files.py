@@ -14,17 +14,17 @@ Payload is never copied: buffers become sources.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping, Sequence
 
-from ..upstream import adapter
-from ..upstream.adapter import ManagerParts
 from ..format.plan import DataEntry, FilePlan
 from ..format.pte import PteOptions, plan_pte
 from ..sources import Source, as_source
 from ..sources.fingerprint import Fingerprint
 from ..store import StreamingNamedDataStore
+from ..upstream import adapter
+from ..upstream.adapter import ManagerParts
 
 __all__ = ["data_files", "plan_program"]
 

@@ -18,15 +18,15 @@ extraction. In order of preference:
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Iterator
+from typing import Any
 
 from ..errors import LayoutError
-from ..upstream import adapter
-from ..upstream.adapter import ManagerParts
 from ..format.identity import HEADER_OFFSET, ExtendedHeader
 from ..format.layout import pack_subsegments
 from ..format.pte import PteOptions
+from ..upstream import adapter
+from ..upstream.adapter import ManagerParts
 from .files import plan_program
 
 __all__ = ["resolve_options"]

@@ -18,7 +18,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Tuple
 
 import zstandard
 
@@ -85,7 +84,7 @@ class PackReport(Report):
                 f"{self.level}, {self.seconds:.2f} s ({self.mbps:.0f} MB/s)")
 
 
-def plan_frames(nbytes: int, frame_nbytes: int = CHUNK_NBYTES, head_nbytes: int = 0) -> List[Tuple[int, int]]:
+def plan_frames(nbytes: int, frame_nbytes: int = CHUNK_NBYTES, head_nbytes: int = 0) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` of each frame: boundaries at multiples of ``frame_nbytes``
     and at ``head_nbytes`` (ignored when 0 or >= ``nbytes``). The last frame may be shorter.
 
@@ -104,7 +103,7 @@ def plan_frames(nbytes: int, frame_nbytes: int = CHUNK_NBYTES, head_nbytes: int 
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
 
-def artifact_head(head: bytes, nbytes: int) -> Tuple[str, int]:
+def artifact_head(head: bytes, nbytes: int) -> tuple[str, int]:
     """``(kind, head_nbytes)`` from a file's first 64 bytes: ``"pte"``/``"ptd"`` and the
     end of its metadata (header + flatbuffer) when the header fields fit the file;
     ``("", 0)`` for other files. A hint for frame boundaries only; nothing is trusted."""
@@ -121,7 +120,7 @@ def artifact_head(head: bytes, nbytes: int) -> Tuple[str, int]:
     return "", 0
 
 
-def _compress(view: memoryview, level: int, verify: bool) -> Tuple[bytes, int]:
+def _compress(view: memoryview, level: int, verify: bool) -> tuple[bytes, int]:
     """One frame (runs in a worker thread, one compressor per thread and level)."""
     cctx = getattr(_local, "cctx", None)
     if cctx is None or _local.level != level:

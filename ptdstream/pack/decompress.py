@@ -8,7 +8,6 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Tuple
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import IntegrityError
@@ -34,7 +33,7 @@ class UnpackReport(Report):
     packed_nbytes: int
     frames: int
     seconds: float
-    checks: Tuple[str, ...]
+    checks: tuple[str, ...]
     content_xxh3_128: str
 
     derived = ("mbps",)
@@ -111,7 +110,7 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
                         sum(1 for f in frames if f.nbytes), time.perf_counter() - start, checks, found.hex)
 
 
-def _unpack_checks(reader: SeekableReader, digest: bytes) -> Tuple[str, ...]:
+def _unpack_checks(reader: SeekableReader, digest: bytes) -> tuple[str, ...]:
     checks = []
     if reader.all_frames_have_checksums:
         checks.append("zstd frame checksums")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 from ..errors import FormatError, MissingKeyError
 from ..format.artifact import Artifact, Segment
@@ -26,7 +25,7 @@ class ExtractReport(Report):
     ``offset``/``nbytes``, frames decompressed out of the file's total."""
 
     source: str
-    target: Optional[str]
+    target: str | None
     what: str
     offset: int
     nbytes: int
@@ -82,7 +81,7 @@ class PackedArtifact:
             self.reader.close()
             raise
 
-    def segment(self, key: Optional[str] = None, index: Optional[int] = None) -> Segment:
+    def segment(self, key: str | None = None, index: int | None = None) -> Segment:
         """The segment holding named-data ``key``, or segment number ``index``."""
         art = self.artifact
         if key is not None:
@@ -96,12 +95,12 @@ class PackedArtifact:
             raise MissingKeyError(f"{self.reader.path}: no segment {index}; it has {len(art.segments)} segments")
         return art.segments[index]
 
-    def read(self, key: Optional[str] = None, index: Optional[int] = None) -> bytes:
+    def read(self, key: str | None = None, index: int | None = None) -> bytes:
         """The bytes of named-data ``key`` or of segment ``index`` (allocates their size)."""
         seg = self.segment(key, index)
         return self.reader.read_at(seg.start, seg.nbytes)
 
-    def extract(self, target: Optional[str], key: Optional[str] = None, index: Optional[int] = None,
+    def extract(self, target: str | None, key: str | None = None, index: int | None = None,
                 stream=None) -> ExtractReport:
         """Stream the segment to the file ``target`` (published atomically) or, when
         None, to the binary ``stream`` (default stdout); one frame in memory at a time."""
@@ -117,7 +116,7 @@ class PackedArtifact:
     def close(self) -> None:
         self.reader.close()
 
-    def __enter__(self) -> "PackedArtifact":
+    def __enter__(self) -> PackedArtifact:
         return self
 
     def __exit__(self, *exc) -> None:

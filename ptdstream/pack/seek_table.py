@@ -21,8 +21,8 @@ from __future__ import annotations
 import bisect
 import functools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import xxhash
 
@@ -78,7 +78,7 @@ class FrameEntry:
     compressed_nbytes: int
     offset: int
     nbytes: int
-    checksum: Optional[int]
+    checksum: int | None
 
     @property
     def end(self) -> int:
@@ -94,7 +94,7 @@ class SeekTable:
     """A parsed seek table. ``table_offset``: where the seek table frame starts
     (the frames fill ``[0, table_offset)``); ``nbytes``: decompressed bytes in all."""
 
-    frames: Tuple[FrameEntry, ...]
+    frames: tuple[FrameEntry, ...]
     checksums: bool
     table_offset: int
     file_nbytes: int
@@ -104,10 +104,10 @@ class SeekTable:
         return self.frames[-1].end if self.frames else 0
 
     @functools.cached_property
-    def _starts(self) -> List[int]:
+    def _starts(self) -> list[int]:
         return [f.offset for f in self.frames]
 
-    def covering(self, offset: int, nbytes: int) -> List[FrameEntry]:
+    def covering(self, offset: int, nbytes: int) -> list[FrameEntry]:
         """The frames holding content bytes ``[offset, offset + nbytes)`` (none if empty)."""
         if nbytes <= 0:
             return []
@@ -117,7 +117,7 @@ class SeekTable:
         return [f for f in self.frames[first : last + 1] if f.nbytes]
 
 
-def encode_seek_table(entries: Sequence[Tuple[int, int, int]], checksums: bool) -> bytes:
+def encode_seek_table(entries: Sequence[tuple[int, int, int]], checksums: bool) -> bytes:
     """The seek table frame for ``(compressed_nbytes, nbytes, checksum)`` entries.
 
     Raises:
@@ -216,7 +216,7 @@ class ContentFrame:
         return _HEADER.pack(self.MAGIC, len(body)) + body
 
     @classmethod
-    def from_frame(cls, name: str, entry: FrameEntry, data: bytes) -> Optional["ContentFrame"]:
+    def from_frame(cls, name: str, entry: FrameEntry, data: bytes) -> ContentFrame | None:
         """The content frame in ``data`` (a whole skippable frame), None if it is not
         one (or of a later version).
 
@@ -242,7 +242,7 @@ class ContentFrame:
         return cls(nbytes, digest, frame_nbytes, head_nbytes)
 
 
-def zstd_frame_extent(data) -> Tuple[int, Optional[int], bool]:
+def zstd_frame_extent(data) -> tuple[int, int | None, bool]:
     """Walk the zstd frame at the start of ``data``: ``(frame bytes, content size or
     None, has checksum)``. Reads only the frame header and the 3-byte block headers.
 

@@ -12,7 +12,7 @@ the frame's offset in the packed file.
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 import xxhash
 import zstandard
@@ -52,7 +52,7 @@ class SeekableReader:
     def __init__(self, path: str, *, max_frame_nbytes: int = MAX_FRAME_NBYTES, drop_pages: bool = True) -> None:
         self.path = os.fspath(path)
         self.drop_pages = drop_pages
-        self._fd: Optional[int] = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             self.file_nbytes = os.fstat(self._fd).st_size
             self.table = read_seek_table(self.path, self.file_nbytes, self._pread, max_frame_nbytes)
@@ -62,7 +62,7 @@ class SeekableReader:
             raise
         self._dctx = zstandard.ZstdDecompressor()
         self._buffer = bytearray()
-        self._cached: Tuple[int, bytes] = (-1, b"")
+        self._cached: tuple[int, bytes] = (-1, b"")
         #: Frames decompressed so far (cache hits excluded).
         self.frames_decoded = 0
         #: False once a zstd frame without its own checksum was decoded.
@@ -88,7 +88,7 @@ class SeekableReader:
             raise FormatError(f"{self.path}: at offset {offset}: read {len(data)} of {nbytes} bytes (file changed?)")
         return data
 
-    def _read_content_frame(self) -> Optional[ContentFrame]:
+    def _read_content_frame(self) -> ContentFrame | None:
         frames = self.table.frames
         last = frames[-1] if frames else None
         if last is None or last.nbytes or last.compressed_nbytes != ContentFrame.FRAME_NBYTES:
@@ -139,7 +139,7 @@ class SeekableReader:
         self._cached = (entry.index, out) if cache else (-1, b"")
         return out
 
-    def _check_frame(self, entry: FrameEntry, data: memoryview, where: str) -> Tuple[int, bool]:
+    def _check_frame(self, entry: FrameEntry, data: memoryview, where: str) -> tuple[int, bool]:
         """``(extent, has checksum)`` of the zstd frame in ``data``, after checking its
         extent and its header's content size against the seek table ``entry``.
 
@@ -248,7 +248,7 @@ class SeekableReader:
         if fd is not None:
             os.close(fd)
 
-    def __enter__(self) -> "SeekableReader":
+    def __enter__(self) -> SeekableReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,8 +22,8 @@ exposes it with a ``__ptdstream_source__()`` method, which
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator, List, Optional
 
 import xxhash
 
@@ -51,7 +51,7 @@ class BufferRing:
             )
         self.chunk_nbytes = chunk_nbytes
         self.count = count
-        self._buffers: List[bytearray] = []
+        self._buffers: list[bytearray] = []
         self._next = 0
 
     def next(self) -> memoryview:
@@ -86,8 +86,8 @@ class Expectation:
             against ``fingerprint``. ``None``: nothing recorded.
     """
 
-    fingerprint: Optional[Fingerprint] = None
-    gpu_fingerprint: Optional[Fingerprint] = None
+    fingerprint: Fingerprint | None = None
+    gpu_fingerprint: Fingerprint | None = None
 
 
 def digest_view(view: memoryview) -> Fingerprint:
@@ -130,7 +130,7 @@ class Source(ABC):
         """
         return True
 
-    def hand_over(self, fingerprint: Optional[Fingerprint] = None) -> "Source":
+    def hand_over(self, fingerprint: Fingerprint | None = None) -> Source:
         """Record what the bytes must prove at write time, as they are handed over; returns ``self``.
 
         Called by the store for each source added and by the manager's save for
@@ -182,7 +182,7 @@ class Source(ABC):
             IntegrityError: the source no longer holds :attr:`nbytes` bytes.
         """
 
-    def same_content(self, other: "Source") -> Optional[bool]:
+    def same_content(self, other: Source) -> bool | None:
         """Decide equality with ``other`` without the host digest, when this kind of
         source can (CUDA sources compare on the device); ``None`` if it cannot."""
         return None

@@ -31,8 +31,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import FormatError, IntegrityError
 from .base import BufferRing, Expectation, Source
@@ -57,8 +57,8 @@ class CheckpointEntry:
 
     key: str
     dtype: object
-    shape: Tuple[int, ...]
-    dim_order: Tuple[int, ...]
+    shape: tuple[int, ...]
+    dim_order: tuple[int, ...]
     nbytes: int
     where: str
 
@@ -75,9 +75,9 @@ class Checkpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.entries: Dict[str, CheckpointEntry] = {}
+        self.entries: dict[str, CheckpointEntry] = {}
         #: Keys whose tensor is the same memory as another key's -> the first such key.
-        self.aliases: Dict[str, str] = {}
+        self.aliases: dict[str, str] = {}
 
     def source(self, key: str) -> Source:
         """A :class:`~ptdstream.sources.Source` over the bytes of ``key``, in the
@@ -87,14 +87,14 @@ class Checkpoint:
     def close(self) -> None:
         """Release mappings and readers."""
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def _dim_order(tensor) -> Tuple[int, ...]:
+def _dim_order(tensor) -> tuple[int, ...]:
     from executorch.exir.tensor import dim_order_from_stride
 
     if tensor.dim() == 0:
@@ -181,7 +181,7 @@ class SafetensorsCheckpoint(Checkpoint):
         self._handles.clear()
 
 
-def _hf_weight_map(path: str) -> Dict[str, str]:
+def _hf_weight_map(path: str) -> dict[str, str]:
     try:
         with open(path, "rb") as f:
             index = json.load(f)
@@ -237,7 +237,7 @@ class TorchCheckpoint(Checkpoint):
             raise FormatError(f"{path}: {len(bad)} entries are not str -> tensor: {bad[:20]!r}")
         self._tensors = state
         self._native = _archive_byteorder(path) == sys.byteorder
-        seen: Dict[tuple, str] = {}
+        seen: dict[tuple, str] = {}
         for key, tensor in state.items():
             ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
                      tuple(tensor.shape), tuple(tensor.stride()))
@@ -271,8 +271,8 @@ class DcpTensorSource(Source):
         self.entry = entry
         self.nbytes = entry.nbytes
         self._load = load
-        self._prefix: Optional[bytes] = None
-        self.expected_fingerprint: Optional[Fingerprint] = None
+        self._prefix: bytes | None = None
+        self.expected_fingerprint: Fingerprint | None = None
 
     @property
     def expectation(self) -> Expectation:
@@ -295,7 +295,7 @@ class DcpTensorSource(Source):
             self.expected_fingerprint = digest.finish()
         return self._prefix[:nbytes]
 
-    def same_content(self, other: Source) -> Optional[bool]:
+    def same_content(self, other: Source) -> bool | None:
         if isinstance(other, DcpTensorSource) and other.nbytes == self.nbytes:
             self.prefix()
             other.prefix()
@@ -333,7 +333,7 @@ class DcpCheckpoint(Checkpoint):
             metadata = FileSystemReader(path).read_metadata()
         except Exception as e:
             raise FormatError(f"{path}: DCP could not read its metadata: {type(e).__name__}: {e}") from None
-        self.skipped: List[str] = []
+        self.skipped: list[str] = []
         for key, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 self.skipped.append(key)
@@ -368,7 +368,7 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _safetensors_in(path: str) -> Optional[str]:
+def _safetensors_in(path: str) -> str | None:
     """The safetensors checkpoint a folder holds: its index, its
     ``model.safetensors``, or its one ``*.safetensors`` file; None if none.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 from ..errors import IntegrityError, LayoutError
 from ..timeline import stage_timeline
@@ -26,7 +26,7 @@ from .tensor import check_storage
 
 __all__ = ["CudaTensorSource", "PinnedRing"]
 
-_RINGS: Dict[Tuple[int, int, int], "PinnedRing"] = {}
+_RINGS: dict[tuple[int, int, int], PinnedRing] = {}
 _RINGS_LOCK = threading.Lock()
 
 
@@ -42,14 +42,14 @@ class PinnedRing:
 
         self.device = device
         self.chunk_nbytes = chunk_nbytes
-        self.buffers: List = [
+        self.buffers: list = [
             torch.empty(chunk_nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)
         ]
         self.events = [torch.cuda.Event() for _ in range(count)]
         self.stream = torch.cuda.Stream(device=device)
 
     @staticmethod
-    def get(device, chunk_nbytes: int, count: int = 4) -> "PinnedRing":
+    def get(device, chunk_nbytes: int, count: int = 4) -> PinnedRing:
         key = (device.index or 0, chunk_nbytes, count)
         with _RINGS_LOCK:
             ring = _RINGS.get(key)
@@ -81,7 +81,7 @@ class CudaTensorSource(Source):
             fingerprint differs from it.
     """
 
-    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4,  # noqa: D107
+    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4,
                  expectation: Expectation = NO_EXPECTATION) -> None:
         if not tensor.is_contiguous():
             raise LayoutError(
@@ -97,7 +97,7 @@ class CudaTensorSource(Source):
         self._expectation = expectation
         self._gpu_fingerprint = expectation.gpu_fingerprint  # a cache, filled on first use
 
-    def hand_over(self, fingerprint: Optional[Fingerprint] = None) -> "CudaTensorSource":
+    def hand_over(self, fingerprint: Fingerprint | None = None) -> CudaTensorSource:
         """A CUDA source takes no host digest at hand-over (it would copy the whole
         tensor to the host once more): it proves at write time the GPU fingerprint
         of its expectation, when it was given one. A given ``fingerprint`` is

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import secrets
 import struct
-from typing import Dict, Tuple
 
 from ..upstream.adapter import int_mm
 from .fingerprint import Fingerprint
@@ -47,7 +46,7 @@ CHUNK_ROWS = 1 << 20
 _MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
 _SEED = secrets.randbits(62)
 ALGO = f"gpu-int8mm16-p61x4:{_SEED:016x}"
-_CACHE: Dict[Tuple[int, str], tuple] = {}
+_CACHE: dict[tuple[int, str], tuple] = {}
 
 
 def _matrices(device):

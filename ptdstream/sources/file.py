@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, Optional, Tuple
+from collections.abc import Callable, Iterator
 
 from ..errors import IntegrityError, LayoutError
 from ..system.files import pread_exact
@@ -30,7 +30,7 @@ class FileRangeSource(Source):
             read of the file, which would double the disk traffic, is not needed.
     """
 
-    def __init__(self, path: str, offset: int = 0, length: Optional[int] = None) -> None:
+    def __init__(self, path: str, offset: int = 0, length: int | None = None) -> None:
         self.path = os.fspath(path)
         size = os.path.getsize(self.path)
         if length is None:
@@ -103,5 +103,5 @@ def pread_pieces(fd: int, offset: int, nbytes: int, ring: BufferRing,
         done += want
 
 
-def _identity(st: os.stat_result) -> Tuple[int, int, int, int]:
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)

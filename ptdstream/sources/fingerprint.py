@@ -11,8 +11,6 @@ are upstream's except with that probability.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 from ..errors import IntegrityError
 from .base import BufferRing, Source
 from .digest import ALGO, Fingerprint, StreamingDigest
@@ -23,7 +21,7 @@ __all__ = ["ALGO", "PREFIX_NBYTES", "CandidateKey", "Fingerprint", "StreamingDig
 #: Bytes of the prefix in the candidate key (upstream uses 32).
 PREFIX_NBYTES = 32
 
-CandidateKey = Tuple[int, bytes]
+CandidateKey = tuple[int, bytes]
 
 
 def candidate_key(source: Source) -> CandidateKey:

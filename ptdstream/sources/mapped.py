@@ -4,7 +4,6 @@ keeping it resident."""
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from ..errors import IntegrityError, LayoutError
 from ..system.pagecache import FileMapping, page_out, will_need
@@ -39,7 +38,7 @@ class MappedTensorSource(TensorSource):
             changed while it was read.
     """
 
-    def __init__(self, tensor, mapping: FileMapping, label: str = "tensor",  # noqa: D107
+    def __init__(self, tensor, mapping: FileMapping, label: str = "tensor",
                  read_file: bool = False) -> None:
         super().__init__(tensor, label)
         self.mapping = mapping
@@ -49,7 +48,7 @@ class MappedTensorSource(TensorSource):
     #: reading, not digested at hand-over (a second read of the checkpoint).
     is_mutable = False
 
-    def _file_range(self) -> Optional[FileRangeSource]:
+    def _file_range(self) -> FileRangeSource | None:
         """The same bytes as a file range, if the mapped path is still the mapped file."""
         m = self.mapping
         if m.path.endswith(" (deleted)"):

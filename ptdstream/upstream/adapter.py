@@ -10,9 +10,9 @@ import it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Sequence
 
 from .names import CHECKED_VERSIONS, resolve
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["Scope", "is_shadowed", "shadowed"]
 

@@ -18,7 +18,7 @@ import mmap
 import os
 import queue
 import time
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 from ..system.threads import FdThread
 from ..timeline import stage_timeline
@@ -61,15 +61,15 @@ class DirectBlockWriter:
         self._alignment = alignment
         self._pwrite = pwrite_fn
         self._maps = [mmap.mmap(-1, block_nbytes) for _ in range(depth + 1)]
-        self._free: "queue.Queue" = queue.Queue()
+        self._free: queue.Queue = queue.Queue()
         for m in self._maps[1:]:
             self._free.put(memoryview(m))
-        self._jobs: "queue.Queue" = queue.Queue()
-        self._error: Optional[OSError] = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: OSError | None = None
         self._current = memoryview(self._maps[0])
         self._used = 0
         self.nbytes = 0  # bytes staged so far (the file's logical size)
-        self._threads: List[FdThread] = [FdThread(self._serve, f"ptdstream-direct-{i}") for i in range(depth)]
+        self._threads: list[FdThread] = [FdThread(self._serve, f"ptdstream-direct-{i}") for i in range(depth)]
 
     def _serve(self) -> None:
         while True:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from collections.abc import Callable, Sequence
 
 from ..system import fsops
 from . import tempfiles
@@ -63,10 +63,10 @@ class PendingSet:
     (empty when the journal is unreadable or refused)."""
 
     path: str
-    targets: Tuple[str, ...]
+    targets: tuple[str, ...]
 
 
-def _identity(path: str) -> Optional[Tuple[int, int]]:
+def _identity(path: str) -> tuple[int, int] | None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -74,7 +74,7 @@ def _identity(path: str) -> Optional[Tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
-def read_journal(path: str) -> List[JournalEntry]:
+def read_journal(path: str) -> list[JournalEntry]:
     """The entries of the journal ``path`` (absolute paths), checked by
     :func:`ptdstream.write.journal_codec.read_journal_file`.
 
@@ -85,21 +85,21 @@ def read_journal(path: str) -> List[JournalEntry]:
     return list(read_journal_file(path).entries)
 
 
-def _by_folder(entries: Sequence[JournalEntry]) -> List[List[JournalEntry]]:
+def _by_folder(entries: Sequence[JournalEntry]) -> list[list[JournalEntry]]:
     """``entries`` grouped by folder, in order of first appearance (one journal each)."""
-    groups: Dict[str, List[JournalEntry]] = {}
+    groups: dict[str, list[JournalEntry]] = {}
     for e in entries:
         groups.setdefault(os.path.dirname(e.target), []).append(e)
     return list(groups.values())
 
 
-def _folders(entries: Sequence[JournalEntry]) -> List[str]:
+def _folders(entries: Sequence[JournalEntry]) -> list[str]:
     return sorted({os.path.dirname(e.target) for e in entries})
 
 
 def publish(
-    files: Sequence[Tuple[str, str]],
-    renames: Optional[Sequence[Callable[[], None]]] = None,
+    files: Sequence[tuple[str, str]],
+    renames: Sequence[Callable[[], None]] | None = None,
 ) -> None:
     """Publish ``[(temp, target)]`` (synced temp files, in publish order) as one set.
 
@@ -121,8 +121,8 @@ def publish(
     if len(files) == 1:
         renames[0]()
         return
-    entries: List[JournalEntry] = []
-    journals: List[str] = []
+    entries: list[JournalEntry] = []
+    journals: list[str] = []
     try:
         for temp, target in files:
             target = os.path.abspath(target)
@@ -244,11 +244,11 @@ def _act(checked: Journal, forward: bool, keep_journal: bool = False) -> None:
     _finish(checked.path, checked.entries)
 
 
-def _journals(folder: str) -> List[str]:
+def _journals(folder: str) -> list[str]:
     return [p for p, _, suffix in tempfiles.temp_files_in(folder) if suffix == "journal"]
 
 
-def unrecovered(folder: str) -> List[PendingSet]:
+def unrecovered(folder: str) -> list[PendingSet]:
     """The journals of ``folder`` whose set is not yet completed, with their
     targets (a publication in progress in a live process is listed too; take
     :func:`recover` to wait for it and complete the rest). Reads only."""
@@ -262,7 +262,7 @@ def unrecovered(folder: str) -> List[PendingSet]:
     return pending
 
 
-def _claimed(journal: str, folder: str) -> Tuple[Set[str], Set[str]]:
+def _claimed(journal: str, folder: str) -> tuple[set[str], set[str]]:
     """``(stems, paths)``: the targets' stems a journal that stays may name and the
     temp/backup files it may own. A readable one: its own; an unreadable or refused
     one: its own name's stem and every temp/backup of its writer (same pid in the
@@ -288,7 +288,7 @@ def _claimed(journal: str, folder: str) -> Tuple[Set[str], Set[str]]:
     return stems, {p for e in entries for p in (e.temp, e.backup) if p is not None}
 
 
-def recover_locked(folder: str, targets: Optional[Sequence[str]] = None) -> List[Tuple[str, str]]:
+def recover_locked(folder: str, targets: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """:func:`recover` for a caller that already holds ``folder``'s lock.
 
     ``targets``: the files a save is about to write (any folders); when given, a
@@ -301,7 +301,7 @@ def recover_locked(folder: str, targets: Optional[Sequence[str]] = None) -> List
     """
     folder = os.path.abspath(folder or ".")
     done = []
-    errors: List[Tuple[str, str]] = []
+    errors: list[tuple[str, str]] = []
     for journal in _journals(folder):
         try:
             done.append((journal, _complete(journal)))
@@ -325,7 +325,7 @@ def recover_locked(folder: str, targets: Optional[Sequence[str]] = None) -> List
     return done
 
 
-def recover(folder: str) -> List[Tuple[str, str]]:
+def recover(folder: str) -> list[tuple[str, str]]:
     """Complete every pending set publication in ``folder`` and remove the
     leftovers of dead writers (:func:`clean_folder`); returns
     ``[(journal path, "forward" or "back")]``.
@@ -342,7 +342,7 @@ def recover(folder: str) -> List[Tuple[str, str]]:
     return clean_folder(folder)
 
 
-def clean_folder(folder: str, targets: Optional[Sequence[str]] = None) -> List[Tuple[str, str]]:
+def clean_folder(folder: str, targets: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """The one cleanup every ptdstream writer runs before writing into ``folder``.
 
     Under the folder's lock: completes pending journals (:func:`recover_locked`,
@@ -361,7 +361,7 @@ def clean_folder(folder: str, targets: Optional[Sequence[str]] = None) -> List[T
             done = recover_locked(folder, targets)
         except RecoveryError as e:
             error, done = e, []
-        keep: Set[str] = set()
+        keep: set[str] = set()
         for pending in _journals(folder):  # journals that stay: keep every file they may own
             keep.update(_claimed(pending, folder)[1])
         for path, _, suffix in tempfiles.temp_files_in(folder):

@@ -37,8 +37,9 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from ..errors import PtdstreamError
 from . import tempfiles
@@ -78,7 +79,7 @@ class FileState:
     mtime_ns: int
 
 
-def state_of(path: str) -> Optional[FileState]:
+def state_of(path: str) -> FileState | None:
     """The :class:`FileState` of ``path`` (not following a link), or ``None`` when absent."""
     try:
         st = os.lstat(path)
@@ -97,12 +98,12 @@ class JournalEntry:
 
     target: str
     temp: str
-    backup: Optional[str]
+    backup: str | None
     had_target: bool
     dev: int
     ino: int
-    new: Optional[FileState] = None
-    old: Optional[FileState] = None
+    new: FileState | None = None
+    old: FileState | None = None
 
 
 @dataclass(frozen=True)
@@ -112,19 +113,19 @@ class Journal:
 
     path: str
     version: int
-    folder_id: Optional[Tuple[int, int]]
-    entries: Tuple[JournalEntry, ...]
+    folder_id: tuple[int, int] | None
+    entries: tuple[JournalEntry, ...]
     #: the main journal of a set across folders, for a member: (absolute path, its folder's (dev, ino))
-    main: Optional[Tuple[str, Tuple[int, int]]] = None
+    main: tuple[str, tuple[int, int]] | None = None
     #: the member journals, for the main journal of a set across folders
-    members: Tuple[Tuple[str, Tuple[int, int]], ...] = ()
+    members: tuple[tuple[str, tuple[int, int]], ...] = ()
 
 
-Ref = Tuple[str, Tuple[int, int]]
+Ref = tuple[str, tuple[int, int]]
 
 
-def dump_journal(entries: Sequence[JournalEntry], folder_id: Tuple[int, int], *, folder: str = "",
-                 main: Optional[Ref] = None, members: Sequence[Ref] = ()) -> bytes:
+def dump_journal(entries: Sequence[JournalEntry], folder_id: tuple[int, int], *, folder: str = "",
+                 main: Ref | None = None, members: Sequence[Ref] = ()) -> bytes:
     """The version 3 bytes of ``entries`` (all in ``folder``, whose ``(dev, ino)``
     is ``folder_id``): names only; ``main``/``members``: ``(absolute journal path,
     its folder's (dev, ino))``, written relative to ``folder``."""
@@ -138,7 +139,7 @@ def dump_journal(entries: Sequence[JournalEntry], folder_id: Tuple[int, int], *,
             "old": None if e.old is None else e.old.__dict__,
         })
 
-    def ref(r: Ref) -> Dict[str, Any]:
+    def ref(r: Ref) -> dict[str, Any]:
         return {"journal": os.path.relpath(r[0], folder), "folder": list(r[1])}
 
     return json.dumps({"ptdstream_journal": JOURNAL_VERSION, "folder": list(folder_id), "entries": rows,
@@ -188,7 +189,7 @@ def _check_depth(data: bytes) -> None:
             raise _Refused(f"unreadable (nested deeper than the {_MAX_DEPTH} levels of a journal)")
 
 
-def _parse(data: bytes) -> Dict[str, Any]:
+def _parse(data: bytes) -> dict[str, Any]:
     _check_depth(data)
 
     def no_constant(name: str) -> None:
@@ -209,7 +210,7 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def _state(value: Any, what: str) -> Optional[FileState]:
+def _state(value: Any, what: str) -> FileState | None:
     if value is None:
         return None
     if not isinstance(value, dict) or sorted(value) != sorted(_STATE_KEYS):
@@ -217,7 +218,7 @@ def _state(value: Any, what: str) -> Optional[FileState]:
     return FileState(*(_int(value[k], f"{what}.{k}") for k in _STATE_KEYS))
 
 
-def _folder_id(value: Any, what: str) -> Tuple[int, int]:
+def _folder_id(value: Any, what: str) -> tuple[int, int]:
     if not isinstance(value, list) or len(value) != 2:
         raise _Refused(f"unreadable ({what} is not [dev, ino])")
     return _int(value[0], f"{what} dev"), _int(value[1], f"{what} ino")
@@ -320,8 +321,8 @@ def read_journal_file(path: str) -> Journal:
         rows = doc["entries"]
         if not isinstance(rows, list) or not 1 <= len(rows) <= JOURNAL_MAX_ENTRIES:
             raise _Refused(f"unreadable (entries is not a list of 1 to {JOURNAL_MAX_ENTRIES} files)")
-        entries: List[JournalEntry] = []
-        seen: Dict[str, int] = {}
+        entries: list[JournalEntry] = []
+        seen: dict[str, int] = {}
         for index, row in enumerate(rows):
             entry = _entry(row, version, folder)
             for name in (entry.target, entry.temp, entry.backup):

@@ -14,14 +14,13 @@ other folders' journals and files are only read here.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
 
 from .journal_codec import Journal, RecoveryError, read_journal_file
 
 __all__ = ["set_journals"]
 
 
-def _folder_id(path: str) -> Optional[Tuple[int, int]]:
+def _folder_id(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(os.path.dirname(path))
     except OSError:
@@ -29,7 +28,7 @@ def _folder_id(path: str) -> Optional[Tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
-def _follow(journal: Journal, ref: Tuple[str, Tuple[int, int]], what: str) -> Optional[Journal]:
+def _follow(journal: Journal, ref: tuple[str, tuple[int, int]], what: str) -> Journal | None:
     """The journal ``ref`` names, ``None`` when it is gone; refused when its folder
     is not the recorded one."""
     path, folder_id = ref
@@ -43,7 +42,7 @@ def _follow(journal: Journal, ref: Tuple[str, Tuple[int, int]], what: str) -> Op
     return read_journal_file(path)
 
 
-def _names(ref: Tuple[str, Tuple[int, int]], journal: Journal) -> bool:
+def _names(ref: tuple[str, tuple[int, int]], journal: Journal) -> bool:
     """Whether ``ref`` names ``journal``: its file name and its folder's recorded identity."""
     return os.path.basename(ref[0]) == os.path.basename(journal.path) and ref[1] == journal.folder_id
 
@@ -54,7 +53,7 @@ def _refuse(journal: Journal, other: Journal, what: str) -> RecoveryError:
         f"is left in place, none touched (remove the journal by hand if no save of yours was killed)")
 
 
-def set_journals(journal: Journal) -> Tuple[Optional[Journal], List[Journal]]:
+def set_journals(journal: Journal) -> tuple[Journal | None, list[Journal]]:
     """``(main, members)`` of ``journal``'s set: for a journal of one folder,
     ``(journal, [])``; for a main journal, itself and the member journals still
     there; for a member, the main journal (``None`` when it is gone: the set was

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from .journal_codec import FileState, Journal, JournalEntry, RecoveryError, state_of
 
@@ -35,14 +35,14 @@ _FIELDS = (("dev", "device"), ("ino", "inode"), ("size", "size"), ("ctime_ns", "
            ("mtime_ns", "modification time (ns)"))
 
 
-def _differs(disk: FileState, recorded: FileState, fields: Sequence[str]) -> Optional[Tuple[str, int, int]]:
+def _differs(disk: FileState, recorded: FileState, fields: Sequence[str]) -> tuple[str, int, int] | None:
     for key, label in _FIELDS:
         if key in fields and getattr(disk, key) != getattr(recorded, key):
             return label, getattr(recorded, key), getattr(disk, key)
     return None
 
 
-def _folder_id(folder: str) -> Optional[Tuple[int, int]]:
+def _folder_id(folder: str) -> tuple[int, int] | None:
     try:
         st = os.stat(folder)
     except OSError:
@@ -50,7 +50,7 @@ def _folder_id(folder: str) -> Optional[Tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
-def _problems(entry: JournalEntry, copied: bool) -> List[str]:
+def _problems(entry: JournalEntry, copied: bool) -> list[str]:
     """What differs for one entry, as ``"<file>: <field> ..."`` phrases."""
     name = os.path.basename(entry.target)
     target, temp = state_of(entry.target), state_of(entry.temp)
@@ -63,7 +63,7 @@ def _problems(entry: JournalEntry, copied: bool) -> List[str]:
     if out:
         return out
 
-    def compare(what: str, disk: Optional[FileState], recorded: Optional[FileState], fields) -> None:
+    def compare(what: str, disk: FileState | None, recorded: FileState | None, fields) -> None:
         if disk is None or recorded is None:
             return
         diff = _differs(disk, recorded, fields)

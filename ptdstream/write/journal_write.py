@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from ..system import fsops
 from . import tempfiles
@@ -35,8 +35,8 @@ def _recorded(entry: JournalEntry) -> JournalEntry:
     return dataclasses.replace(entry, new=new, old=old)
 
 
-def write_journal(path_for: str, entries: Sequence[JournalEntry], *, main: Optional[Ref] = None,
-                   members: Sequence[Ref] = (), reserved: Optional[Tuple[str, int, int]] = None) -> str:
+def write_journal(path_for: str, entries: Sequence[JournalEntry], *, main: Ref | None = None,
+                   members: Sequence[Ref] = (), reserved: tuple[str, int, int] | None = None) -> str:
     """Write, fsync and rename a journal of ``entries`` (all in ``path_for``'s
     folder) into place beside ``path_for``; its path. ``main``/``members``: the
     references of a set across folders; ``reserved``: the temp file
@@ -65,7 +65,7 @@ def write_journal(path_for: str, entries: Sequence[JournalEntry], *, main: Optio
     return final
 
 
-def write_journals(groups: Sequence[Sequence[JournalEntry]], journals: List[str]) -> None:
+def write_journals(groups: Sequence[Sequence[JournalEntry]], journals: list[str]) -> None:
     """One journal per folder into ``journals``: the members first, the main one last."""
     if len(groups) == 1:
         journals.append(write_journal(groups[0][-1].target, groups[0]))
@@ -85,6 +85,6 @@ def write_journals(groups: Sequence[Sequence[JournalEntry]], journals: List[str]
     journals.append(write_journal(groups[-1][-1].target, groups[-1], members=members, reserved=reserved))
 
 
-def _folder_id(path: str) -> Tuple[int, int]:
+def _folder_id(path: str) -> tuple[int, int]:
     st = os.stat(os.path.dirname(path))
     return st.st_dev, st.st_ino

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import List
 
-from .sink import ChunkedFileSink, prepare_folder, resolve_target
 from . import journal, tempfiles
+from .sink import ChunkedFileSink, prepare_folder, resolve_target
 
 __all__ = ["folder_locks", "publish_set", "remove_stale_temp_files"]
 
@@ -20,7 +19,7 @@ __all__ = ["folder_locks", "publish_set", "remove_stale_temp_files"]
 folder_locks = tempfiles.folder_lock
 
 
-def publish_set(sinks: List[ChunkedFileSink]) -> None:
+def publish_set(sinks: list[ChunkedFileSink]) -> None:
     """Publish every synced sink as one set, in order; the caller holds
     :func:`folder_locks` on every target folder.
 
@@ -58,7 +57,7 @@ def prepare_folders(targets: Iterable[str]) -> list[str]:
     return folders
 
 
-def remove_stale_temp_files(target: str) -> List[str]:
+def remove_stale_temp_files(target: str) -> list[str]:
     """Remove the leftovers of killed writers in ``target``'s folder (and complete
     their pending set publications); returns the journals completed.
 

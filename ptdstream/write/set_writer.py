@@ -9,8 +9,8 @@ the folder holds the whole old set or, once recovered, the whole new one (see
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..format.plan import FileRole, SavePlan
@@ -32,7 +32,7 @@ class FileReport:
     role: FileRole
     nbytes: int
     payload_nbytes: int
-    fingerprints: Dict[str, Fingerprint]
+    fingerprints: dict[str, Fingerprint]
 
     @property
     def kind(self) -> str:
@@ -45,11 +45,11 @@ def write_save_plan(
     *,
     chunk_nbytes: int = CHUNK_NBYTES,
     window_nbytes: int = WINDOW_NBYTES,
-    progress: Optional[Callable[[int], None]] = None,
-    sink_factory: Optional[Callable[[str], ChunkedFileSink]] = None,
+    progress: Callable[[int], None] | None = None,
+    sink_factory: Callable[[str], ChunkedFileSink] | None = None,
     direct: bool = False,
-    extra_files: Optional[Callable[[List[ChunkedFileSink]], List[ChunkedFileSink]]] = None,
-) -> List[FileReport]:
+    extra_files: Callable[[list[ChunkedFileSink]], list[ChunkedFileSink]] | None = None,
+) -> list[FileReport]:
     """Write every file of ``plan`` to temp files, sync them all, then publish.
 
     Before the first temp file is created, each folder of the set gets the
@@ -83,8 +83,8 @@ def write_save_plan(
     make = sink_factory or (
         lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct, clean_folder=False)
     )
-    sinks: List[ChunkedFileSink] = []
-    reports: List[FileReport] = []
+    sinks: list[ChunkedFileSink] = []
+    reports: list[FileReport] = []
     prepare_folders(planned.path for planned in plan.files)
     try:
         for planned in plan.files:

@@ -39,7 +39,8 @@ import enum
 import errno
 import os
 import time
-from typing import Callable, Optional, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import StateError
@@ -47,8 +48,8 @@ from ..system import fsops
 from ..system.pagecache import drop_pages
 from ..system.writeback import WritebackWindows
 from ..timeline import stage_timeline
-from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
 from . import journal, tempfiles
+from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
 
 __all__ = ["ChunkedFileSink", "Sink", "SinkState", "write_zeros"]
 
@@ -130,7 +131,7 @@ class ChunkedFileSink:
         *,
         window_nbytes: int = WINDOW_NBYTES,
         drop_pages: bool = True,
-        inflight_windows: Optional[int] = None,
+        inflight_windows: int | None = None,
         direct: bool = False,
         write_fn: Callable[[int, memoryview], int] = os.write,
         direct_depth: int = DEFAULT_DIRECT_DEPTH,
@@ -145,9 +146,9 @@ class ChunkedFileSink:
         self._write = write_fn
         self.nbytes = 0
         self._inflight_windows = inflight_windows
-        self._writeback: Optional[WritebackWindows] = None
-        self._fd: Optional[int] = None
-        self._lock_fd: Optional[int] = None
+        self._writeback: WritebackWindows | None = None
+        self._fd: int | None = None
+        self._lock_fd: int | None = None
         folder = os.path.dirname(self.publish_path)
         if os.path.isdir(self.publish_path):
             # Found now, not at the rename after every byte was written (and after
@@ -160,7 +161,7 @@ class ChunkedFileSink:
             )
         if clean_folder:
             prepare_folder(folder)
-        self._staging: Optional[DirectBlockWriter] = None
+        self._staging: DirectBlockWriter | None = None
         self.temp_path, self._fd, self._lock_fd = tempfiles.create_locked(self.publish_path)
         self.state = SinkState.OPEN
         try:
@@ -340,7 +341,7 @@ class ChunkedFileSink:
         if interrupted is not None:
             raise interrupted
 
-    def __enter__(self) -> "ChunkedFileSink":
+    def __enter__(self) -> ChunkedFileSink:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

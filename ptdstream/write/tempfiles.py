@@ -24,7 +24,7 @@ import hashlib
 import os
 import re
 import secrets
-from typing import Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 from ..system import fsops
 
@@ -57,19 +57,19 @@ def temp_name_for(target: str, suffix: str = "tmp") -> str:
     )
 
 
-def parse_name(name: str) -> Optional[Tuple[str, str]]:
+def parse_name(name: str) -> tuple[str, str] | None:
     """``(stem, suffix)`` of a ptdstream temp file name, or ``None`` for any other name."""
     match = _NAME_RE.fullmatch(name)
     return (match.group("stem"), match.group("suffix")) if match else None
 
 
-def pid_of(name: str) -> Optional[str]:
+def pid_of(name: str) -> str | None:
     """The writer's pid (digits) in a ptdstream temp file name, or ``None`` for any other name."""
     match = _NAME_RE.fullmatch(name)
     return match.group("pid") if match else None
 
 
-def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> Tuple[str, int, int]:
+def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> tuple[str, int, int]:
     """Create a fresh temp file for ``target`` and lock it; ``(path, fd, lock_fd)``.
 
     ``fd`` is open for writing; ``lock_fd`` (a duplicate of it) holds the
@@ -161,7 +161,7 @@ def is_locked(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def folder_lock(folders: List[str]) -> Iterator[None]:
+def folder_lock(folders: list[str]) -> Iterator[None]:
     """Hold an exclusive ``flock`` on each folder (sorted, so two holders never
     deadlock) for the ``with`` block. No lock file is left behind: the lock is on
     the folder itself. A folder that cannot be opened is not locked."""
@@ -201,7 +201,7 @@ def folder_lock_nowait(folder: str) -> Iterator[bool]:
         os.close(fd)
 
 
-def temp_files_in(folder: str) -> List[Tuple[str, str, str]]:
+def temp_files_in(folder: str) -> list[tuple[str, str, str]]:
     """``[(path, stem, suffix)]`` of every ptdstream temp file in ``folder``, sorted."""
     try:
         names = os.listdir(folder or ".")
@@ -215,7 +215,7 @@ def temp_files_in(folder: str) -> List[Tuple[str, str, str]]:
     return out
 
 
-def stale_temp_files(target: str) -> List[str]:
+def stale_temp_files(target: str) -> list[str]:
     """Leftovers of dead writers for ``target``: its ``.tmp`` files whose lock is
     free and, when no publication holds the folder's lock, its ``.bak`` and
     ``.journal`` files (a journal is completed, not just removed:

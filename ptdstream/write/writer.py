@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 from ..errors import IntegrityError
 from ..format.plan import ExtentKind, FilePlan
@@ -48,7 +48,7 @@ class _WriterThread:
         self._ready = threading.Semaphore(0)
         self._piece = None
         self._stopping = False
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._thread = FdThread(self._serve, "ptdstream-writer")
 
     def _serve(self) -> None:
@@ -112,7 +112,7 @@ class _WriterThread:
         if self._error is not None:
             raise self._error
 
-    def abort(self) -> Optional[KeyboardInterrupt]:
+    def abort(self) -> KeyboardInterrupt | None:
         """Stop the thread after the write in progress, from whatever state a
         hand-off was interrupted in (``close`` would wait for an idle slot that
         the interrupted caller may hold). Waits through Ctrl-C and returns the
@@ -127,9 +127,9 @@ def write_plan(
     plan: FilePlan,
     sink: Sink,
     ring: BufferRing,
-    progress: Optional[ProgressFn] = None,
+    progress: ProgressFn | None = None,
     threaded: bool = True,
-) -> Dict[str, Fingerprint]:
+) -> dict[str, Fingerprint]:
     """Write every extent of ``plan`` to ``sink`` in order.
 
     Args:
@@ -162,8 +162,8 @@ def write_plan(
     return _write_extents(plan, sink, ring, progress)
 
 
-def _write_extents(plan, sink, ring, progress) -> Dict[str, Fingerprint]:
-    fingerprints: Dict[str, Fingerprint] = {}
+def _write_extents(plan, sink, ring, progress) -> dict[str, Fingerprint]:
+    fingerprints: dict[str, Fingerprint] = {}
     offset = 0
     for extent in plan.extents:
         if extent.kind is ExtentKind.METADATA:
@@ -254,7 +254,7 @@ def _checked_pieces(pieces, where: str):
             return
         except IntegrityError as e:
             raise IntegrityError(f"{where}: {e}; nothing was published") from e
-        except Exception as e:  # noqa: BLE001 - a source failing mid-stream
+        except Exception as e:
             raise IntegrityError(
                 f"{where}: reading the source failed ({type(e).__name__}: {e}); "
                 "nothing was published"

@@ -7,11 +7,10 @@ import json
 
 import pytest
 import xxhash
-
-from ptdstream.errors import FormatError
-from ptdstream.check.inspection import alignment_of, inspect_files
-
 from _models_rv import assert_only, param_bytes, patched, write_reference
+
+from ptdstream.check.inspection import alignment_of, inspect_files
+from ptdstream.errors import FormatError
 
 EXT_PTD = "_default_external_constant.ptd"
 

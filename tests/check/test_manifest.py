@@ -6,11 +6,10 @@ import os
 import shutil
 
 import pytest
+from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
-from ptdstream.cli import main
-from ptdstream.errors import FormatError
 from ptdstream.check.manifest import (
     describe_file,
     from_bytes,
@@ -19,8 +18,8 @@ from ptdstream.check.manifest import (
     verify_manifest,
     write_manifest,
 )
-
-from conftest import Mlp, export
+from ptdstream.cli import main
+from ptdstream.errors import FormatError
 
 
 @pytest.fixture(scope="module")

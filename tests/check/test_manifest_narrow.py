@@ -6,10 +6,9 @@ import os
 
 import pytest
 import torch
+from conftest import Mlp, export
 
 from ptdstream.check.manifest import read_manifest, verify_manifest, write_manifest
-
-from conftest import Mlp, export
 
 
 class TwoSizes(torch.nn.Module):

@@ -9,10 +9,10 @@ import struct
 
 import pytest
 import torch
+from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
-from conftest import Mlp, export
 from ptdstream.check.runtime_rules import runtime_key
 from ptdstream.check.structure import check_structure
 

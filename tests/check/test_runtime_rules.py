@@ -16,13 +16,12 @@ import random
 import struct
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from ptdstream.check.structure import check_structure
 from ptdstream.format.fb_roots import program_root, union_tensor
 from ptdstream.format.reader import read_artifact
-from ptdstream.check.structure import check_structure
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +30,11 @@ PLANNED_LIMIT = 1 << 30  # verify's cap; the judge's children may allocate 2 GiB
 JUDGE_HEADROOM = 2 << 30
 
 
-def _export_bases(folder: str) -> Dict[str, Tuple[str, Optional[str]]]:
+def _export_bases(folder: str) -> dict[str, tuple[str, str | None]]:
     import torch
+    from conftest import Mlp, TiedLM, WithBuffer, export
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
-
-    from conftest import Mlp, TiedLM, WithBuffer, export
 
     def save(name, manager):
         pte = os.path.join(folder, f"{name}.pte")
@@ -84,7 +82,7 @@ def test_the_committed_registry_is_the_installed_runtimes(registries):
     assert (set(runtime_registry.OPERATORS), set(runtime_registry.BACKENDS)) == registries
 
 
-def judge(jobs: List[Tuple[str, Optional[str]]]) -> List[Tuple[str, str]]:
+def judge(jobs: list[tuple[str, str | None]]) -> list[tuple[str, str]]:
     """Runtime verdicts ("ok" / "refused" / "crash", message), one per job, in order."""
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_runtime_judge.py"), str(JUDGE_HEADROOM)],
                           input="".join(json.dumps(j) + "\n" for j in jobs), capture_output=True, text=True,
@@ -94,7 +92,7 @@ def judge(jobs: List[Tuple[str, Optional[str]]]) -> List[Tuple[str, str]]:
     return out
 
 
-def verdict(pte: str, ptd: Optional[str], registries) -> Tuple[bool, str]:
+def verdict(pte: str, ptd: str | None, registries) -> tuple[bool, str]:
     ops, backends = registries
     report = check_structure(pte, [ptd] if ptd else [], operators=ops, backends=backends,
                              max_planned_nbytes=PLANNED_LIMIT)
@@ -132,7 +130,7 @@ def _constant_tensors(root):
                 yield t
 
 
-def _named_cases(bases, folder) -> Dict[str, Tuple[str, Optional[str]]]:
+def _named_cases(bases, folder) -> dict[str, tuple[str, str | None]]:
     cases = {}
     # 1. 64 bytes: root offset, ET12, an eh00 header (program_size 64), an empty Program table.
     head = struct.pack("<I4s4sIQQQ", 48, b"ET12", b"eh00", 32, 64, 0, 0)
@@ -210,7 +208,7 @@ def test_the_unmutated_exports_load(bases, registries):
 _SPECIAL32 = (0, 1, 2, 7, 0xFFFFFFFF, 0x7FFFFFFF, 0x80000000)
 
 
-def _mutate(data: bytes, lo: int, hi: int, avoid: List[Tuple[int, int]], rng: random.Random) -> bytes:
+def _mutate(data: bytes, lo: int, hi: int, avoid: list[tuple[int, int]], rng: random.Random) -> bytes:
     """One random change of ``data`` inside [lo, hi), outside the ``avoid`` ranges."""
     out = bytearray(data)
     while True:
@@ -239,7 +237,7 @@ def _mutate(data: bytes, lo: int, hi: int, avoid: List[Tuple[int, int]], rng: ra
 _WIDTH = {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 4, 8: 4, 9: 8, 10: 8, 11: 4, 12: 8}
 
 
-def scalar_fields(buf: bytes, schema: str, limit: int = 20000) -> List[Tuple[int, int, bool]]:
+def scalar_fields(buf: bytes, schema: str, limit: int = 20000) -> list[tuple[int, int, bool]]:
     """(position, width, signed) of every scalar field and scalar vector element of a
     valid flatbuffer, from the schema tables: the values a field mutation can change."""
     from ptdstream.format.fb_tables import SCHEMAS

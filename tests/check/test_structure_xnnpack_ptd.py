@@ -4,6 +4,7 @@ which needs no tensor_layout (they have none): verify must accept what the runti
 from __future__ import annotations
 
 from conftest import export_xnnpack_mlp_tagged, read_folder
+
 from ptdstream.check.structure import check_structure
 
 

@@ -9,12 +9,11 @@ import struct
 import tracemalloc
 
 import pytest
+from _models_rv import assert_only, manager, patched, truncated, write_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ptdstream
-from ptdstream.format.reader import read_artifact
-from ptdstream.check.structure import check_structure
 from ptdstream.check.compare import (
     CompareReport,
     _first_difference,
@@ -22,8 +21,8 @@ from ptdstream.check.compare import (
     compare_files,
     verify_against_manager,
 )
-
-from _models_rv import assert_only, manager, patched, truncated, write_reference
+from ptdstream.check.structure import check_structure
+from ptdstream.format.reader import read_artifact
 
 XNN_KEY0 = "2fde66a9f2012fda28059b58e6b15d99c8e0829e2113e99d2e25d5bad3d852b3"
 EXT_PTD = "_default_external_constant.ptd"

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import export_xnnpack_mlp_tagged
+
 from ptdstream.check.structure import check_structure
 from ptdstream.format.reader import read_artifact
 

@@ -10,10 +10,9 @@ import sys
 import types
 
 import pytest
+from _models_rv import assert_only, patched, truncated, write_reference
 
 from ptdstream.cli import main
-
-from _models_rv import assert_only, patched, truncated, write_reference
 
 EXT_PTD = "_default_external_constant.ptd"
 

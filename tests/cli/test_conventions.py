@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import Mlp, export, reference_files
 
 ENV = dict(os.environ, PYTHONWARNINGS="ignore")

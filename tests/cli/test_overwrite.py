@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
-from conftest import Mlp, export
 from ptdstream.cli import main as cli_main
 from ptdstream.pack import pack
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-
 from ptdstream.cli import main as cli_main
 from ptdstream.write import journal, tempfiles
 

@@ -7,9 +7,9 @@ called for real by the ``built`` fixture, and the runs through ``main`` reuse it
 from __future__ import annotations
 
 import argparse
-import io
 import dataclasses
 import hashlib
+import io
 import os
 import subprocess
 import sys

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 
+import _dist_worker as W
 import pytest
 import torch
 import xxhash
 
-import _dist_worker as W
 from ptdstream.distributed.fingerprint import combine, digest_piece
 from ptdstream.save import write_data_files
 from ptdstream.store import StreamingNamedDataStore

@@ -6,6 +6,7 @@ import io
 import math
 
 import pytest
+from conftest import Mlp, export
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from executorch.exir._serialize._program import (
     PTEFile,
@@ -17,8 +18,10 @@ from executorch.exir._serialize.data_serializer import DataPayload
 from executorch.exir.schema import Buffer
 from executorch.extension.flat_tensor.serialize.serialize import (
     FlatTensorConfig,
-    FlatTensorHeader as UpstreamFlatTensorHeader,
     FlatTensorSerializer,
+)
+from executorch.extension.flat_tensor.serialize.serialize import (
+    FlatTensorHeader as UpstreamFlatTensorHeader,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,8 +36,6 @@ from ptdstream.format.layout import (
 )
 from ptdstream.format.pte import PteOptions
 from ptdstream.write.stream_sink import StreamSink
-
-from conftest import Mlp, export
 
 ALIGNMENTS = st.sampled_from([1, 2, 4, 16, 48, 64, 128, 256, 4096])
 

@@ -10,16 +10,15 @@ import tracemalloc
 from itertools import pairwise
 
 import pytest
+from _models_rv import assert_only, param_bytes, patched, truncated, write_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ptdstream
 from ptdstream.errors import FormatError
-from ptdstream.format.identity import ExtendedHeader, FlatTensorHeader
 from ptdstream.format.artifact import TensorMeta as TensorLayout
+from ptdstream.format.identity import ExtendedHeader, FlatTensorHeader
 from ptdstream.format.reader import read_artifact
-
-from _models_rv import assert_only, param_bytes, patched, truncated, write_reference
 
 FLOAT = 6  # ScalarType.FLOAT
 
@@ -336,9 +335,15 @@ def _shared_offsets_pte(fanout: int) -> bytes:
     import flatbuffers
     from executorch.exir._serialize.generated.executorch_flatbuffer import (
         EValue as EV,
+    )
+    from executorch.exir._serialize.generated.executorch_flatbuffer import (
         ExecutionPlan as EP,
+    )
+    from executorch.exir._serialize.generated.executorch_flatbuffer import (
         Int,
         KernelTypes,
+    )
+    from executorch.exir._serialize.generated.executorch_flatbuffer import (
         Program as P,
     )
 

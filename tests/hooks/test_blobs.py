@@ -10,14 +10,13 @@ import sys
 
 import pytest
 import torch
+from conftest import Mlp, mapped_rss, read_folder, reference_files
 
 import ptdstream
 from ptdstream.hooks.blobs import FileBlob, delegate_blobs_from_files, file_blob
 
-from conftest import Mlp, mapped_rss, read_folder, reference_files
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from engine_backend import EnginePartitioner  # noqa: E402
+from engine_backend import EnginePartitioner
 
 
 def _lower(engine_dir):

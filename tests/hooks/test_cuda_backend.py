@@ -50,9 +50,9 @@ class _nothing:
 
 
 def test_routed_weights_give_upstream_bytes(tmp_path):
-    import ptdstream
-
     from conftest import read_folder, reference_files
+
+    import ptdstream
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -82,8 +82,8 @@ def test_routed_weights_give_upstream_bytes(tmp_path):
 def test_equal_storages_share_one_copy_and_probe_twins_stay_apart(tmp_path):
     """The collector's per-storage hook: equal content -> one device copy and one
     digest; same size and same sampled bytes but one other byte -> two copies, two digests."""
-    from ptdstream.upstream.adapter import cuda_weight_collector
     from ptdstream.hooks.cuda.backend import PROBE_NBYTES, stream_cuda_weights
+    from ptdstream.upstream.adapter import cuda_weight_collector
 
     collector = cuda_weight_collector()
     n = 1 << 20

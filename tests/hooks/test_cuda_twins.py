@@ -22,8 +22,8 @@ def _hand_over(collector, tensor, path):
 
 
 def test_storage_equal_to_a_held_parameter_references_it_and_adds_no_device_memory(tmp_path):
-    from ptdstream.upstream.adapter import cuda_weight_collector
     from ptdstream.hooks.cuda.backend import stream_cuda_weights
+    from ptdstream.upstream.adapter import cuda_weight_collector
 
     collector = cuda_weight_collector()
     n = 3 << 20
@@ -41,9 +41,9 @@ def test_storage_equal_to_a_held_parameter_references_it_and_adds_no_device_memo
 
 def test_a_referenced_parameter_changed_before_the_save_is_refused_naming_the_key(tmp_path):
     from ptdstream import StreamingNamedDataStore
-    from ptdstream.upstream.adapter import cuda_weight_collector
     from ptdstream.hooks.cuda.backend import stream_cuda_weights
     from ptdstream.save import write_data_files
+    from ptdstream.upstream.adapter import cuda_weight_collector
 
     collector = cuda_weight_collector()
     n = (1 << 20) + 3
@@ -88,8 +88,8 @@ def _materialize(collector, weights, folder):
 
 
 def test_later_methods_reuse_the_source_kept_for_their_fqn_and_compare_other_bytes_in_full(tmp_path):
-    from ptdstream.upstream.adapter import cuda_weight_collector
     from ptdstream.hooks.cuda.backend import stream_cuda_weights
+    from ptdstream.upstream.adapter import cuda_weight_collector
 
     collector = cuda_weight_collector()
     n = (1 << 20) + 8
@@ -114,10 +114,10 @@ def test_later_methods_reuse_the_source_kept_for_their_fqn_and_compare_other_byt
 
 def test_storages_without_a_twin_beyond_the_budget_are_spilled_and_saved_byte_identical(tmp_path):
     from ptdstream import StreamingNamedDataStore
-    from ptdstream.upstream.adapter import cuda_weight_collector
     from ptdstream.hooks.cuda.backend import stream_cuda_weights
-    from ptdstream.save import write_data_files
     from ptdstream.hooks.cuda.spill import SpilledSource
+    from ptdstream.save import write_data_files
+    from ptdstream.upstream.adapter import cuda_weight_collector
 
     collector = cuda_weight_collector()
     n = (3 << 20) + 5
@@ -150,8 +150,8 @@ def test_storages_without_a_twin_beyond_the_budget_are_spilled_and_saved_byte_id
 
 
 def test_spill_budget_none_keeps_every_copy_on_the_device(tmp_path):
-    from ptdstream.upstream.adapter import cuda_weight_collector
     from ptdstream.hooks.cuda.backend import stream_cuda_weights
+    from ptdstream.upstream.adapter import cuda_weight_collector
 
     collector = cuda_weight_collector()
     consts = [torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda") for _ in range(2)]

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import copy
-import os
 import hashlib
+import os
 import pickle
 import threading
 
 import pytest
 import torch
+from conftest import Mlp, TiedLM, WithBuffer, example_inputs, export, mapped_rss, read_folder, reference_files
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
-from ptdstream.upstream import adapter as _upstream
-from ptdstream.hooks.emitter import StorageReference, reference
 from ptdstream.check.compare import verify_against_manager
-
-from conftest import Mlp, TiedLM, WithBuffer, example_inputs, export, mapped_rss, read_folder, reference_files
+from ptdstream.hooks.emitter import StorageReference, reference
+from ptdstream.upstream import adapter as _upstream
 
 
 def _constants(manager):

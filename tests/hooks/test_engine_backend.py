@@ -5,17 +5,15 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
 import torch
-
-import ptdstream
-from ptdstream.system.pagecache import resident_nbytes
-from ptdstream.format.reader import read_artifact
-
 from conftest import Mlp, read_folder, reference_files
 
+import ptdstream
+from ptdstream.format.reader import read_artifact
+from ptdstream.system.pagecache import resident_nbytes
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from engine_backend import EnginePartitioner  # noqa: E402
+from engine_backend import EnginePartitioner
 
 
 def test_engines_are_stored_once_streamed_and_identical(tmp_path, monkeypatch):

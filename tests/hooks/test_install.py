@@ -5,12 +5,11 @@ from __future__ import annotations
 import io
 import os
 
+from conftest import Mlp, export, read_folder, reference_files
 from executorch.exir import ExecutorchBackendConfig
 from executorch.exir.program._program import ExecutorchProgramManager
 
 from ptdstream.hooks import install as patch
-
-from conftest import Mlp, export, read_folder, reference_files
 
 
 def test_routed_methods_write_reference_bytes(tmp_path):

@@ -22,20 +22,19 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("optimum.exporters.executorch", reason="needs ptdstream[hf] (bash tools/setup.sh --hf)")
 
-import transformers  # noqa: E402
+import transformers
+from conftest import read_folder
 
-import ptdstream  # noqa: E402
-from ptdstream.upstream import adapter, patching  # noqa: E402
-from ptdstream.hooks import install as pt_install  # noqa: E402
-from ptdstream.hooks import optimum as pt_optimum  # noqa: E402
-from ptdstream.hooks.emitter import StorageReference  # noqa: E402
-
-from conftest import read_folder  # noqa: E402
+import ptdstream
+from ptdstream.hooks import install as pt_install
+from ptdstream.hooks import optimum as pt_optimum
+from ptdstream.hooks.emitter import StorageReference
+from ptdstream.upstream import adapter, patching
 
 pytestmark = pytest.mark.hf
 

@@ -11,10 +11,10 @@ import xxhash
 
 from ptdstream import StreamingNamedDataStore
 from ptdstream.errors import IntegrityError
-from ptdstream.save import write_data_files
-from ptdstream.sources import BufferRing, MemorySource
 from ptdstream.hooks.cuda import spill as spill_module
 from ptdstream.hooks.cuda.spill import SPILL_ALIGNMENT, SpillFile
+from ptdstream.save import write_data_files
+from ptdstream.sources import BufferRing, MemorySource
 from ptdstream.system.pagecache import resident_nbytes
 
 

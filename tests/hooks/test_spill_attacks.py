@@ -15,10 +15,10 @@ import pytest
 
 from ptdstream import StreamingNamedDataStore
 from ptdstream.errors import IntegrityError
-from ptdstream.save import write_data_files
-from ptdstream.sources import BufferRing, MemorySource
 from ptdstream.hooks.cuda import spill as spill_module
 from ptdstream.hooks.cuda.spill import SPILL_ALIGNMENT, SpillFile
+from ptdstream.save import write_data_files
+from ptdstream.sources import BufferRing, MemorySource
 from ptdstream.system.pagecache import resident_nbytes
 
 
@@ -279,7 +279,8 @@ def test_brk2_append_after_close_does_not_write_into_another_file(tmp_path):
     assert victim.read_bytes() == b"precious user data"
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 class _Fails(MemorySource):

@@ -11,10 +11,9 @@ import threading
 import pytest
 import torch
 import zstandard
+from conftest import Mlp, export
 
 from ptdstream.hooks import install as patch
-
-from conftest import Mlp, export
 
 
 @pytest.fixture(scope="module")

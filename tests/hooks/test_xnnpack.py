@@ -6,15 +6,13 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
-import ptdstream
-from ptdstream.upstream import adapter as _upstream
-from ptdstream.hooks.emitter import StorageReference
-from ptdstream.hooks.xnnpack import xnnpack_constants_by_reference
-
+from _probes import global_users as _global_users
 from conftest import Mlp, TiedLM, export, read_folder, reference_files
 
-from _probes import global_users as _global_users
+import ptdstream
+from ptdstream.hooks.emitter import StorageReference
+from ptdstream.hooks.xnnpack import xnnpack_constants_by_reference
+from ptdstream.upstream import adapter as _upstream
 
 
 def _named_buffers(manager):

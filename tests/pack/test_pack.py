@@ -13,14 +13,14 @@ import subprocess
 import pytest
 import xxhash
 import zstandard
-
 from conftest import Mlp, export
+
 from ptdstream import FormatError, IntegrityError, LayoutError, StateError
-from ptdstream.errors import MissingKeyError
-from ptdstream.pack import PackedArtifact, artifact_head, pack, plan_frames, unpack
 from ptdstream.cli import main as cli_main
 from ptdstream.cli.common import parse_nbytes
+from ptdstream.errors import MissingKeyError
 from ptdstream.format.reader import read_artifact
+from ptdstream.pack import PackedArtifact, artifact_head, pack, plan_frames, unpack
 from ptdstream.pack.seek_table import encode_seek_table, frame_checksum
 from ptdstream.pack.seekable import SeekableReader
 
@@ -34,8 +34,9 @@ needs_zstd = pytest.mark.skipif(ZSTD is None, reason="the zstd command is not in
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """A real .ptd (4 named tensors), its .pte, and a .pte holding a constant segment."""
-    import ptdstream
     from executorch.exir import ExecutorchBackendConfig
+
+    import ptdstream
 
     folder = tmp_path_factory.mktemp("artifacts")
     os.makedirs(folder / "ext")

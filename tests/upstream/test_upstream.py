@@ -16,13 +16,13 @@ import os
 import pathlib
 
 import pytest
+from _probes import global_users as _global_users
+from conftest import Mlp, export
 
 import ptdstream
-from _probes import global_users as _global_users
 from ptdstream.upstream import adapter as _upstream
 from ptdstream.upstream import names
 
-from conftest import Mlp, export
 
 def _installed(module: str) -> bool:
     try:

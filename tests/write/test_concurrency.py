@@ -23,15 +23,14 @@ import time
 
 import pytest
 import torch
+from _procs import fork, wait_status
+from conftest import Mlp, export, reference_files
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
 from ptdstream import ChunkedFileSink
 from ptdstream.manager import plan_manager
 from ptdstream.write.set_writer import write_save_plan
-
-from _procs import fork, wait_status
-from conftest import Mlp, export, reference_files
 
 PTD = "_default_external_constant.ptd"
 PTE = "model.pte"

@@ -22,14 +22,12 @@ import time
 import pytest
 import torch
 import xxhash
+from _procs import fork, wait_status
+from conftest import export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
 from ptdstream.write.tempfiles import stale_temp_files
-
-from _procs import fork, wait_status
-
-from conftest import export
 
 pytestmark = pytest.mark.slow
 

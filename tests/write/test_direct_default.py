@@ -9,9 +9,9 @@ import tempfile
 import pytest
 
 from ptdstream import StreamingNamedDataStore
+from ptdstream.hooks.cuda.spill import SpillFile
 from ptdstream.save import write_data_files
 from ptdstream.sources import MemorySource
-from ptdstream.hooks.cuda.spill import SpillFile
 
 
 def _store(spill):

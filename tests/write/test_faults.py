@@ -27,6 +27,7 @@ import time
 
 import pytest
 import torch
+from conftest import Mlp, export, read_folder, reference_files
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
@@ -34,8 +35,6 @@ from ptdstream import ChunkedFileSink, IntegrityError, Source, StreamingNamedDat
 from ptdstream.manager import plan_manager
 from ptdstream.save import write_data_files
 from ptdstream.write.set_writer import write_save_plan
-
-from conftest import Mlp, export, read_folder, reference_files
 
 PTD = "_default_external_constant.ptd"
 TARGETS = (PTD, "model.pte")

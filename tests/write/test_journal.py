@@ -18,15 +18,14 @@ import signal
 
 import pytest
 import torch
+from _procs import fork, wait_status
+from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
 from ptdstream.pack import pack, unpack
 from ptdstream.system import fsops
 from ptdstream.write import journal, tempfiles
-
-from _procs import fork, wait_status
-from conftest import Mlp, export
 
 PTE, PTD = "model.pte", "_default_external_constant.ptd"
 

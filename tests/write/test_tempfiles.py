@@ -11,16 +11,15 @@ import textwrap
 
 import pytest
 import torch
+from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
 from ptdstream import ChunkedFileSink
 from ptdstream.check.manifest import write_manifest
 from ptdstream.pack import PackedArtifact, pack, unpack
-from ptdstream.write.publish import remove_stale_temp_files
 from ptdstream.write import tempfiles
-
-from conftest import Mlp, export
+from ptdstream.write.publish import remove_stale_temp_files
 
 DEAD_PID = 999_999_999  # no such process
 

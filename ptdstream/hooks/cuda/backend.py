@@ -44,14 +44,15 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 from ...errors import StateError
 from ...sources.base import Expectation, Source
 from ...upstream import adapter
-from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 from ...upstream.patching import is_shadowed, shadowed
+from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 
 __all__ = ["CudaWeightStats", "CudaWeightStream", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "StreamState",
            "stream_cuda_weights"]
@@ -116,25 +117,25 @@ class CudaWeightStream:
     Args: as :func:`stream_cuda_weights`.
     """
 
-    def __init__(self, trim_host_memory: bool = False, twins: bool = True,  # noqa: D107
-                 device_copy_budget_nbytes: Optional[int] = DEVICE_COPY_BUDGET_NBYTES,
-                 spill_dir: Optional[str] = None) -> None:
+    def __init__(self, trim_host_memory: bool = False, twins: bool = True,
+                 device_copy_budget_nbytes: int | None = DEVICE_COPY_BUDGET_NBYTES,
+                 spill_dir: str | None = None) -> None:
         self.trim_host_memory = trim_host_memory
         self.twins = twins
         self.device_copy_budget_nbytes = device_copy_budget_nbytes
         self.spill_dir = spill_dir
         self.state = StreamState.READY
         self.stats = CudaWeightStats()
-        self._patches: Optional[contextlib.ExitStack] = None
-        self._real: Dict[str, Any] = {}  # the collector's names the patches replace
-        self._pending: Dict[str, Source] = {}  # upstream's temp path -> the source written for it
-        self._kept: Dict[Tuple[int, bytes], List[Source]] = {}  # probe -> sources kept
-        self._positions: Dict[Tuple[object, int], object] = {}  # probe index cache
-        self._by_fqn: Dict[str, Source] = {}  # the source last chosen for each FQN
-        self._fqn_of: Dict[int, str] = {}  # storage data pointer -> FQN, for the current round
+        self._patches: contextlib.ExitStack | None = None
+        self._real: dict[str, Any] = {}  # the collector's names the patches replace
+        self._pending: dict[str, Source] = {}  # upstream's temp path -> the source written for it
+        self._kept: dict[tuple[int, bytes], list[Source]] = {}  # probe -> sources kept
+        self._positions: dict[tuple[object, int], object] = {}  # probe index cache
+        self._by_fqn: dict[str, Source] = {}  # the source last chosen for each FQN
+        self._fqn_of: dict[int, str] = {}  # storage data pointer -> FQN, for the current round
         self._warmed: set = set()
-        self._finder: Optional[TwinFinder] = None  # this round's, inside materialize
-        self._spill: Optional[Any] = None  # the SpillFile, made at the first spill
+        self._finder: TwinFinder | None = None  # this round's, inside materialize
+        self._spill: Any | None = None  # the SpillFile, made at the first spill
 
     def _expect(self, state: StreamState, what: str) -> None:
         if self.state is not state:
@@ -252,7 +253,7 @@ class CudaWeightStream:
             # rather than on the first comparison of the next method (~25 ms).
             head = flat[: 1 << 16]  # large enough for the vectorized kernels
             same_bytes(head.clone(), head)
-        fingerprints: List = []
+        fingerprints: list = []
         if guess is not None and guess.nbytes == nbytes and self._same(guess, flat, fingerprints):
             source = guess  # this FQN's storage of an earlier method, unchanged
         else:
@@ -280,7 +281,7 @@ class CudaWeightStream:
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _same(source, flat, fingerprints: List) -> bool:
+    def _same(source, flat, fingerprints: list) -> bool:
         """Whether ``source`` holds ``flat``'s bytes (``fingerprints``: flat's, once computed)."""
         from ...sources.cuda_fingerprint import gpu_fingerprint
         from .spill import SpilledSource
@@ -335,8 +336,8 @@ class CudaWeightStream:
 def stream_cuda_weights(
     trim_host_memory: bool = False,
     twins: bool = True,
-    device_copy_budget_nbytes: Optional[int] = DEVICE_COPY_BUDGET_NBYTES,
-    spill_dir: Optional[str] = None,
+    device_copy_budget_nbytes: int | None = DEVICE_COPY_BUDGET_NBYTES,
+    spill_dir: str | None = None,
 ) -> Iterator[CudaWeightStats]:
     """While active, executorch's CUDA backend hands weight storages to ptdstream.
 

@@ -32,16 +32,16 @@ import os
 import tempfile
 import threading
 import weakref
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from ...defaults import WINDOW_NBYTES
 from ...errors import IntegrityError
-from ...system.files import pwrite_all
-from ...system.pagecache import drop_pages
-from ...system.writeback import WritebackWindows
 from ...sources.base import NO_EXPECTATION, BufferRing, Expectation, Source
 from ...sources.file import pread_pieces
 from ...sources.fingerprint import Fingerprint, StreamingDigest
+from ...system.files import pwrite_all
+from ...system.pagecache import drop_pages
+from ...system.writeback import WritebackWindows
 
 __all__ = ["SPILL_ALIGNMENT", "SpillFile", "SpilledSource"]
 
@@ -94,7 +94,7 @@ class SpillFile:
         OSError: ``folder`` cannot hold a new file (missing, read-only, ...).
     """
 
-    def __init__(self, folder: str, window_nbytes: int = WINDOW_NBYTES) -> None:  # noqa: D107
+    def __init__(self, folder: str, window_nbytes: int = WINDOW_NBYTES) -> None:
         self.folder = os.fspath(folder)
         self._fd = _open_unlinked(self.folder)
         self._closer = weakref.finalize(self, os.close, self._fd)
@@ -104,7 +104,7 @@ class SpillFile:
         self.nbytes = 0
 
     def append(self, source: Source, label: str, chunk_nbytes: int = 8 << 20,
-               gpu_fingerprint: Optional[Fingerprint] = None) -> "SpilledSource":
+               gpu_fingerprint: Fingerprint | None = None) -> SpilledSource:
         """Copy ``source``'s bytes to the end of the file (page-aligned).
 
         Args:
@@ -195,7 +195,7 @@ class SpilledSource(Source):
             against ``expectation.fingerprint``).
     """
 
-    def __init__(self, spill: SpillFile, offset: int, nbytes: int, label: str,  # noqa: D107
+    def __init__(self, spill: SpillFile, offset: int, nbytes: int, label: str,
                  expectation: Expectation = NO_EXPECTATION) -> None:
         self.spill = spill
         self.offset = offset
@@ -213,6 +213,6 @@ class SpilledSource(Source):
         return pread_pieces(self.spill.fileno(), self.offset, self.nbytes, ring, lambda end: IntegrityError(
             f"{self.describe()}: the spill file ended at offset {end}, {self.nbytes} bytes expected"))
 
-    def gpu_fingerprint(self) -> Optional[Fingerprint]:
+    def gpu_fingerprint(self) -> Fingerprint | None:
         """The fingerprint the bytes had where they came from (``expectation.gpu_fingerprint``)."""
         return self._expectation.gpu_fingerprint

@@ -18,7 +18,7 @@ round, matched by size, then by
 from __future__ import annotations
 
 import gc
-from typing import Dict, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
 
 __all__ = ["PROBE_NBYTES", "TwinFinder", "probe", "same_bytes"]
 
@@ -26,7 +26,7 @@ __all__ = ["PROBE_NBYTES", "TwinFinder", "probe", "same_bytes"]
 PROBE_NBYTES = 64
 
 
-def probe(flat, positions: Dict[Tuple[object, int], object]) -> Tuple[int, bytes]:
+def probe(flat, positions: dict[tuple[object, int], object]) -> tuple[int, bytes]:
     """``(nbytes, PROBE_NBYTES bytes spread evenly over flat)``: one gather, one small copy.
 
     Args:
@@ -84,16 +84,16 @@ class TwinFinder:
         positions: shared probe index cache (see :func:`probe`).
     """
 
-    def __init__(self, excluded: Iterable[int], positions: Dict) -> None:
+    def __init__(self, excluded: Iterable[int], positions: dict) -> None:
         self._excluded = set(excluded)
         self._positions = positions
-        self._by_size: Optional[Dict[Tuple[object, int], List]] = None
-        self._probes: Dict[int, Tuple[int, bytes]] = {}
+        self._by_size: dict[tuple[object, int], list] | None = None
+        self._probes: dict[int, tuple[int, bytes]] = {}
 
-    def _scan(self) -> Dict[Tuple[object, int], List]:
+    def _scan(self) -> dict[tuple[object, int], list]:
         import torch
 
-        by_size: Dict[Tuple[object, int], List] = {}
+        by_size: dict[tuple[object, int], list] = {}
         seen = set()
         for obj in gc.get_objects():
             if type(obj) is not torch.nn.Parameter:
@@ -114,7 +114,7 @@ class TwinFinder:
             by_size.setdefault((obj.device, nbytes), []).append(obj)
         return by_size
 
-    def find(self, flat, wanted: Tuple[int, bytes]):
+    def find(self, flat, wanted: tuple[int, bytes]):
         """A held parameter whose bytes equal ``flat`` (a 1-D ``uint8`` CUDA tensor), or ``None``.
 
         ``wanted`` is ``probe(flat)``.
