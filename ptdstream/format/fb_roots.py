@@ -61,7 +61,7 @@ def text(raw: bytes | None) -> str:
     return raw.decode("utf-8", "surrogateescape") if raw is not None else ""
 
 
-def shown(value, quote: bool = False) -> str:
+def shown(value: bytes | bytearray | memoryview | str, quote: bool = False) -> str:
     """How a key or name read from a file is shown in messages and listings: its
     UTF-8 text, each undecodable byte as ``\\xNN`` (Python's ``backslashreplace``)
     and each unprintable character (``\\x00``, other controls) escaped the same
