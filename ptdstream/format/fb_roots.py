@@ -69,9 +69,10 @@ def shown(value: bytes | bytearray | memoryview | str, quote: bool = False) -> s
     ``quote`` wraps it in single quotes."""
     if isinstance(value, str):
         try:
-            value = value.encode("utf-8", "surrogateescape")
+            raw = value.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:  # a surrogate of no byte: show its code point
-            value = value.encode("utf-8", "backslashreplace")
+            raw = value.encode("utf-8", "backslashreplace")
+        value = raw
     out = "".join(c if c.isprintable() else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
                   for c in bytes(value).decode("utf-8", "backslashreplace"))
     return f"'{out}'" if quote else out
