@@ -9,10 +9,10 @@ detail)`` for each method. A failed detail names the rule's upstream function.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import AbstractSet
+from collections.abc import Sequence, Set
 
 from ..format.fb_roots import flat_tensor_root, program_root
+from ..format.reader import Artifact
 from .runtime_method import check_method
 from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program, default_planned_limit
 
@@ -24,8 +24,8 @@ def _read(path: str, nbytes: int) -> bytes:
         return f.read(nbytes)
 
 
-def runtime_load_checks(pte_path: str, pte_art, ptds: Sequence[tuple[str, object]] = (),
-                        operators: AbstractSet[str] | None = None, backends: AbstractSet[str] | None = None,
+def runtime_load_checks(pte_path: str, pte_art: Artifact, ptds: Sequence[tuple[str, Artifact]] = (),
+                        operators: Set[str] | None = None, backends: Set[str] | None = None,
                         max_planned_nbytes: int | None = None) -> list[tuple[str, bool, str]]:
     """Results of the runtime's program and method load rules.
 

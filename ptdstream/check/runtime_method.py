@@ -8,8 +8,7 @@ serializer writes), so such a forward reference is refused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import AbstractSet
+from collections.abc import Sequence, Set
 
 from ..format.fb_roots import union_tensor
 from ..format.program_fb.InstructionArguments import InstructionArguments as IA
@@ -40,7 +39,7 @@ _U64 = (1 << 64) - 1
 
 
 def check_method(pte: ProgramFile, plan_index: int, name: str, ptds: Sequence[PtdMap], planned: Sequence[int],
-                 operators: AbstractSet[str] | None = None, backends: AbstractSet[str] | None = None) -> None:
+                 operators: Set[str] | None = None, backends: Set[str] | None = None) -> None:
     """Check that ``Program::load_method(name)`` succeeds.
 
     Args:
@@ -94,23 +93,27 @@ def check_method(pte: ProgramFile, plan_index: int, name: str, ptds: Sequence[Pt
     _check_chains(plan, n, where, operators)
 
 
-def _check_layout(t, entry, where: str, key: bytes) -> None:
-    """TensorLayout::create of the .ptd entry, then validateTensorLayout against ``t``."""
+def _check_layout(t, entry, where: str, key: bytes) -> int:
+    """TensorLayout::create of the .ptd entry, then validateTensorLayout against ``t``.
+    Returns the bytes of the .ptd layout (numel * element size)."""
     lt = entry.TensorLayout()
     what = f"{where}: external tensor {key.decode(errors='replace')!r}"
     sizes, order = numbers(lt, "Sizes"), numbers(lt, "DimOrder")
     rule = "tensor_layout.cpp::TensorLayout::create"
-    need(sizes is not None and order is not None and len(order) == len(sizes), rule,
-          f"{what}: .ptd layout sizes/dim_order missing or of different lengths")
-    need(valid_type(lt.ScalarType()) and all(s >= 0 for s in sizes)
-          and tensor_nbytes(lt.ScalarType(), sizes) is not None and all(d < len(sizes) for d in order), rule,
-          f"{what}: .ptd layout {lt.ScalarType()} {list(sizes)} {list(order)} is invalid")
+    if sizes is None or order is None or len(order) != len(sizes):
+        raise RuleError(rule, f"{what}: .ptd layout sizes/dim_order missing or of different lengths")
+    layout_nbytes = (tensor_nbytes(lt.ScalarType(), sizes)
+                     if valid_type(lt.ScalarType()) and all(s >= 0 for s in sizes) else None)
+    if layout_nbytes is None or not all(d < len(sizes) for d in order):
+        raise RuleError(rule, f"{what}: .ptd layout {lt.ScalarType()} {list(sizes)} {list(order)} is invalid")
     rule = "tensor_parser_exec_aten.cpp::validateTensorLayout"
     need(t.ScalarType() == lt.ScalarType(), rule, f"{what}: scalar type {t.ScalarType()} != .ptd {lt.ScalarType()}")
     mine, my_order = numbers(t, "Sizes"), numbers(t, "DimOrder")
-    need(mine is not None and my_order is not None, rule, f"{what}: missing sizes or dim_order")
+    if mine is None or my_order is None:
+        raise RuleError(rule, f"{what}: missing sizes or dim_order")
     need(mine == sizes and my_order == order, rule,
           f"{what}: sizes {list(mine)} dim_order {list(my_order)} != .ptd {list(sizes)} {list(order)}")
+    return layout_nbytes
 
 
 def _parse_value(pte, plan, ptds, planned, k, v, kinds, where) -> None:
@@ -129,7 +132,8 @@ def _parse_value(pte, plan, ptds, planned, k, v, kinds, where) -> None:
         return
     if kind in (KT.IntList, KT.DoubleList, KT.BoolList, KT.TensorList, KT.OptionalTensorList):
         items = list_items(v)
-        need(items is not None, rule, f"{what}: missing list")
+        if items is None:
+            raise RuleError(rule, f"{what}: missing list")
         if kind == KT.IntList:
             for j, idx in enumerate(items):
                 need(0 <= idx < n, rule, f"{what}: IntList item {j} index {idx} out of range ({n} values)")
@@ -154,14 +158,17 @@ def _parse_tensor(pte, plan, ptds, planned, t, what) -> None:
     need(valid_type(t.ScalarType()), rule, f"{what}: invalid ScalarType {t.ScalarType()}")
     need(t.ShapeDynamism() != _DYNAMIC_UNBOUND, rule, f"{what}: fully dynamic shapes are not supported")
     sizes, order = numbers(t, "Sizes"), numbers(t, "DimOrder")
-    need(sizes is not None, rule, f"{what}: missing sizes")
+    if sizes is None:
+        raise RuleError(rule, f"{what}: missing sizes")
     need(len(sizes) <= TENSOR_DIMENSION_LIMIT, rule, f"{what}: rank {len(sizes)} > {TENSOR_DIMENSION_LIMIT}")
-    need(order is not None and len(order) == len(sizes), rule, f"{what}: dim_order missing or of rank != {len(sizes)}")
+    if order is None or len(order) != len(sizes):
+        raise RuleError(rule, f"{what}: dim_order missing or of rank != {len(sizes)}")
     need(all(s >= 0 for s in sizes), rule, f"{what}: negative size in {list(sizes)}")
     need(not sizes or sorted(order) == list(range(len(sizes))), "dim_order_util.h::validate_dim_order",
           f"{what}: dim_order {list(order)} is not a permutation of 0..{len(sizes) - 1}")
     nbytes = tensor_nbytes(t.ScalarType(), sizes)
-    need(nbytes is not None, rule, f"{what}: sizes {list(sizes)} overflow")
+    if nbytes is None:
+        raise RuleError(rule, f"{what}: sizes {list(sizes)} overflow")
     _tensor_data(pte, ptds, planned, t, nbytes, what)
 
 
@@ -187,10 +194,8 @@ def _tensor_data(pte: ProgramFile, ptds, planned, t, nbytes: int, what: str) -> 
         key = info.FullyQualifiedName().split(b"\0", 1)[0]
         need(bool(ptds), rule, f"{what}: mutable external tensor {key!r} and no .ptd is given")
         ptd, entry = _ptd_entry(ptds, key, what)
-        _check_layout(t, entry, what, key)
+        layout_nbytes = _check_layout(t, entry, what, key)
         _planned(planned, alloc, nbytes, what)
-        lt = entry.TensorLayout()
-        layout_nbytes = tensor_nbytes(lt.ScalarType(), numbers(lt, "Sizes"))
         need(nbytes <= layout_nbytes, "FlatTensorDataMap::load_data_into", f"{what}: {nbytes} > layout {layout_nbytes}")
         seg = ptd.root.Segments(entry.SegmentIndex())
         in_file(ptd.segment_base_offset + seg.Offset(), layout_nbytes, ptd.file_nbytes,
@@ -304,9 +309,11 @@ def _check_chains(plan, n: int, where: str, operators) -> None:
                     _check_operator(plan, call.OpIndex(), what, operators)
                 continue
             cls = {IA.MoveCall: MoveCall, IA.JumpFalseCall: JumpFalseCall, IA.FreeCall: FreeCall}.get(kind)
-            need(cls is not None, rule, f"{what}: invalid instruction type {kind}")
+            if cls is None:
+                raise RuleError(rule, f"{what}: invalid instruction type {kind}")
             call = cls()
             call.Init(args.Bytes, args.Pos)
+            indices: tuple[int, ...]
             if kind == IA.MoveCall:
                 indices = (call.MoveFrom(), call.MoveTo())
             elif kind == IA.JumpFalseCall:

@@ -93,7 +93,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..format.fb_roots import shown, union_tensor
+from ..format.flat_tensor_fb.FlatTensor import FlatTensor
 from ..format.program_fb.KernelTypes import KernelTypes as KT
+from ..format.program_fb.Program import Program
 
 __all__ = [
     "HEAD_NBYTES",
@@ -139,7 +141,7 @@ class PtdMap:
     ``segment_base_offset``/``segment_data_size`` from its header, and its size in bytes."""
 
     path: str
-    root: object
+    root: FlatTensor
     segment_base_offset: int
     segment_data_nbytes: int
     file_nbytes: int
@@ -151,7 +153,7 @@ class ProgramFile:
     ``segment_base_offset`` (0 without header) and the file size in bytes."""
 
     path: str
-    root: object
+    root: Program
     segment_base_offset: int
     file_nbytes: int
 
@@ -231,14 +233,15 @@ def check_program(pte: ProgramFile, max_planned_nbytes: int) -> dict:
         try:  # the Python binding returns method names as str (pybind11 decodes UTF-8 strictly)
             name = raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise RuleError("PyProgram::get_method_name (UTF-8)", f"execution plan {i} name {raw!r} is not UTF-8") from None
+            raise RuleError("PyProgram::get_method_name (UTF-8)",
+                            f"execution plan {i} name {raw!r} is not UTF-8") from None
         if name in methods:
             continue
         methods[name] = i
         for field in ("NonConstBufferSizes", "Inputs", "Outputs"):
             need(not getattr(plan, f"{field}IsNone")(), "Program::method_meta",
                   f"method {name!r}: missing {_snake(field)} field")
-        sizes = numbers(plan, "NonConstBufferSizes")
+        sizes = numbers(plan, "NonConstBufferSizes") or ()  # present: checked just above
         for j, size in enumerate(sizes[1:]):
             need(size >= 0, "MethodMeta::memory_planned_buffer_size",
                   f"method {name!r}: planned buffer {j} has negative size {size}")
@@ -275,9 +278,11 @@ def _validate_plan(i: int, plan) -> None:
         elif kind == KT.TensorList:
             need(v.Val() is not None, rule, f"plan {i} value {k}: TensorList is null")
             items = list_items(v)
-            need(items is not None, rule, f"plan {i} value {k}: TensorList items is null")
+            if items is None:
+                raise RuleError(rule, f"plan {i} value {k}: TensorList items is null")
             for j, idx in enumerate(items):
-                need(0 <= idx < n, rule, f"plan {i} value {k}: TensorList item {j} index {idx} out of range ({n} values)")
+                need(0 <= idx < n, rule,
+                     f"plan {i} value {k}: TensorList item {j} index {idx} out of range ({n} values)")
                 need(plan.Values(idx).ValType() == KT.Tensor, rule,
                       f"plan {i} value {k}: TensorList item {j} references a non-Tensor value {idx}")
 
