@@ -28,7 +28,8 @@ The graph itself (node types, value ids, datatypes): :mod:`ptdstream.check.xnnpa
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ..format.fb_tables import SCHEMAS
 from ..format.verifier import FlatbufferError, verify_buffer
@@ -42,10 +43,11 @@ MAX_EXTERNS = 4096
 XNN_TENSOR_VALUE, XNN_QUANTIZED_TENSOR_VALUE = 1, 2  # XValueUnion
 ALLOWED_FLAGS = 0x1 | 0x2  # XNN_VALUE_FLAG_EXTERNAL_INPUT | XNN_VALUE_FLAG_EXTERNAL_OUTPUT
 _RULE = "XNNCompiler::compileModel"
+_XNNPACK: Mapping[str, Any] = SCHEMAS["xnnpack"]  # the generated tables: nested dicts and tuples
 
 
 def _slot(type_name: str, field: str) -> int:
-    for name, slot, *_ in SCHEMAS["xnnpack"]["objects"][type_name][3]:
+    for name, slot, *_ in _XNNPACK["objects"][type_name][3]:
         if name == field:
             return slot
     raise KeyError(field)
@@ -138,14 +140,16 @@ def _check_values(fb: bytes, root: int, has_header: bool, cd_size: int, what: st
             tv = _deref(fb, inner)
         fpos = _table(fb, tv, _slot(value_t, "flags"))
         flags = struct.unpack_from("<I", fb, fpos)[0] if fpos is not None else 0
-        need(flags & ~ALLOWED_FLAGS == 0, "XNNCompiler.cpp::defineTensor", f"{where}: unsupported flag bits 0x{flags:x}")
+        need(flags & ~ALLOWED_FLAGS == 0, "XNNCompiler.cpp::defineTensor",
+             f"{where}: unsupported flag bits 0x{flags:x}")
         ipos = _table(fb, tv, _slot(value_t, "constant_buffer_idx"))
         idx = struct.unpack_from("<I", fb, ipos)[0] if ipos is not None else 0
         if not idx:
             continue
         rule = "XNNCompiler.cpp::getConstantDataPtr"
         if not has_header:
-            need(buf_count > idx, rule, f"{where}: buffer_idx {idx} out of bounds for constant_buffer of size {buf_count}")
+            need(buf_count > idx, rule,
+                 f"{where}: buffer_idx {idx} out of bounds for constant_buffer of size {buf_count}")
             entry = _deref(fb, buf_start + 4 * idx)
             storage = _table(fb, entry, _slot("fb_xnnpack.Buffer", "storage"))
             need(storage is not None, rule, f"{where}: null constant_buffer entry at buffer_idx {idx}")
@@ -185,7 +189,7 @@ def _resolve(key: bytes, what: str, pte: ProgramFile, ptds: Sequence[PtdMap]) ->
             return ptd.root.Segments(entry.SegmentIndex()).Size()
     p = pte.root
     rule = "PteDataMap::get_data"
-    need(not p.NamedDataIsNone() or ptds, "Method::init", f"{what}: no named data map for key {key!r}")
+    need(not p.NamedDataIsNone() or bool(ptds), "Method::init", f"{what}: no named data map for key {key!r}")
     for i in range(p.NamedDataLength()):
         entry = p.NamedData(i)
         need(entry.Key() is not None, rule, f"{what}: searching for {key!r}: named data {i} has no key")

@@ -29,6 +29,8 @@ node's filter with its bias, input or output: shapes meet at the first execute).
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
+from typing import Any
 
 from ..format.fb_tables import SCHEMAS
 from .runtime_rules import default_planned_limit, need
@@ -43,15 +45,16 @@ PLAIN_DATATYPES = {1, 2, 12, 13, 14}  # fp32, fp16, int32, pfp32, bf16
 KNOWN_DATATYPES = set(range(1, 15))  # getDataType's cases; others map to invalid
 # bits per element of each datatype (fp32 fp16 qint8 quint8 qint32 qcint8 qcint32 qcint4 qdint8
 # qbint4 qpint8 int32 pfp32 bf16)
-BITS = dict(zip(range(1, 15), (32, 16, 8, 8, 32, 8, 32, 4, 8, 4, 8, 32, 32, 16)))
-QUANT_PARAMS = set(SCHEMAS["xnnpack"]["unions"]["fb_xnnpack.XNNQuantParams"])
+BITS = dict(zip(range(1, 15), (32, 16, 8, 8, 32, 8, 32, 4, 8, 4, 8, 32, 32, 16), strict=True))
+_XNNPACK: Mapping[str, Any] = SCHEMAS["xnnpack"]  # the generated tables: nested dicts and tuples
+QUANT_PARAMS = set(_XNNPACK["unions"]["fb_xnnpack.XNNQuantParams"])
 SDPA = 36  # XNNScaledDotProductAttention: in the union, not in getDefineNodeFunc
 # nodes whose define passes output_min_max to xnn_subgraph_check_output_min_max: FullyConnected,
 # Clamp, Conv2d, AvgPooling2d, DepthwiseConv2d, MaxPooling2d, GlobalAvgPooling2d, ConvTranspose2d
 MIN_MAX_NODES = {2, 6, 7, 11, 13, 14, 19, 39}
 CAT_INPUTS = {32: 2, 33: 3, 34: 4, 38: 5}  # XNNConcatenate2/3/4/5
-_OBJECTS = SCHEMAS["xnnpack"]["objects"]
-_NODE_TABLES: dict[int, str] = SCHEMAS["xnnpack"]["unions"]["fb_xnnpack.XNodeUnion"]
+_OBJECTS = _XNNPACK["objects"]
+_NODE_TABLES: dict[int, str] = _XNNPACK["unions"]["fb_xnnpack.XNodeUnion"]
 _VALUE_RULE = "XNNCompiler.cpp::defineTensor"
 _NODE_RULE = "XNNCompiler.cpp::getDefineNodeFunc"
 _REMAP_RULE = "XNNCompiler.cpp::REMAP_ID"
@@ -130,7 +133,7 @@ def _check_value(fb: bytes, xv: int, externs: int, where: str) -> tuple[int, int
     dq = _scalar(fb, tv, t, "dq_datatype", "<h")
     if dq in KNOWN_DATATYPES:
         need(dq == DT_QINT8, _VALUE_RULE, f"{where}: dq_datatype {dq}: only int8_t is supported")
-        need(flags & 0x1, _VALUE_RULE, f"{where}: dynamic quantization of a value that is not an external input")
+        need(bool(flags & 0x1), _VALUE_RULE, f"{where}: dynamic quantization of a value that is not an external input")
     datatype = _scalar(fb, tv, t, "datatype", "<h")
     if quantized or dq in KNOWN_DATATYPES:
         need(datatype in KNOWN_DATATYPES, _VALUE_RULE, f"{where}: datatype {datatype} is invalid")
