@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..defaults import CHUNK_NBYTES
@@ -190,7 +190,7 @@ def compare_files(out_path: str, ref_path: str, chunk_nbytes: int = CHUNK_NBYTES
     return CompareReport(out_path, ref_path, out_n, ref_n, offset, section, key, ob, rb, source)
 
 
-def cord_pieces(cord, chunk_nbytes: int) -> Iterator[memoryview]:
+def cord_pieces(cord, chunk_nbytes: int) -> Generator[memoryview, None, None]:
     """Yield a ``Cord``'s bytes in pieces without joining them (bounded memory).
 
     ``FileBackedData`` items (a file, or ptdstream's ``SourceBackedData``) are read

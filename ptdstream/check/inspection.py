@@ -132,7 +132,7 @@ class InspectReport(Report):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        for f, fd in zip(self.files, out["files"]):
+        for f, fd in zip(self.files, out["files"], strict=True):
             fd["totals"] = {c: f.total(c) for c in ("metadata", "padding", "payload", "trailing")}
         return out
 
@@ -162,10 +162,10 @@ def _file_text(f: FileInspection) -> list[str]:
         lines.append(f"    [{s.start:>10,} {s.end:>10,})  {s.nbytes:>10,}  {s.name}{key}")
     if f.segments:
         lines.append("  segments:")
-    for s in f.segments:
-        align = "any" if s.alignment is None else f"{s.alignment:,}"
-        lines.append(f"    #{s.index:<3} {s.label:<28} offset {s.offset:>10,}  size {s.nbytes:>10,}  "
-                     f"at {s.start:>10,}  aligned {align}")
+    for seg in f.segments:
+        align = "any" if seg.alignment is None else f"{seg.alignment:,}"
+        lines.append(f"    #{seg.index:<3} {seg.label:<28} offset {seg.offset:>10,}  size {seg.nbytes:>10,}  "
+                     f"at {seg.start:>10,}  aligned {align}")
     if f.keys:
         lines.append(f"  keys ({len(f.keys)}):")
     for k in f.keys:
@@ -188,7 +188,8 @@ def _breakdown(art: Artifact) -> tuple[BreakdownRow, ...]:
             totals["trailing bytes"] = s.nbytes
         else:
             payload.append(BreakdownRow("payload", s.name, s.key, s.nbytes))
-    rows = [BreakdownRow("metadata", n, None, totals[n]) for n in ("extended header", "flat tensor header", "flatbuffer") if n in totals]
+    rows = [BreakdownRow("metadata", n, None, totals[n])
+            for n in ("extended header", "flat tensor header", "flatbuffer") if n in totals]
     if "padding" in totals:
         rows.append(BreakdownRow("padding", "padding", None, totals["padding"]))
     rows += payload

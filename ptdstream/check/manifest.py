@@ -128,7 +128,9 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: str | None 
     keys = tuple((key, end - start, digester.digest(start, end)) for key, start, end in key_ranges)
     sections = tuple(SectionEntry(s.name, s.key, s.offset, s.nbytes, digester.digest(s.offset, s.offset + s.nbytes))
                      for s in sections)
-    return FileManifest(os.path.basename(path) if name is None else name, kind, source.nbytes, piece_nbytes, tuple(pieces), sections, keys,
+    return FileManifest(os.path.basename(path) if name is None else name, kind, source.nbytes, piece_nbytes,
+                        tuple(pieces), sections,
+                        keys,  # type: ignore[arg-type]  # a digest is None only for a range the file no longer holds
                         BLOCK_NBYTES, tuple(digester.blocks))
 
 
@@ -257,7 +259,7 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
                              entry.block_nbytes)
     source = FileRangeSource(path)
     pieces = piece_digests(source, entry.piece_nbytes, digester)
-    bad = next((i for i, (w, g) in enumerate(zip(entry.pieces, pieces)) if w != g), None)
+    bad = next((i for i, (w, g) in enumerate(zip(entry.pieces, pieces, strict=False)) if w != g), None)
     if bad is None and len(entry.pieces) != len(pieces):
         bad = min(len(entry.pieces), len(pieces))
     bad_keys = bad_keys_of(path, entry, ranges, digester)

@@ -108,8 +108,8 @@ def to_bytes(manifest: IntegrityManifest) -> bytes:
                                                       int.from_bytes(s.digest[8:], "little")))
             sections.append(S.SectionEnd(b))
         keys = []
-        for key, nbytes, digest in fm.keys:
-            k = string(key)
+        for key_text, nbytes, digest in fm.keys:
+            k = string(key_text)
             KF.KeyFingerprintStart(b)
             KF.KeyFingerprintAddKey(b, k)
             KF.KeyFingerprintAddSize(b, nbytes)

@@ -43,7 +43,7 @@ class RangeDigester:
     def __init__(self, ranges: Sequence[tuple[int, int]], block_nbytes: int = BLOCK_NBYTES) -> None:
         self.unique = sorted(set((s, e) for s, e in ranges if e > s))
         self.starts = [s for s, _ in self.unique]
-        self.sorted_ends = all(a[1] <= b[0] for a, b in zip(self.unique, self.unique[1:]))
+        self.sorted_ends = all(a[1] <= b[0] for a, b in zip(self.unique, self.unique[1:], strict=False))
         self.hashers: dict[tuple[int, int], xxhash.xxh3_128] = {}
         self.seen: dict[tuple[int, int], int] = {}
         self.block_nbytes = block_nbytes
@@ -116,7 +116,7 @@ def key_ranges(sections, keys) -> dict[str, tuple[int, int]]:
 
 def first_bad_block(want: Sequence[int], got: Sequence[int]) -> int | None:
     """Index of the first block whose check differs (or is missing), None if all agree."""
-    for i, (w, g) in enumerate(zip(want, got)):
+    for i, (w, g) in enumerate(zip(want, got, strict=False)):
         if w != g:
             return i
     return None if len(want) == len(got) else min(len(want), len(got))

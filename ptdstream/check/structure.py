@@ -12,11 +12,11 @@ metadata (and XNNPACK delegate blobs) is read.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
-from typing import AbstractSet
 
 from ..errors import FormatError
+from ..format.artifact import TensorMeta
 from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identifier
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
@@ -76,12 +76,14 @@ def _file_checks(path: str, art: Artifact, expected_kind: str) -> list[Check]:
     checks.append(Check(path, "flatbuffer", True, f"parses ({art.flatbuffer_end:,} bytes with header)"))
     end = art.segment_base_offset + art.segment_data_nbytes
     checks.append(Check(path, "segments in bounds", True,
-                        f"{len(art.segments)} segment{'' if len(art.segments) == 1 else 's'}; base {art.segment_base_offset:,} + data "
+                        f"{len(art.segments)} segment{'' if len(art.segments) == 1 else 's'}; "
+                        f"base {art.segment_base_offset:,} + data "
                         f"{art.segment_data_nbytes:,} = {end:,} <= file size {art.file_nbytes:,}"))
     if art.constant_segment_index is not None:
         seg = art.segments[art.constant_segment_index]
         checks.append(Check(path, "constant offsets", True,
-                            f"{len(art.constant_offsets)} offset{'' if len(art.constant_offsets) == 1 else 's'} within segment {seg.index} ({seg.nbytes:,} bytes)"))
+                            f"{len(art.constant_offsets)} offset{'' if len(art.constant_offsets) == 1 else 's'} "
+                            f"within segment {seg.index} ({seg.nbytes:,} bytes)"))
     checks.append(Check(path, "named keys", True, f"{len(art.named)} keys resolve to segments"))
     counts: dict[str, int] = {}
     for e in art.named:
@@ -101,8 +103,8 @@ def _names(keys: Sequence[str], limit: int = 5) -> str:
 
 
 def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
-                    operators: AbstractSet[str] | None = runtime_registry.OPERATORS,
-                    backends: AbstractSet[str] | None = runtime_registry.BACKENDS,
+                    operators: Set[str] | None = runtime_registry.OPERATORS,
+                    backends: Set[str] | None = runtime_registry.BACKENDS,
                     max_planned_nbytes: int | None = None) -> StructureReport:
     """Check a .pte and its .ptd files the way the runtime would load them.
 
@@ -141,9 +143,9 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
     ptds = [arts[p] for p in ptd_paths if p in arts and arts[p].kind == "ptd"]
     owners: dict[str, list[str]] = {}
     for art in ptds:
-        for e in art.named:
-            if art.path not in owners.setdefault(e.key, []):
-                owners[e.key].append(art.path)
+        for named in art.named:
+            if art.path not in owners.setdefault(named.key, []):
+                owners[named.key].append(art.path)
     if ptds:
         shared = sorted(k for k, paths in owners.items() if len(paths) > 1)
         checks.append(Check(pte_path, "keys unique across .ptd files", not shared,
@@ -161,7 +163,7 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list
     if not pte.external_tensors:
         return [Check(pte_path, "external data", True, "the program marks no tensor EXTERNAL (keys that only a backend "
                       "blob references are checked below for XNNPACK blobs)")]
-    layouts = {}
+    layouts: dict[str, tuple[str, TensorMeta | None]] = {}
     for art in ptds:
         for e in art.named:
             layouts.setdefault(e.key, (art.path, e.layout))
