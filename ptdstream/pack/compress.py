@@ -100,7 +100,7 @@ def plan_frames(nbytes: int, frame_nbytes: int = CHUNK_NBYTES, head_nbytes: int 
                           f"than the seekable format's {MAX_FRAMES}; use a larger frame size")
     cuts = set(range(0, nbytes, frame_nbytes)) | ({head_nbytes} if 0 < head_nbytes < nbytes else set())
     bounds = sorted(cuts) + [nbytes]
-    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def artifact_head(head: bytes, nbytes: int) -> tuple[str, int]:

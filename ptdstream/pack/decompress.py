@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
         pending = pool.submit(reader.decode, frames[0], False) if small(0) else None
         for i in range(len(frames)):
             if pending is not None:
-                pieces = [pending.result()]
+                pieces: Iterable[bytes] = [pending.result()]
                 # The reader is used by one thread at a time: the next decode
                 # starts only after this one returned.
                 pending = pool.submit(reader.decode, frames[i + 1], False) if small(i + 1) else None

@@ -106,7 +106,8 @@ class PackedArtifact:
         None, to the binary ``stream`` (default stdout); one frame in memory at a time."""
         seg = self.segment(key, index)
         before = self.reader.frames_decoded
-        with ChunkedFileSink(target) if target is not None else contextlib.nullcontext(stream or sys.stdout.buffer) as out:
+        with (ChunkedFileSink(target) if target is not None
+              else contextlib.nullcontext(stream or sys.stdout.buffer)) as out:
             for piece in self.reader.iter_range(seg.start, seg.nbytes):
                 out.write(piece)
         what = f"key {key!r}" if key is not None else f"segment {seg.index}"
