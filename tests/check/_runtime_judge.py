@@ -30,7 +30,7 @@ def _judge(rt, pte, ptd):
         program = rt.load_program(pte, data_path=ptd)
         for name in sorted(program.method_names):
             program.load_method(name)
-    except Exception as e:  # the binding raises RuntimeError; anything else is a refusal too
+    except Exception as e:  # noqa: BLE001 - the binding raises RuntimeError; anything else is a refusal too
         return ["refused", f"{type(e).__name__}: {e}"[:300]]
     return ["ok", ""]
 

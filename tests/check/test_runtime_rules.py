@@ -176,7 +176,7 @@ def _named_cases(bases, folder) -> dict[str, tuple[str, str | None]]:
 @pytest.fixture(scope="module")
 def named(bases, tmp_path_factory):
     cases = _named_cases(bases, tmp_path_factory.mktemp("named"))
-    return cases, dict(zip(cases, judge(list(cases.values()))))
+    return cases, dict(zip(cases, judge(list(cases.values())), strict=True))
 
 
 EXPECTED = {
@@ -254,7 +254,7 @@ def scalar_fields(buf: bytes, schema: str, limit: int = 20000) -> list[tuple[int
         seen.add((pos, name))
         vt = pos - struct.unpack_from("<i", buf, pos)[0]
         vsize = struct.unpack_from("<H", buf, vt)[0]
-        for fname, slot, base, element, ref, esize, _ in objects[name][3]:
+        for fname, slot, base, element, ref, _esize, _ in objects[name][3]:
             off = struct.unpack_from("<H", buf, vt + slot)[0] if slot < vsize else 0
             if not off:
                 continue
@@ -326,8 +326,10 @@ def test_verify_never_accepts_what_the_runtime_refuses(bases, registries, tmp_pa
     jobs = _mutants(bases, tmp_path, per_base=600)
     runtime = judge(jobs)
     ours = [verdict(pte, ptd, registries) for pte, ptd in jobs]
-    false_accepts = [(job, r, why) for job, r, (ok, why) in zip(jobs, runtime, ours) if ok and r[0] != "ok"]
-    false_refusals = [(job, why) for job, r, (ok, why) in zip(jobs, runtime, ours) if not ok and r[0] == "ok"]
+    false_accepts = [(job, r, why) for job, r, (ok, why) in zip(jobs, runtime, ours, strict=True)
+                     if ok and r[0] != "ok"]
+    false_refusals = [(job, why) for job, r, (ok, why) in zip(jobs, runtime, ours, strict=True)
+                      if not ok and r[0] == "ok"]
     counts = {"mutants": len(jobs), "runtime ok": sum(r[0] == "ok" for r in runtime),
               "runtime crash": sum(r[0] == "crash" for r in runtime),
               "verify ok": sum(ok for ok, _ in ours), "verify refuses, runtime loads": len(false_refusals)}

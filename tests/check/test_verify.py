@@ -102,7 +102,8 @@ def test_unparsable_reference_is_named_from_the_output_map(tmp_path):
     assert "in unmapped bytes" in report.summary()
     # Output parses, reference does not: the output names it.
     report = compare_files(_flip(good, 640, tmp_path / "out2.ptd"), bad_ref)
-    assert (report.first_diff_offset, report.section, report.key, report.map_source) == (8, "flat tensor header", None, "output")
+    assert (report.first_diff_offset, report.section, report.key, report.map_source) == (
+        8, "flat tensor header", None, "output")
     report = compare_files(_flip(good, 640, tmp_path / "out3.ptd"), patched(good, 900, b"\x01", out=tmp_path / "r.ptd"))
     assert (report.first_diff_offset, report.key, report.map_source) == (640, "a.bias", "reference")
 
@@ -146,7 +147,7 @@ def test_first_difference_matches_naive_for_any_piece_boundaries(a, b, chunk, sp
             pos += n
         yield data[pos:]
 
-    expect = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    expect = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     if expect is None and len(a) != len(b):
         expect = min(len(a), len(b))
     offset, byte_a, byte_b = _first_difference(_PieceFiller(pieces(a)), _PieceFiller([b]), chunk)
@@ -239,7 +240,9 @@ def test_structure_of_corrupt_wrong_kind_and_repeated_files(tmp_path):
     bad = patched(files["model.pte"], 0, struct.pack("<I", 0xFFFFFF00), out=tmp_path / "bad.pte")
     report = check_structure(bad, [ptd])
     assert [(c.path, c.name) for c in report.problems] == [(bad, "parse")]
-    assert report.problems[0].detail.startswith(f"{bad}: at offset 0: program flatbuffer (2216 bytes) fails the runtime's flatbuffer verification: root table offset 4294967040 is 0 or >= 2**31")
+    assert report.problems[0].detail.startswith(
+        f"{bad}: at offset 0: program flatbuffer (2216 bytes) fails the runtime's flatbuffer verification: "
+        "root table offset 4294967040 is 0 or >= 2**31")
     with pytest.raises(FileNotFoundError):
         check_structure(tmp_path / "absent.pte", [ptd])
     assert_only(tmp_path, ["model.pte", EXT_PTD, "copy.ptd", "bad.pte"])

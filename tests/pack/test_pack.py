@@ -193,7 +193,7 @@ def test_unpack_reads_a_foreign_file_without_checksums_or_content_sizes(tmp_path
     skip = struct.pack("<II", 0x184D2A50, 3) + b"abc"
     body = frames[0] + skip + frames[1] + frames[2]
     entries = [(len(frames[0]), len(parts[0]), 0), (len(skip), 0, 0)] + [
-        (len(f), len(p), 0) for f, p in zip(frames[1:], parts[1:])]
+        (len(f), len(p), 0) for f, p in zip(frames[1:], parts[1:], strict=True)]
     write(tmp_path / "f.zst", body + encode_seek_table(entries, False))
     report = unpack(str(tmp_path / "f.zst"), str(tmp_path / "out"))
     assert read(tmp_path / "out") == b"".join(parts) and report.checks == ()
@@ -419,6 +419,7 @@ def test_cli_pack_unpack_extract_and_exit_codes(artifacts, tmp_path, capsysbinar
 
 
 def test_parse_nbytes():
-    assert [parse_nbytes(t) for t in ("8M", "8MiB", "512k", "1G", "4096")] == [8 << 20, 8 << 20, 512 << 10, 1 << 30, 4096]
+    assert [parse_nbytes(t) for t in ("8M", "8MiB", "512k", "1G", "4096")] == [
+        8 << 20, 8 << 20, 512 << 10, 1 << 30, 4096]
     with pytest.raises(argparse.ArgumentTypeError):
         parse_nbytes("lots")
