@@ -25,7 +25,7 @@ def is_tensor(data: Any) -> bool:
     return torch is not None and isinstance(data, torch.Tensor)
 
 
-def as_source(data, label: str = "data") -> Source:
+def as_source(data: Any, label: str = "data") -> Source:
     """Wrap anything ptdstream can read into a :class:`Source`.
 
     Accepts a :class:`Source` (returned as is), ``bytes``/``bytearray``/
@@ -43,7 +43,8 @@ def as_source(data, label: str = "data") -> Source:
         return MemorySource(data, label)
     provider = getattr(type(data), "__ptdstream_source__", None)
     if provider is not None:
-        return provider(data)  # ptdstream.hooks.interop types: the fast path
+        source: Source = provider(data)  # ptdstream.hooks.interop types: the fast path
+        return source
     path = adapter.file_backed_path(data)
     if path is not None:
         return FileRangeSource(path, 0, len(data))

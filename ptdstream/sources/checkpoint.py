@@ -33,12 +33,17 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import FormatError, IntegrityError
 from .base import BufferRing, Expectation, Source
 from .fingerprint import Fingerprint, StreamingDigest
 from .safetensors_header import check_safetensors_header
 from .tensor import TensorSource
+
+if TYPE_CHECKING:
+    import torch
+    from safetensors import safe_open
 
 __all__ = ["Checkpoint", "DcpTensorSource", "open_checkpoint"]
 
@@ -56,7 +61,7 @@ class CheckpointEntry:
     its strides; ``(0, 1, ..., n-1)`` for row-major), and its size in bytes."""
 
     key: str
-    dtype: object
+    dtype: torch.dtype
     shape: tuple[int, ...]
     dim_order: tuple[int, ...]
     nbytes: int
@@ -90,11 +95,11 @@ class Checkpoint:
     def __enter__(self) -> Checkpoint:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _dim_order(tensor) -> tuple[int, ...]:
+def _dim_order(tensor: torch.Tensor) -> tuple[int, ...]:
     from executorch.exir.tensor import dim_order_from_stride
 
     if tensor.dim() == 0:
@@ -102,14 +107,14 @@ def _dim_order(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in dim_order_from_stride(tensor.stride()))
 
 
-def _entry(key: str, tensor, where: str) -> CheckpointEntry:
+def _entry(key: str, tensor: torch.Tensor, where: str) -> CheckpointEntry:
     return CheckpointEntry(
         key, tensor.dtype, tuple(int(s) for s in tensor.shape), _dim_order(tensor),
         tensor.numel() * tensor.element_size(), where,
     )
 
 
-def _mapped_source(tensor, label: str, read_file: bool = True) -> Source:
+def _mapped_source(tensor: torch.Tensor, label: str, read_file: bool = True) -> Source:
     """A source read from the file with ``pread`` when the tensor lies in a file
     mapping (the mapping is the checkpoint's own, never handed out, so it holds
     the file's bytes), else a plain tensor source."""
@@ -141,8 +146,8 @@ class SafetensorsCheckpoint(Checkpoint):
         super().__init__(path)
         from safetensors import safe_open
 
-        self._handles = {}
-        self._tensors = {}
+        self._handles: dict[str, safe_open] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
         if path.endswith(".json"):
             shards = _hf_weight_map(path)
             folder = os.path.dirname(path)
@@ -155,15 +160,16 @@ class SafetensorsCheckpoint(Checkpoint):
                 check_safetensors_header(file)
                 handle = safe_open(file, framework="pt")
                 self._handles[file] = handle
-                for key in handle.keys():
+                for key in handle.keys():  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
                     if shards is not None and shards.get(key) != name:
                         continue  # the index names another shard for it
-                    tensor = handle.get_tensor(key)  # a view of the mapping: nothing read yet
+                    # a view of the mapping: nothing read yet
+                    tensor = handle.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
                     self._tensors[key] = tensor
                     self.entries[key] = _entry(key, tensor, file)
         except FormatError:
             raise
-        except Exception as e:  # safetensors' own errors: SafetensorError, OSError
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError), reported
             raise FormatError(f"{path}: safetensors could not read it: {type(e).__name__}: {e}") from None
         if shards is not None:
             lost = [k for k in shards if k not in self.entries]
@@ -227,7 +233,7 @@ class TorchCheckpoint(Checkpoint):
 
         try:
             state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of torch.load is reported as FormatError
             raise FormatError(f"{path}: torch.load(mmap=True, weights_only=True) failed: "
                               f"{type(e).__name__}: {e}") from None
         if not isinstance(state, dict):
@@ -237,7 +243,7 @@ class TorchCheckpoint(Checkpoint):
             raise FormatError(f"{path}: {len(bad)} entries are not str -> tensor: {bad[:20]!r}")
         self._tensors = state
         self._native = _archive_byteorder(path) == sys.byteorder
-        seen: dict[tuple, str] = {}
+        seen: dict[tuple[object, ...], str] = {}
         for key, tensor in state.items():
             ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
                      tuple(tensor.shape), tuple(tensor.stride()))
@@ -266,7 +272,8 @@ class DcpTensorSource(Source):
     #: A checkpoint on disk: the second load is checked against the first.
     is_mutable = False
 
-    def __init__(self, folder: str, entry: CheckpointEntry, load: Callable[[str, object], object]) -> None:
+    def __init__(self, folder: str, entry: CheckpointEntry,
+                 load: Callable[[str, CheckpointEntry], torch.Tensor]) -> None:
         self.folder = folder
         self.entry = entry
         self.nbytes = entry.nbytes
@@ -331,7 +338,7 @@ class DcpCheckpoint(Checkpoint):
 
         try:
             metadata = FileSystemReader(path).read_metadata()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of DCP's reader is reported as FormatError
             raise FormatError(f"{path}: DCP could not read its metadata: {type(e).__name__}: {e}") from None
         self.skipped: list[str] = []
         for key, md in metadata.state_dict_metadata.items():
@@ -347,14 +354,14 @@ class DcpCheckpoint(Checkpoint):
                 key, md.properties.dtype, shape, tuple(range(len(shape))), numel * itemsize, path
             )
 
-    def _load_one(self, key: str, entry: CheckpointEntry):
+    def _load_one(self, key: str, entry: CheckpointEntry) -> torch.Tensor:
         import torch
         import torch.distributed.checkpoint as dcp
 
         tensor = torch.empty(entry.shape, dtype=entry.dtype)
         try:
             dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of DCP's load is reported as IntegrityError
             raise IntegrityError(f"{self.path}: key {key!r}: DCP could not load it: {type(e).__name__}: {e}") from None
         return tensor
 
@@ -362,7 +369,7 @@ class DcpCheckpoint(Checkpoint):
         return DcpTensorSource(self.path, self.entries[key], self._load_one)
 
 
-def _itemsize(dtype) -> int:
+def _itemsize(dtype: torch.dtype) -> int:
     import torch
 
     return torch.empty((), dtype=dtype).element_size()

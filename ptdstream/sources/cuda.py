@@ -17,12 +17,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError, LayoutError
-from ..timeline import stage_timeline
+from ..timeline import StageTimeline, stage_timeline
 from .base import NO_EXPECTATION, BufferRing, Expectation, Source
 from .digest import Fingerprint
 from .tensor import check_storage
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CudaTensorSource", "PinnedRing"]
 
@@ -37,19 +41,19 @@ class PinnedRing:
     before process exit. Host memory held: ``count * chunk_nbytes`` bytes.
     """
 
-    def __init__(self, device, chunk_nbytes: int, count: int) -> None:
+    def __init__(self, device: torch.device, chunk_nbytes: int, count: int) -> None:
         import torch
 
         self.device = device
         self.chunk_nbytes = chunk_nbytes
-        self.buffers: list = [
+        self.buffers: list[torch.Tensor] = [
             torch.empty(chunk_nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)
         ]
-        self.events = [torch.cuda.Event() for _ in range(count)]
-        self.stream = torch.cuda.Stream(device=device)
+        self.events = [torch.cuda.Event() for _ in range(count)]  # type: ignore[no-untyped-call]  # torch: unannotated
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch: unannotated __new__
 
     @staticmethod
-    def get(device, chunk_nbytes: int, count: int = 4) -> PinnedRing:
+    def get(device: torch.device, chunk_nbytes: int, count: int = 4) -> PinnedRing:
         key = (device.index or 0, chunk_nbytes, count)
         with _RINGS_LOCK:
             ring = _RINGS.get(key)
@@ -81,7 +85,7 @@ class CudaTensorSource(Source):
             fingerprint differs from it.
     """
 
-    def __init__(self, tensor, label: str = "tensor", ring_count: int = 4,
+    def __init__(self, tensor: torch.Tensor, label: str = "tensor", ring_count: int = 4,
                  expectation: Expectation = NO_EXPECTATION) -> None:
         if not tensor.is_contiguous():
             raise LayoutError(
@@ -106,7 +110,7 @@ class CudaTensorSource(Source):
             super().hand_over(fingerprint)
         return self
 
-    def gpu_fingerprint(self):
+    def gpu_fingerprint(self) -> Fingerprint:
         """This tensor's :func:`~ptdstream.sources.cuda_fingerprint.gpu_fingerprint` (cached;
         the expectation's, when it was given one)."""
         if self._gpu_fingerprint is None:
@@ -115,7 +119,7 @@ class CudaTensorSource(Source):
             self._gpu_fingerprint = gpu_fingerprint(self._flat())
         return self._gpu_fingerprint
 
-    def same_content(self, other: Source):
+    def same_content(self, other: Source) -> bool | None:
         """Compare with another CUDA source on the device, without any host copy.
 
         The same storage range is equal at once; otherwise the GPU fingerprints
@@ -140,11 +144,11 @@ class CudaTensorSource(Source):
         t = self._tensor
         return f"{self._label} {str(t.dtype).replace('torch.', '')}{list(t.shape)} on {t.device}"
 
-    def _flat(self):
+    def _flat(self) -> torch.Tensor:
         import torch
 
         t = self._tensor
-        check_storage(t, t.storage_offset() * t.element_size(), self.nbytes, self.describe())
+        check_storage(t, int(t.storage_offset()) * t.element_size(), self.nbytes, self.describe())
         if self.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=t.device)
         return t.reshape(-1).view(torch.uint8)
@@ -187,11 +191,13 @@ class CudaTensorSource(Source):
                 t = time.perf_counter()
                 pinned.events[slot].synchronize()
                 timeline.add("D2H wait", time.perf_counter() - t, n)
-            yield memoryview(pinned.buffers[slot].numpy()).cast("B")[:n]
+            # numpy's stubs give ndarray __buffer__ only on Python >= 3.12 (mypy checks 3.10)
+            yield memoryview(pinned.buffers[slot].numpy()).cast("B")[:n]  # type: ignore[arg-type]  # see above
         if self._expectation.gpu_fingerprint is not None:
             self._verify(flat, pinned.stream, timeline, self._expectation.gpu_fingerprint)
 
-    def _verify(self, flat, stream, timeline, expected: Fingerprint) -> None:
+    def _verify(self, flat: torch.Tensor, stream: torch.cuda.Stream, timeline: StageTimeline | None,
+                expected: Fingerprint) -> None:
         """Refuse bytes whose GPU fingerprint is no longer ``expected`` (the one they had when handed over)."""
         import torch
 

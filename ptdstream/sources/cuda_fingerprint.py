@@ -30,9 +30,13 @@ from __future__ import annotations
 
 import secrets
 import struct
+from typing import TYPE_CHECKING
 
 from ..upstream.adapter import int_mm
 from .fingerprint import Fingerprint
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ROW_NBYTES", "gpu_fingerprint"]
 
@@ -46,10 +50,10 @@ CHUNK_ROWS = 1 << 20
 _MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
 _SEED = secrets.randbits(62)
 ALGO = f"gpu-int8mm16-p61x4:{_SEED:016x}"
-_CACHE: dict[tuple[int, str], tuple] = {}
+_CACHE: dict[tuple[int, str], tuple[torch.Tensor]] = {}
 
 
-def _matrices(device):
+def _matrices(device: torch.device) -> torch.Tensor:
     import torch
 
     key = (device.index or 0, device.type)
@@ -64,7 +68,7 @@ def _matrices(device):
     return found[0]
 
 
-def _coefficients(device, first_row: int, rows: int):
+def _coefficients(device: torch.device, first_row: int, rows: int) -> torch.Tensor:
     """Second-level coefficients of the 4 hashes for rows [first_row, first_row + rows).
 
     Shape ``(HASHES, rows * COLUMNS)``, uniform in ``[0, 2^31)``, drawn per chunk
@@ -78,7 +82,7 @@ def _coefficients(device, first_row: int, rows: int):
     return torch.randint(0, 1 << 31, (HASHES, rows * COLUMNS), generator=g, device=device, dtype=torch.int64)
 
 
-def _sum_mod_p(v):
+def _sum_mod_p(v: torch.Tensor) -> torch.Tensor:
     """Row sums mod p of a 2-D int64 tensor of values in [0, p), without
     overflow (groups of 3 stay below 2^63)."""
     import torch
@@ -91,7 +95,7 @@ def _sum_mod_p(v):
     return v[:, 0]
 
 
-def gpu_fingerprint(flat) -> Fingerprint:
+def gpu_fingerprint(flat: torch.Tensor) -> Fingerprint:
     """Fingerprint a contiguous CUDA ``uint8`` tensor (any size, 0 included).
 
     Reads the data once on the device; host traffic is 32 bytes. Memory added on

@@ -37,7 +37,7 @@ class StreamingDigest:
         self._hash = xxhash.xxh3_128()
         self.nbytes = 0
 
-    def update(self, piece) -> None:
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
         self._hash.update(piece)
         self.nbytes += len(piece)
 

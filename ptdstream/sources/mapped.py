@@ -4,12 +4,17 @@ keeping it resident."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError, LayoutError
 from ..system.pagecache import FileMapping, page_out, will_need
 from .base import BufferRing
 from .file import FileRangeSource
 from .tensor import TensorSource
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MappedTensorSource"]
 
@@ -38,7 +43,7 @@ class MappedTensorSource(TensorSource):
             changed while it was read.
     """
 
-    def __init__(self, tensor, mapping: FileMapping, label: str = "tensor",
+    def __init__(self, tensor: torch.Tensor, mapping: FileMapping, label: str = "tensor",
                  read_file: bool = False) -> None:
         super().__init__(tensor, label)
         self.mapping = mapping
@@ -78,7 +83,7 @@ class MappedTensorSource(TensorSource):
                 f"it was mapped (needs {needed:,} bytes, has {st.st_size:,})"
             )
 
-    def pieces(self, ring: BufferRing):
+    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
         self._check_file()
         file_range = self._file_range() if self.read_file else None
         if file_range is not None:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError, LayoutError
 from .base import BufferRing, Source, digest_view
+from .digest import Fingerprint
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 __all__ = ["MemorySource"]
 
@@ -18,7 +23,7 @@ class MemorySource(Source):
     (:meth:`~ptdstream.sources.base.Source.hand_over`).
     """
 
-    def __init__(self, data, label: str = "bytes") -> None:
+    def __init__(self, data: ReadableBuffer, label: str = "bytes") -> None:
         view = memoryview(data)
         if not view.c_contiguous:
             raise LayoutError(f"{label}: buffer is not C-contiguous")
@@ -30,7 +35,7 @@ class MemorySource(Source):
         return self._label
 
     @property
-    def base(self):
+    def base(self) -> ReadableBuffer:
         """The object the bytes are read from (``bytes`` is immutable)."""
         return self._view.obj
 
@@ -43,7 +48,7 @@ class MemorySource(Source):
         """``False`` for ``bytes`` (and views of them), ``True`` for any other buffer."""
         return not isinstance(self.base, bytes)
 
-    def _digest_at_hand_over(self):
+    def _digest_at_hand_over(self) -> Fingerprint:
         return digest_view(self._view)
 
     def prefix(self, nbytes: int = 32) -> bytes:

@@ -11,6 +11,7 @@ count from the first byte of the data (file offset ``8 + N``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -87,7 +88,7 @@ def check_safetensors_header(path: str) -> None:
                                   f"hold {end - begin}")
         spans.append((begin, end, key))
     spans.sort()
-    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+    for (b0, e0, k0), (b1, _e1, k1) in itertools.pairwise(spans):
         if b1 < e0:
             raise FormatError(f"{path}: key {k1!r} at data offset {b1} overlaps key {k0!r} [{b0}, {e0})")
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError, LayoutError
 from .base import BufferRing, Source, digest_view
+from .digest import Fingerprint
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TensorSource", "check_storage"]
 
 
-def check_storage(tensor, start_nbytes: int, nbytes: int, what: str) -> None:
+def check_storage(tensor: torch.Tensor, start_nbytes: int, nbytes: int, what: str) -> None:
     """Refuse a tensor whose storage no longer holds ``[start_nbytes, start_nbytes +
     nbytes)`` (freed or resized after the tensor was handed over).
 
@@ -46,7 +51,7 @@ class TensorSource(Source):
             the caller may write to a tensor, so it is digested then).
     """
 
-    def __init__(self, tensor, label: str = "tensor") -> None:
+    def __init__(self, tensor: torch.Tensor, label: str = "tensor") -> None:
         import torch
 
         if not isinstance(tensor, torch.Tensor):
@@ -93,7 +98,7 @@ class TensorSource(Source):
     def _start(self) -> int:
         """Offset (bytes) of the first byte in the storage."""
         t = self._tensor
-        return 0 if self._whole_storage else t.storage_offset() * t.element_size()
+        return 0 if self._whole_storage else int(t.storage_offset()) * t.element_size()
 
     def _address(self) -> int:
         """Address of the first byte, where the storage is now."""
@@ -107,7 +112,7 @@ class TensorSource(Source):
         """
         return self._view()
 
-    def _digest_at_hand_over(self):
+    def _digest_at_hand_over(self) -> Fingerprint:
         return digest_view(self._view())
 
     def prefix(self, nbytes: int = 32) -> bytes:
@@ -120,7 +125,7 @@ class TensorSource(Source):
             yield view[start : start + step]
 
 
-def _fills_storage(t) -> bool:
+def _fills_storage(t: torch.Tensor) -> bool:
     if t.storage_offset() != 0:
         return False
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():

@@ -272,7 +272,7 @@ def cuda_weight_collector():
     return resolve(_COLLECTOR)
 
 
-def int_mm(a, b):
+def int_mm(a: Any, b: Any) -> Any:
     """``torch._int_mm(a, b)``: exact int8 x int8 -> int32 matrix product on CUDA."""
     return resolve("torch", "_int_mm")(a, b)
 

@@ -61,10 +61,10 @@ class DirectBlockWriter:
         self._alignment = alignment
         self._pwrite = pwrite_fn
         self._maps = [mmap.mmap(-1, block_nbytes) for _ in range(depth + 1)]
-        self._free: queue.Queue = queue.Queue()
+        self._free: queue.Queue[memoryview] = queue.Queue()
         for m in self._maps[1:]:
             self._free.put(memoryview(m))
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.Queue[tuple[memoryview, int, int] | None] = queue.Queue()
         self._error: OSError | None = None
         self._current = memoryview(self._maps[0])
         self._used = 0
@@ -172,7 +172,7 @@ class DirectBlockWriter:
         for t in self._threads:
             interrupted = t.wait() or interrupted
         self._threads = []
-        self._current = None
+        self._current = None  # type: ignore[assignment]  # dropped so the maps can close; unused after close
         while not self._free.empty():
             self._free.get().release()
         for m in self._maps:

@@ -242,19 +242,20 @@ def _plain(value: Any, field: str, version: int, folder: str) -> str:
     """``value`` as a plain name of ``folder``, or :class:`_Refused`."""
     if not isinstance(value, str):
         raise _Refused(f"{field} {value!r} is not a file name")
+    name: str = value
     if version == 1:  # absolute paths: only those of the journal's own folder
-        if not os.path.isabs(value) or os.path.dirname(value) != folder:
-            raise _Refused(f"{field} {value!r} is not a file of the journal's folder {folder}")
-        value = os.path.basename(value)
-    if value in ("", ".", "..") or "/" in value or "\0" in value:
-        raise _Refused(f"{field} {value!r} is not a plain file name of the journal's folder {folder}")
+        if not os.path.isabs(name) or os.path.dirname(name) != folder:
+            raise _Refused(f"{field} {name!r} is not a file of the journal's folder {folder}")
+        name = os.path.basename(name)
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise _Refused(f"{field} {name!r} is not a plain file name of the journal's folder {folder}")
     try:
-        nbytes = len(os.fsencode(value))
+        nbytes = len(os.fsencode(name))
     except UnicodeError:
-        raise _Refused(f"{field} {value!r} is not a file name this system can encode") from None
+        raise _Refused(f"{field} {name!r} is not a file name this system can encode") from None
     if nbytes > 255:
-        raise _Refused(f"{field} {value!r} is {nbytes} bytes, longer than a file name (255)")
-    return value
+        raise _Refused(f"{field} {name!r} is {nbytes} bytes, longer than a file name (255)")
+    return name
 
 
 def _entry(row: Any, version: int, folder: str) -> JournalEntry:

@@ -63,7 +63,7 @@ def _problems(entry: JournalEntry, copied: bool) -> list[str]:
     if out:
         return out
 
-    def compare(what: str, disk: FileState | None, recorded: FileState | None, fields) -> None:
+    def compare(what: str, disk: FileState | None, recorded: FileState | None, fields: Sequence[str]) -> None:
         if disk is None or recorded is None:
             return
         diff = _differs(disk, recorded, fields)

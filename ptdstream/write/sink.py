@@ -40,7 +40,7 @@ import errno
 import os
 import time
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import StateError
@@ -50,6 +50,11 @@ from ..system.writeback import WritebackWindows
 from ..timeline import stage_timeline
 from . import journal, tempfiles
 from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from _typeshed import ReadableBuffer
 
 __all__ = ["ChunkedFileSink", "Sink", "SinkState", "write_zeros"]
 
@@ -70,7 +75,7 @@ class Sink(Protocol):
     :class:`~ptdstream.write.stream_sink.StreamSink` (a caller's open file).
     """
 
-    def write(self, data) -> None: ...
+    def write(self, data: ReadableBuffer) -> None: ...
 
     def write_zeros(self, nbytes: int) -> None: ...
 
@@ -127,7 +132,7 @@ class ChunkedFileSink:
 
     def __init__(
         self,
-        target: str,
+        target: str | os.PathLike[str],
         *,
         window_nbytes: int = WINDOW_NBYTES,
         drop_pages: bool = True,
@@ -180,30 +185,42 @@ class ChunkedFileSink:
             self.abort()
             raise
 
-    def _enable_direct(self, depth: int, pwrite_fn) -> None:
+    def _open_fd(self) -> int:
+        """The temp file's descriptor: open from the constructor until :meth:`sync` or :meth:`abort`.
+
+        Raises:
+            StateError: it was closed (a method called after ``sync`` or ``abort``).
+        """
+        if self._fd is None:
+            raise StateError(f"sink for {self.target}: its temp file {self.temp_path} is closed "
+                             f"(state {self.state.value})")
+        return self._fd
+
+    def _enable_direct(self, depth: int, pwrite_fn: Callable[[int, memoryview, int], int]) -> None:
         """Switch the temp file to O_DIRECT with a page-aligned staging block; keep
         buffered writes (``self.direct = False``) where the file system refuses it."""
         import fcntl
         import mmap
 
+        fd = self._open_fd()
         try:
-            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
             probe_map = mmap.mmap(-1, DIRECT_ALIGNMENT)
             try:
-                os.pwrite(self._fd, memoryview(probe_map), 0)
-                os.ftruncate(self._fd, 0)
+                os.pwrite(fd, memoryview(probe_map), 0)
+                os.ftruncate(fd, 0)
             finally:
                 probe_map.close()
         except OSError:
             try:
-                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags)
             except (OSError, UnboundLocalError):
                 pass
             self.direct = False
             return
         self._staging = DirectBlockWriter(
-            self._fd, f"{self.temp_path} (for {self.target})", DIRECT_BLOCK_NBYTES,
+            fd, f"{self.temp_path} (for {self.target})", DIRECT_BLOCK_NBYTES,
             depth=depth, alignment=DIRECT_ALIGNMENT, pwrite_fn=pwrite_fn,
         )
 
@@ -219,7 +236,7 @@ class ChunkedFileSink:
                 f"sink for {self.target}: expected state {names}, but it is {self.state.value}"
             )
 
-    def write(self, data) -> None:
+    def write(self, data: ReadableBuffer) -> None:
         """Append ``data`` (any bytes-like object); loops until every byte is written."""
         self._expect(SinkState.OPEN, SinkState.WRITING)
         self.state = SinkState.WRITING
@@ -240,9 +257,10 @@ class ChunkedFileSink:
     def _write_all(self, view: memoryview, offset: int) -> None:
         total = len(view)
         done = 0
+        fd = self._open_fd()
         while done < total:
             try:
-                n = self._write(self._fd, view[done:])
+                n = self._write(fd, view[done:])
             except InterruptedError:
                 continue  # EINTR: nothing was written; retry, as io does (PEP 475)
             except OSError as e:
@@ -266,20 +284,21 @@ class ChunkedFileSink:
     def sync(self) -> None:
         """fsync the temp file and drop its pages; the data is durable but not yet visible."""
         self._expect(SinkState.OPEN, SinkState.WRITING)
+        fd = self._open_fd()
         timeline = stage_timeline()
         t = time.perf_counter()
         self._stop_writeback()
         if self._staging is not None:
             try:
                 if self._staging.finish():
-                    os.ftruncate(self._fd, self.nbytes)
+                    os.ftruncate(fd, self.nbytes)
             finally:
                 self._release_staging()
             if timeline is not None:
                 timeline.add("O_DIRECT drain (last writes)", time.perf_counter() - t)
                 t = time.perf_counter()
         try:
-            fsops.fsync(self._fd, self.temp_path)
+            fsops.fsync(fd, self.temp_path)
         except OSError as e:
             raise OSError(
                 e.errno,
@@ -287,10 +306,10 @@ class ChunkedFileSink:
                 f"{os.strerror(e.errno or 0)}",
             ) from e
         if self.drop_pages:
-            drop_pages(self._fd, 0, 0)
+            drop_pages(fd, 0, 0)
         if timeline is not None:
             timeline.add("fsync + drop", time.perf_counter() - t)
-        os.close(self._fd)
+        os.close(fd)
         self._fd = None
         self.state = SinkState.SYNCED
 
@@ -344,7 +363,8 @@ class ChunkedFileSink:
     def __enter__(self) -> ChunkedFileSink:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None:
             self.abort()
             return

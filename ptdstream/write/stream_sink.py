@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import io
+import os
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .sink import write_zeros
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from .sink import ChunkedFileSink
+
 __all__ = ["StreamSink", "open_sink", "target_name"]
+
+
+class Writable(Protocol):
+    """What upstream's ``write_to_file`` takes: any object with a ``write`` method
+    (what it accepts and returns differs between file objects, hence ``Any``)."""
+
+    def write(self, data: Any, /) -> Any: ...
 
 
 class StreamSink:
@@ -23,13 +38,13 @@ class StreamSink:
     it was given). Nothing is atomic or synced here: that is the caller's file.
     """
 
-    def __init__(self, fileobj) -> None:
+    def __init__(self, fileobj: Writable) -> None:
         self._file = fileobj
         self._raw = isinstance(fileobj, io.RawIOBase)
         self._views = isinstance(fileobj, io.IOBase)
         self.nbytes = 0
 
-    def write(self, data) -> None:
+    def write(self, data: ReadableBuffer) -> None:
         view = memoryview(data).cast("B")
         if not self._views:
             self._file.write(bytes(view))
@@ -48,14 +63,14 @@ class StreamSink:
         write_zeros(self.write, nbytes)
 
 
-def open_sink(target, **file_options):
+def open_sink(target: str | os.PathLike[str] | Writable,
+              **file_options: Any) -> AbstractContextManager[ChunkedFileSink | StreamSink]:
     """A context manager giving the sink for ``target``: a
     :class:`~ptdstream.write.sink.ChunkedFileSink` for a path (``file_options`` go
     to it; published atomically on a clean exit), or a :class:`StreamSink` over an
     open binary stream (``sys.stdout.buffer``, a pipe), which the caller owns:
     nothing is atomic there, bytes arrive as they are written."""
     import contextlib
-    import os
 
     if isinstance(target, (str, bytes, os.PathLike)):
         from .sink import ChunkedFileSink
@@ -64,8 +79,6 @@ def open_sink(target, **file_options):
     return contextlib.nullcontext(StreamSink(target))
 
 
-def target_name(target) -> str:
+def target_name(target: str | os.PathLike[str] | Writable) -> str:
     """How a report names ``target``: the path, or ``"-"`` for a stream."""
-    import os
-
     return os.fspath(target) if isinstance(target, (str, bytes, os.PathLike)) else "-"

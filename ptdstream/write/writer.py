@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import cast
 
 from ..errors import IntegrityError
-from ..format.plan import ExtentKind, FilePlan
-from ..sources.base import BufferRing
+from ..format.plan import Extent, ExtentKind, FilePlan
+from ..sources.base import BufferRing, Source
 from ..sources.fingerprint import Fingerprint, StreamingDigest, check_expected
 from ..system.threads import FdThread
 from ..timeline import stage_timeline
@@ -42,11 +43,11 @@ class _WriterThread:
     error in the thread is raised by the next ``write`` or by ``close``.
     """
 
-    def __init__(self, sink) -> None:
+    def __init__(self, sink: Sink) -> None:
         self._sink = sink
         self._idle = threading.Semaphore(1)
         self._ready = threading.Semaphore(0)
-        self._piece = None
+        self._piece: bytes | memoryview | None = None
         self._stopping = False
         self._error: BaseException | None = None
         self._thread = FdThread(self._serve, "ptdstream-writer")
@@ -78,7 +79,7 @@ class _WriterThread:
             self._idle.release()
             raise self._error
 
-    def write(self, piece) -> None:
+    def write(self, piece: bytes | memoryview) -> None:
         self._wait_idle()
         if len(piece) < THREAD_MIN_NBYTES:
             try:
@@ -162,12 +163,13 @@ def write_plan(
     return _write_extents(plan, sink, ring, progress)
 
 
-def _write_extents(plan, sink, ring, progress) -> dict[str, Fingerprint]:
+def _write_extents(plan: FilePlan, sink: Sink | _WriterThread, ring: BufferRing,
+                   progress: ProgressFn | None) -> dict[str, Fingerprint]:
     fingerprints: dict[str, Fingerprint] = {}
     offset = 0
     for extent in plan.extents:
         if extent.kind is ExtentKind.METADATA:
-            sink.write(extent.data)
+            sink.write(cast(bytes, extent.data))  # a METADATA extent holds its bytes
         elif extent.kind is ExtentKind.ZEROS:
             sink.write_zeros(extent.nbytes)
         else:
@@ -180,7 +182,8 @@ def _write_extents(plan, sink, ring, progress) -> dict[str, Fingerprint]:
     return fingerprints
 
 
-def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
+def _write_source(plan: FilePlan, extent: Extent, offset: int, sink: Sink | _WriterThread, ring: BufferRing,
+                  progress: ProgressFn | None) -> Fingerprint:
     """Write one source's pieces, digesting each piece once it has been written.
 
     The previous piece is hashed while the writer thread writes the current one,
@@ -191,19 +194,20 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
     digest = StreamingDigest()
     where = f"{extent.label()} of {plan.name} at offset {offset}"
     nbytes = 0
-    written = None  # the piece last handed to the sink: hashed once it is written
+    written: memoryview | None = None  # the piece last handed to the sink: hashed once it is written
     timeline = stage_timeline()
-    for piece in _checked_pieces(extent.source.pieces(ring), where):
+    source = cast(Source, extent.source)  # a SOURCE extent holds its source (Extent.payload)
+    for piece in _checked_pieces(source.pieces(ring), where):
         if nbytes == 0:
             head = bytes(piece[: len(extent.prefix)])
             if head != extent.prefix[: len(head)]:
                 raise IntegrityError(
-                    f"{where}: {extent.source.describe()} changed since the plan "
+                    f"{where}: {source.describe()} changed since the plan "
                     "(its first bytes differ); nothing was published"
                 )
         if nbytes + len(piece) > extent.nbytes:
             raise IntegrityError(
-                f"{where}: {extent.source.describe()} gave more than the "
+                f"{where}: {source.describe()} gave more than the "
                 f"{extent.nbytes} bytes planned; nothing was published"
             )
         nbytes += len(piece)
@@ -232,20 +236,20 @@ def _write_source(plan, extent, offset, sink, ring, progress) -> Fingerprint:
             timeline.add("xxh3 digest", time.perf_counter() - t1, len(written))
     if digest.nbytes != extent.nbytes:
         raise IntegrityError(
-            f"{where}: {extent.source.describe()} gave {digest.nbytes} bytes, "
+            f"{where}: {source.describe()} gave {digest.nbytes} bytes, "
             f"{extent.nbytes} planned; nothing was published"
         )
     result = digest.finish()
-    check_expected(extent.source, result, where=f"{where}: ")
+    check_expected(source, result, where=f"{where}: ")
     if extent.fingerprint is not None and result != extent.fingerprint:
         raise IntegrityError(
-            f"{where}: {extent.source.describe()} changed since the plan (digest "
+            f"{where}: {source.describe()} changed since the plan (digest "
             f"{result.hex} != {extent.fingerprint.hex}); nothing was published"
         )
     return result
 
 
-def _checked_pieces(pieces, where: str):
+def _checked_pieces(pieces: Iterator[memoryview], where: str) -> Iterator[memoryview]:
     """Re-raise a source's failure with the key, file and offset prefixed."""
     while True:
         try:

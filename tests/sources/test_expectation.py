@@ -182,7 +182,7 @@ def _source_attribute_names():
     define or set on ``self`` (names other classes share, such as ``nbytes`` or
     ``offset``, are left out), plus :data:`INTEGRITY_NAMES`."""
     classes = {}
-    for path, tree in _trees():
+    for _path, tree in _trees():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 classes.setdefault(node.name, []).append(node)

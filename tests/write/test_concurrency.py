@@ -118,7 +118,7 @@ def race_rounds(managers, versions, tmp_path_factory):
         barrier_dir = tmp_path_factory.mktemp(f"barrier{i}")
         r, w = os.pipe()
 
-        def racer(name):
+        def racer(name, w=w, r=r, how=how, barrier_dir=barrier_dir):  # this round's, bound now
             def run():
                 os.close(w)
                 os.read(r, 1)  # both start when the parent writes
@@ -190,7 +190,7 @@ def test_reader_sees_only_complete_files_during_saves(managers, versions, tmp_pa
     try:
         time.sleep(0.05)  # the reader is running
         for name in saves:
-            assert wait(fork(lambda: ptdstream.save(managers[name], path))) == 0
+            assert wait(fork(lambda name=name: ptdstream.save(managers[name], path))) == 0
             time.sleep(0.01)
     finally:
         os.close(stop_w)

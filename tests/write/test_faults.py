@@ -118,7 +118,7 @@ def run_in_child(fn, timeout_s: float = 120.0):
                 })
             with os.fdopen(w, "wb") as f:
                 pickle.dump(payload, f)
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - any failure to report it: the child exits 70
             status = 70
         finally:
             os._exit(status)
@@ -271,7 +271,7 @@ def test_unwritable_folder_fails_before_writing(unwritable_folder, old_manager, 
 def _call(fn):
     try:
         return ("ok", fn())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the outcome, whatever it is, goes to the caller
         return ("raised", {"type": type(e).__name__, "errno": getattr(e, "errno", None),
                            "message": str(e)})
 

@@ -144,7 +144,7 @@ def test_direct_writes_give_the_same_bytes(tmp_path, sizes):
 
     rng = random.Random(len(sizes))
     chunks = [bytes(rng.getrandbits(8) for _ in range(min(n, 64))) * (n // 64 + 1) for n in sizes]
-    chunks = [c[:n] for c, n in zip(chunks, sizes)]
+    chunks = [c[:n] for c, n in zip(chunks, sizes, strict=True)]
     target = tmp_path / "d.bin"
     with ChunkedFileSink(str(target), direct=True) as sink:
         for c in chunks:

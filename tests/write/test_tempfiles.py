@@ -71,7 +71,7 @@ def test_remove_stale_temp_files_keeps_locked_ones(tmp_path):
     target = str(tmp_path / "a.bin")
     live, fd, lock_fd = tempfiles.create_locked(target)
     os.close(fd)
-    dead = plant(tmp_path, "a.bin")
+    plant(tmp_path, "a.bin")
     try:
         remove_stale_temp_files(target)
         assert sorted(os.listdir(tmp_path)) == [os.path.basename(live)]
