@@ -216,6 +216,19 @@ def test_every_name_in_every_all_is_bound():
     assert unbound == []
 
 
+def test_every_module_assigns_all_once():
+    """A second ``__all__ = [...]`` silently replaces the first (a merge left one in ``sources.base``)."""
+    twice = []
+    for module, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text(), str(path))
+        count = sum(1 for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                    and any(isinstance(t, ast.Name) and t.id == "__all__"
+                            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])))
+        if count > 1:
+            twice.append(f"ptdstream.{module}".rstrip("."))
+    assert twice == []
+
+
 def test_the_package_root_names_resolve():
     missing = [name for name in ptdstream.__all__ if not hasattr(ptdstream, name)]
     assert missing == []

@@ -33,8 +33,6 @@ from .digest import ALGO, Fingerprint, StreamingDigest
 
 __all__ = ["NO_EXPECTATION", "BufferRing", "Expectation", "Source", "digest_view"]
 
-__all__ = ["BufferRing", "Source"]
-
 
 class BufferRing:
     """``count`` reusable host buffers of ``chunk_nbytes`` bytes each.
