@@ -33,9 +33,9 @@ from ._entry import guard_startup as _guard_startup
 
 _guard_startup()
 
-import importlib
+import importlib  # noqa: E402 - after the SIGINT guard above, on purpose
 
-from .errors import (
+from .errors import (  # noqa: E402 - after the SIGINT guard above, on purpose
     CheckpointMismatchError,
     FormatError,
     IntegrityError,
@@ -45,7 +45,7 @@ from .errors import (
     PtdstreamError,
     StateError,
 )
-from .save import SaveReport, save, write_data_files
+from .save import SaveReport, save, write_data_files  # noqa: E402 - after the SIGINT guard above, on purpose
 
 #: Public names loaded on first use (``import ptdstream`` stays fast): name -> module.
 _LAZY = {

@@ -62,8 +62,8 @@ def _exit_interrupted(signum, frame) -> None:
     os._exit(_INTERRUPTED)
 
 
-_exit_interrupted.ptdstream_startup = True  # type: ignore[attr-defined]
-_exit_interrupted.ptdstream_handler = True  # type: ignore[attr-defined]
+_exit_interrupted.ptdstream_startup = True  # type: ignore[attr-defined]  # a function-object marker, read by getattr
+_exit_interrupted.ptdstream_handler = True  # type: ignore[attr-defined]  # a function-object marker, read by getattr
 
 
 def _swap(handler) -> bool:
@@ -107,7 +107,7 @@ def _finish(code: int) -> int:
     def finished(signum, frame) -> None:
         os._exit(code)
 
-    finished.ptdstream_handler = True  # type: ignore[attr-defined]
+    finished.ptdstream_handler = True  # type: ignore[attr-defined]  # a function-object marker, read by getattr
     _swap(finished)
     return code
 

@@ -44,7 +44,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from .errors import CheckpointMismatchError
@@ -58,7 +58,7 @@ DEFAULT_TAG = "_default_external_constant"
 #: ``FlatTensorConfig.segment_alignment`` (``extension/flat_tensor/serialize/serialize.py``).
 DEFAULT_SEGMENT_ALIGNMENT = 128
 
-KeyMap = Union[None, Mapping[str, str], Callable[[str], str | None]]
+KeyMap = Mapping[str, str] | Callable[[str], str | None] | None
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_ext
         named = f"{fqn!r}" if key == fqn else f"{fqn!r} (checkpoint key {key!r})"
         try:
             scalar = int(scalar_type_enum(entry.dtype))
-        except Exception:
+        except Exception:  # noqa: BLE001 - a dtype executorch has no ScalarType for is a mismatch below
             scalar = None
         if scalar != int(layout.scalar_type):
             have = ScalarType(scalar).name if scalar is not None else str(entry.dtype)
@@ -404,10 +404,11 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
     if not os.path.isdir(out_dir):
         raise FileNotFoundError(f"{out_dir}: output folder does not exist")
     owned = not isinstance(checkpoint, Checkpoint)
-    ckpt = open_checkpoint(checkpoint, format) if owned else checkpoint
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, format)
     old_owned = old_checkpoint is not None and not isinstance(old_checkpoint, Checkpoint)
     try:
-        old = open_checkpoint(old_checkpoint, old_format) if old_owned else old_checkpoint
+        old = (open_checkpoint(old_checkpoint, old_format)
+               if old_checkpoint is not None and not isinstance(old_checkpoint, Checkpoint) else old_checkpoint)
     except BaseException:
         if owned:
             ckpt.close()
@@ -423,7 +424,7 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
     finally:
         if owned:
             ckpt.close()
-        if old_owned:
+        if old_owned and old is not None:
             old.close()
     seconds = time.perf_counter() - start
     nbytes = sum(r.nbytes for r in reports)

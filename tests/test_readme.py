@@ -157,4 +157,5 @@ def test_readme_block_runs(workdir, line, language, code, monkeypatch):
                PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", _shell(code)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"README.md:{line} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, (f"README.md:{line} exited {proc.returncode}\n"
+                                  f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

@@ -168,7 +168,7 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     if spool:
         message = message.replace(spool, "- (stdin)")
     print_error(message)
-    if getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
+    if args is not None and getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
             print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
         except BrokenPipeError:
@@ -176,7 +176,7 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     return code
 
 
-def _inputs(args: argparse.Namespace) -> List[str]:
+def _inputs(args: argparse.Namespace) -> list[str]:
     """The command's inputs, or none when they cannot be told."""
     try:
         return list(args.inputs(args))

@@ -162,7 +162,8 @@ def exit_for(error: BaseException, command: str | None,
     corrupt input and mismatches exit 1; a write that fails for want of room
     (``ENOSPC``, ``EDQUOT``, ``EFBIG``: an output, file or stdout, not written)
     exits 1; an input that cannot be read or an output that cannot be opened
-    (``outputs``: the command's output paths, None for stdout) exits 2; Ctrl-C 130. Anything else is a failure inside the command (1), in one line.
+    (``outputs``: the command's output paths, None for stdout) exits 2; Ctrl-C 130.
+    Anything else is a failure inside the command (1), in one line.
     """
     if isinstance(error, UsageError):
         return EXIT_USAGE, str(error)

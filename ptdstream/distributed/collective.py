@@ -121,7 +121,7 @@ class Collective:
         as :class:`DistributedWriteError`."""
         try:
             call()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of the collective is re-raised as one error
             text = str(e).splitlines()[0] if str(e) else ""
             raise DistributedWriteError(step, {}, f"{type(e).__name__}: {text}") from (error or e)
 
@@ -137,6 +137,6 @@ class Collective:
 def _call(fn: Callable[[], T]) -> tuple[_Report, BaseException | None]:
     try:
         return ("ok", fn()), None
-    except BaseException as e:  # reported to every rank; re-raised here after the exchange
+    except BaseException as e:  # noqa: BLE001 - reported to every rank; re-raised here after the exchange
         text = f"{type(e).__name__}: {e}".removesuffix("; nothing was published")  # said once, at the end
         return ("error", text, isinstance(e, IntegrityError)), e

@@ -162,7 +162,7 @@ def combine(nbytes: int, parts: Iterable[PieceDigest]) -> Fingerprint:
         if d.offset != end:
             raise ValueError(f"pieces do not tile the buffer: a piece starts at {d.offset}, expected {end}")
         end += d.nbytes
-        totals = [(a + b) % P for a, b in zip(totals, d.values)]
+        totals = [(a + b) % P for a, b in zip(totals, d.values, strict=True)]
     if end != nbytes:
         raise ValueError(f"pieces cover {end} of {nbytes} bytes")
     return Fingerprint(nbytes, ALGO, b"".join(v.to_bytes(8, "little") for v in totals))

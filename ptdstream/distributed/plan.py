@@ -130,7 +130,7 @@ def wire_plan(files, sinks) -> list[tuple[str, str, int, list[tuple[str, int, in
     from ..format.plan import ExtentKind
 
     out = []
-    for (target, plan), sink in zip(files, sinks):
+    for (target, plan), sink in zip(files, sinks, strict=True):
         writes, offset = [], 0
         for extent in plan.extents:
             if extent.kind is ExtentKind.SOURCE:

@@ -83,7 +83,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
     try:
         from torch.distributed.tensor import DTensor, Replicate, Shard
     except ImportError:  # pragma: no cover - torch without DTensor
-        DTensor = ()
+        DTensor = ()  # type: ignore[misc, assignment]  # no DTensor class: isinstance(x, ()) is False
     infos: list[PieceInfo] = []
     local: dict[str, tuple[Source, Any, bytes]] = {}
     for key, tensor in tensors.items():
@@ -98,11 +98,11 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
             if tensor.dim() == 0 and not placement.is_replicate():
                 tensor, private = tensor.redistribute(mesh, [Replicate()]), True  # a scalar has no rows
                 placement = tensor.placements[0]
-            elif not (placement.is_replicate() or (placement.is_shard() and placement.dim == 0)):
+            elif not (placement.is_replicate() or placement.is_shard(dim=0)):
                 # Rows of a Shard(0) tensor are byte ranges of the whole: DTensor moves the data.
                 tensor, private = tensor.redistribute(mesh, [Shard(0)]), True
                 placement = tensor.placements[0]
-            coordinate = mesh.get_coordinate()[0]
+            coordinate = mesh.get_coordinate()[0]  # type: ignore[index]  # None only off the mesh; this rank is on it
             piece = tensor.to_local()
             if placement.is_replicate():
                 # One rank writes a replicated tensor, the same on every rank whatever the
@@ -292,7 +292,7 @@ class _RankWrite:
     def write(self, wire) -> int:
         written = _write_pieces(wire, self.local, self.offsets, self.rank, self.chunk_nbytes)
         if self.rank == 0:
-            for (_, plan), sink in zip(self.files, self.sinks):
+            for (_, plan), sink in zip(self.files, self.sinks, strict=True):
                 sink.write(plan.extents[0].data)  # the head: header + FlatTensor flatbuffer + padding
                 sink.sync()
         return written

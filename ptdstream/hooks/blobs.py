@@ -36,6 +36,7 @@ import functools
 import mmap
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from ..upstream import adapter
 from ..upstream.patching import shadowed
@@ -76,8 +77,9 @@ class FileBlob(ByReference, FileBackedData):
 
 
 @functools.cache
-def _blob_type(nbytes: int) -> type:
-    """:class:`FileBlob` with ``ctypes.c_char * nbytes`` (the buffer protocol over the mapping)."""
+def _blob_type(nbytes: int) -> type[Any]:
+    """:class:`FileBlob` with ``ctypes.c_char * nbytes`` (the buffer protocol over the mapping);
+    made at run time, so Any to the checker."""
     return type("FileBlob", (FileBlob, ctypes.c_char * nbytes), {})
 
 

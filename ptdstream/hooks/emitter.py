@@ -77,14 +77,16 @@ class StorageReference(ByReference, SourceBackedData):
 
     def sha256(self) -> bytes:
         """SHA-256 of the bytes, streamed from the storage (cached)."""
-        if adapter.cached_sha256(self) is None:
+        cached = adapter.cached_sha256(self)
+        if cached is None:
             sha, xxh = hashlib.sha256(), StreamingDigest()
             for piece in self._pieces():
                 sha.update(piece)
                 xxh.update(piece)
-            adapter.set_cached_sha256(self, sha.digest())
+            cached = sha.digest()
+            adapter.set_cached_sha256(self, cached)
             self.source.hand_over(xxh.finish())
-        return adapter.cached_sha256(self)
+        return cached
 
     def __repr__(self) -> str:
         return f"<StorageReference {self.source.describe()} ({len(self)} bytes)>"

@@ -46,7 +46,8 @@ def _write_to_file(self, open_file) -> None:
     name = getattr(open_file, "name", None)
     name = os.path.basename(name) if isinstance(name, str) and name.endswith(".pte") else "model.pte"
     plan = plan_manager(self, name)
-    write_plan(plan.program.plan, StreamSink(open_file), BufferRing(count=2))
+    program = plan.program.plan  # type: ignore[union-attr]  # plan_manager always plans the program
+    write_plan(program, StreamSink(open_file), BufferRing(count=2))
 
 
 def _write_tensor_data_to_file(self, outdir) -> None:

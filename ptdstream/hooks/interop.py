@@ -20,7 +20,8 @@ from ..upstream import adapter
 
 __all__ = ["EMITTER_HASHLIB", "ByReference", "FileBackedData", "SourceBackedData"]
 
-FileBackedData = adapter.file_backed_data_type()
+#: executorch's class, found at import time (executorch is untyped: Any to the checker).
+FileBackedData: Any = adapter.file_backed_data_type()
 
 
 class SourceBackedData(FileBackedData):
@@ -58,12 +59,14 @@ class SourceBackedData(FileBackedData):
         return self.source.prefix(size)
 
     def sha256(self) -> bytes:
-        if adapter.cached_sha256(self) is None:
+        cached = adapter.cached_sha256(self)
+        if cached is None:
             digest = hashlib.sha256()
             for piece in self._pieces():
                 digest.update(piece)
-            adapter.set_cached_sha256(self, digest.digest())
-        return adapter.cached_sha256(self)
+            cached = digest.digest()
+            adapter.set_cached_sha256(self, cached)
+        return cached
 
     def to_bytes(self) -> bytes:
         return b"".join(bytes(p) for p in self._pieces())

@@ -17,8 +17,9 @@ tensors instead of ``bytes`` copies.
 Two entry points, both optimum-executorch's own, with ptdstream saving:
 
 * :func:`export`: ``optimum.exporters.executorch.main_export``;
-* :func:`main`: the ``optimum-cli`` command, as
-  ``python -m ptdstream.hooks.optimum export executorch --model DIR --task text-generation --recipe xnnpack --output_dir OUT``.
+* :func:`main`: the ``optimum-cli`` command, as ``python -m ptdstream.hooks.optimum``
+  followed by optimum-cli's arguments, e.g.
+  ``export executorch --model DIR --task text-generation --recipe xnnpack --output_dir OUT``.
 
 Needs ``pip install "ptdstream[hf]"`` (optimum-executorch 1.1.0, transformers
 5.0.0rc1). Nothing here downloads: pass a local folder, and set

@@ -207,7 +207,7 @@ def recorded_backend_config(manager) -> tuple[bool, Any]:
     return True, config
 
 
-def manager_class() -> type:
+def manager_class() -> type[Any]:
     """``executorch.exir.ExecutorchProgramManager``."""
     from executorch.exir import ExecutorchProgramManager
 

@@ -45,7 +45,7 @@ def write_save_plan(
     *,
     chunk_nbytes: int = CHUNK_NBYTES,
     window_nbytes: int = WINDOW_NBYTES,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
     sink_factory: Callable[[str], ChunkedFileSink] | None = None,
     direct: bool = False,
     extra_files: Callable[[list[ChunkedFileSink]], list[ChunkedFileSink]] | None = None,

@@ -26,7 +26,7 @@ from .sink import Sink
 __all__ = ["write_plan"]
 
 #: ``progress(nbytes)`` is called after each piece with the bytes just written.
-ProgressFn = Callable[[int], None]
+ProgressFn = Callable[[int], object]
 
 #: Pieces at least this large go to the writer thread; smaller writes are made
 #: inline (after the thread's pending write), where a hand-off would cost more.

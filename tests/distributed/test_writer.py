@@ -18,7 +18,8 @@ from ptdstream.save import write_data_files
 from ptdstream.store import StreamingNamedDataStore
 
 #: The scenarios each group size runs ("kill" ends its group: last).
-SCENARIOS = {1: ["ok", "edges"], 2: ["ok", "edges", "raise", "raise-everywhere", *W.CHANGES, "kill"], 4: ["ok", "edges"]}
+SCENARIOS = {1: ["ok", "edges"], 2: ["ok", "edges", "raise", "raise-everywhere", *W.CHANGES, "kill"],
+             4: ["ok", "edges"]}
 
 
 def _run(world: int, tmp_path, scenarios, backend: str = "gloo"):
@@ -31,7 +32,8 @@ def _run(world: int, tmp_path, scenarios, backend: str = "gloo"):
     results.mkdir(exist_ok=True)
     for scenario in scenarios:
         (root / scenario).mkdir(parents=True, exist_ok=True)
-        if scenario in ("raise", "raise-everywhere", "kill") or scenario in W.CHANGES and scenario != "change-dedup-second":
+        if (scenario in ("raise", "raise-everywhere", "kill")
+                or scenario in W.CHANGES and scenario != "change-dedup-second"):
             (root / scenario / "model.ptd").write_bytes(b"previous")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=W.worker,
@@ -244,7 +246,7 @@ def test_fingerprint_composes_across_any_split(cuts):
                                dtype=torch.uint8).tolist())
     whole = combine(len(data), [digest_piece([data], 0)])
     bounds = [0] + cuts + [len(data)]
-    parts = [digest_piece([data[a:b]], a) for a, b in zip(bounds, bounds[1:])]
+    parts = [digest_piece([data[a:b]], a) for a, b in zip(bounds, bounds[1:], strict=False)]
     assert combine(len(data), reversed(parts)) == whole
     changed = bytearray(data)
     changed[-1] ^= 1

@@ -181,7 +181,7 @@ def check_same_outputs(out: str, ref: str, method: str, inputs, want=None):
     got = run_method(os.path.join(out, "model.pte"), method, inputs)
     got_ref = run_method(os.path.join(ref, "model.pte"), method, inputs)
     assert len(got) == len(got_ref)
-    for a, b in zip(got, got_ref):
+    for a, b in zip(got, got_ref, strict=True):
         assert torch.equal(a, b)
     assert torch.isfinite(got[0]).all()
     if want is not None:

@@ -12,6 +12,8 @@ import textwrap
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ptdstream import StreamingNamedDataStore
 from ptdstream.errors import IntegrityError
@@ -40,7 +42,7 @@ def test_brk2_many_appends_of_every_size_read_back_exactly(tmp_path, ring):
     sources = [spill.append(MemorySource(d), f"s{i}", chunk_nbytes=max(1, (i * 997) % 9000 + 1))
                for i, d in enumerate(datas)]
     assert os.listdir(tmp_path) == []
-    for d, s in zip(datas, sources):
+    for d, s in zip(datas, sources, strict=True):
         assert s.nbytes == len(d) and s.offset % SPILL_ALIGNMENT == 0
         assert _read(s, ring) == d
         for k in (0, 1, 32, len(d), len(d) + 5):
@@ -113,7 +115,7 @@ def test_brk2_descriptor_open_until_last_source_gone_with_many_sources(tmp_path)
     fd = spill.fileno()
     srcs = [spill.append(MemorySource(bytes([i]) * 10), f"s{i}") for i in range(5)]
     del spill
-    for i in range(4):
+    for _ in range(4):
         srcs.pop(0)
         gc.collect()
         os.fstat(fd)
@@ -204,7 +206,7 @@ def test_brk2_a_real_efbig_names_folder_and_the_failing_offset(tmp_path):
     8192 are written, the pwrite at 9692 fails. The message should name 9692."""
     p = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path)], capture_output=True, text=True)
     out = p.stdout
-    assert "ERRNO %d" % errno.EFBIG in out, (out, p.stderr[-2000:])
+    assert f"ERRNO {errno.EFBIG}" in out, (out, p.stderr[-2000:])
     assert f"in {tmp_path} at offset" in out
     assert "KEPT True" in out
     assert "at offset 9692 failed" in out, out
@@ -277,10 +279,6 @@ def test_brk2_append_after_close_does_not_write_into_another_file(tmp_path):
     finally:
         os.close(reused)
     assert victim.read_bytes() == b"precious user data"
-
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
 
 
 class _Fails(MemorySource):
