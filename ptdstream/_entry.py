@@ -109,23 +109,24 @@ def _finish(code: int) -> int:
     if not is_command():
         _end_startup()
         return code
-    flushed = False
     held = []
 
-    def finished(signum, frame) -> None:
-        if not flushed:  # mid-flush: the rest of the output first
-            held.append(signum)
-            return
-        os._exit(code)
+    def hold(signum, frame) -> None:  # mid-flush: the rest of the output first
+        held.append(signum)
 
-    finished.ptdstream_handler = True  # type: ignore[attr-defined]  # a function-object marker, read by getattr
-    installed = _swap(finished)
+    hold.ptdstream_handler = True  # type: ignore[attr-defined]  # a function-object marker, read by getattr
+    installed = _swap(hold)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: cli.main has reported what it could
             pass
-    flushed = True
+
+    def finished(signum, frame) -> None:
+        os._exit(code)
+
+    finished.ptdstream_handler = True  # type: ignore[attr-defined]
+    _swap(finished)
     if held:
         os._exit(code)
     if installed:
