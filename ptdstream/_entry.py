@@ -12,9 +12,16 @@ first line of ``ptdstream/__init__.py`` on, never a traceback, never carried on:
 * the command (from when :func:`ptdstream.cli.main` has parsed the arguments,
   before it reads stdin or touches a file): Python's own handler again, so
   ``KeyboardInterrupt`` unwinds through the clean-up and ``cli.main`` reports it;
-* after the command returned: a SIGINT ends the process with the command's exit
-  code (its output is flushed first), with no traceback from the interpreter's
-  shutdown.
+* after the command returned: SIGINT is taken over first, then the output is
+  flushed (a SIGINT meanwhile waits for the flush), then a SIGINT ends the process
+  at once with the command's exit code (``os._exit``) while the interpreter waits
+  for threads, and from its first exit handler on (an :mod:`atexit` handler
+  registered then, so it runs before the others, which all still run) SIGINT is
+  ignored (``SIG_IGN``): the interpreter's shutdown puts a Python handler back
+  to the default action, which would end the process by the signal, but leaves
+  an ignored one. The process ends with the command's exit code, never by the
+  signal, with no traceback (a SIGINT on ``cli.main``'s way out, before it
+  returned, is the one line and exit 130).
 
 Only the main thread of the ``ptdstream`` process is affected, and only while
 SIGINT has Python's default handler: ``import ptdstream`` in any other program,
@@ -25,6 +32,7 @@ an inherited ``SIG_IGN`` (a background job) and in-process calls of
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -93,11 +101,21 @@ def _end_startup() -> None:
 
 
 def _finish(code: int) -> int:
-    """After the command returned ``code``: flush its output, then let a SIGINT end
-    the process with ``code`` (only in the ``ptdstream`` process)."""
+    """After the command returned ``code``: take SIGINT over, flush its output, then
+    let a SIGINT end the process with ``code`` (only in the ``ptdstream`` process):
+    one during the flush is held until the flush is done, one later ends the
+    process at once, and from the first exit handler on it is ignored (module
+    docstring)."""
     if not is_command():
         _end_startup()
         return code
+    held = []
+
+    def hold(signum, frame) -> None:  # mid-flush: the rest of the output first
+        held.append(signum)
+
+    hold.ptdstream_handler = True  # type: ignore[attr-defined]  # a function-object marker, read by getattr
+    installed = _swap(hold)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -109,7 +127,21 @@ def _finish(code: int) -> int:
 
     finished.ptdstream_handler = True  # type: ignore[attr-defined]  # a function-object marker, read by getattr
     _swap(finished)
+    if held:
+        os._exit(code)
+    if installed:
+        atexit.register(_ignore_if, finished)
     return code
+
+
+def _ignore_if(handler) -> None:
+    """Ignore SIGINT from here on if ``handler`` is still SIGINT's handler (an exit
+    handler: the interpreter's shutdown would put a Python handler back to SIG_DFL)."""
+    try:
+        if signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except (ValueError, OSError):  # not the main thread
+        pass
 
 
 def main() -> int:
@@ -117,7 +149,12 @@ def main() -> int:
     guard_startup()  # already done by ptdstream/__init__.py in the ptdstream process
     try:
         from .cli import main as run
-    except KeyboardInterrupt:  # only where the start-up handler is not installed
+
+        code = run()
+    except KeyboardInterrupt:  # the import where the start-up handler is not installed, or cli.main's return
         print("ptdstream: interrupted", file=sys.stderr)
-        return _finish(_INTERRUPTED)
-    return _finish(run())
+        code = _INTERRUPTED
+    try:
+        return _finish(code)
+    except KeyboardInterrupt:  # before _finish took SIGINT over: the command had returned ``code``
+        return _finish(code)

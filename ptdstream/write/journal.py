@@ -26,10 +26,14 @@ rename in a live process rolls back at once.
 
 A journal is untrusted input: before any file is touched it is refused, by
 name, when it is unreadable, too large or too deep, names anything but files of
-its own folder of ptdstream's shape (:func:`read_journal`), or when a file it
-names is not the one it recorded (another program wrote there after the kill:
-:func:`ptdstream.write.journal_state.check_on_disk`). A journal that stays keeps
-every file it may own, and refuses only saves of targets it may name.
+its own folder of ptdstream's shape (:func:`read_journal`), or when a target
+is not a regular file (a directory, link, fifo or device) or a file it names is
+not the one it recorded (another program wrote there after the kill:
+:func:`ptdstream.write.journal_state.check_on_disk`). An ``OSError`` midway
+(a rename or fsync failing) is raised as a :class:`RecoveryError` naming the
+journal, which stays: what was done is a state recovery completes later. A
+journal that stays keeps every file it may own, and refuses only saves of
+targets it may name.
 
 Recovery runs under the folder's lock, which a publisher holds from step 2 to
 step 5, so a live publication is never recovered. Every ptdstream writer
@@ -305,8 +309,12 @@ def recover_locked(folder: str, targets: Sequence[str] | None = None) -> list[tu
     for journal in _journals(folder):
         try:
             done.append((journal, _complete(journal)))
-        except (RecoveryError, OSError) as e:
+        except RecoveryError as e:
             errors.append((journal, str(e)))
+        except OSError as e:  # midway: what is done is consistent, the journal stays to finish it
+            errors.append((journal, f"journal {journal}: recovery stopped by {type(e).__name__}: {e}; the "
+                                    f"journal stays with the files it names, completed up to there; fix the "
+                                    f"cause, then run recover on {folder} again"))
     if targets is not None:
         mine = {}
         for target in targets:
@@ -334,10 +342,13 @@ def recover(folder: str) -> list[tuple[str, str]]:
 
     Raises:
         RecoveryError: a journal that is unreadable, names files outside its
-            folder or not of ptdstream's shape, or whose files another program
-            changed since it was written (compared before any file is touched:
+            folder or not of ptdstream's shape, a target that is not a regular
+            file, or whose files another program changed since it was written
+            (compared before any file is touched:
             :func:`ptdstream.write.journal_state.check_on_disk`); it and every
-            file it may name are left in place; the other journals are still completed.
+            file it may name are left in place; the other journals are still
+            completed. Or an ``OSError`` midway, naming the journal: it stays,
+            to be completed by a later recovery.
     """
     return clean_folder(folder)
 

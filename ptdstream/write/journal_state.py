@@ -1,5 +1,10 @@
 """Whether a journal's files are still the ones it recorded, checked before recovery touches any.
 
+Every target must be a regular file, or absent: never a directory, a symbolic
+link, a fifo, a socket or a device (:func:`check_on_disk` refuses naming the
+journal, the entry and what the target is). ptdstream publishes regular files
+only, over the file a symlinked target names (resolved before the save).
+
 After a killed save another program (``mv``, ``cp``, upstream's writer) may
 write into the folder; completing the journal then would roll its set over those
 newer files. :func:`check_on_disk` compares each file with the journal's record
@@ -35,6 +40,39 @@ _FIELDS = (("dev", "device"), ("ino", "inode"), ("size", "size"), ("ctime_ns", "
            ("mtime_ns", "modification time (ns)"))
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(path: str) -> str | None:
+    """What ``path`` is when it is there and not a regular file (not following a link)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link to {os.readlink(path)!r}"
+        except OSError:
+            return "a symbolic link"
+    return next((label for test, label in _KINDS if test(mode)), f"a file of mode {stat.S_IFMT(mode):#o}")
+
+
+def _check_kinds(journal: Journal) -> None:
+    """Raise unless each target of ``journal`` is a regular file or absent."""
+    for index, entry in enumerate(journal.entries):
+        kind = _kind(entry.target)
+        if kind is not None:
+            folder = os.path.dirname(journal.path)
+            raise RecoveryError(
+                f"journal {journal.path}: entry {index}: target {os.path.basename(entry.target)!r} is {kind}, "
+                f"not a regular file (a journal's targets are files ptdstream writes); refused: the journal "
+                f"and every file are left as they are, none touched; check the files in {folder}, then "
+                f"remove the journal by hand")
+
+
 def _differs(disk: FileState, recorded: FileState, fields: Sequence[str]) -> tuple[str, int, int] | None:
     for key, label in _FIELDS:
         if key in fields and getattr(disk, key) != getattr(recorded, key):
@@ -50,18 +88,22 @@ def _folder_id(folder: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _not_own(entry: JournalEntry) -> list[str]:
+    """A temp file or backup that is not a regular file, as ``"<file>: ..."`` phrases."""
+    out = []
+    for path in (entry.temp, entry.backup):  # ptdstream's own: never a link, a folder or a device
+        if path is not None and _kind(path) is not None:
+            out.append(f"{os.path.basename(path)}: not a regular file (a ptdstream temp or backup file is one)")
+    return out
+
+
 def _problems(entry: JournalEntry, copied: bool) -> list[str]:
     """What differs for one entry, as ``"<file>: <field> ..."`` phrases."""
     name = os.path.basename(entry.target)
     target, temp = state_of(entry.target), state_of(entry.temp)
     backup = state_of(entry.backup) if entry.backup is not None else None
     new, old = entry.new, entry.old
-    out = []
-    for path in (entry.temp, entry.backup):  # ptdstream's own: never a link, a folder or a device
-        if path is not None and os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
-            out.append(f"{os.path.basename(path)}: not a regular file (a ptdstream temp or backup file is one)")
-    if out:
-        return out
+    out: list[str] = []
 
     def compare(what: str, disk: FileState | None, recorded: FileState | None, fields: Sequence[str]) -> None:
         if disk is None or recorded is None:
@@ -106,15 +148,20 @@ def _problems(entry: JournalEntry, copied: bool) -> list[str]:
 
 
 def check_on_disk(journal: Journal) -> None:
-    """Raise unless every file of ``journal`` is one it recorded (module docstring). Reads only.
+    """Raise unless every target of ``journal`` is a regular file or absent and
+    every file is one it recorded (module docstring). Reads only.
 
     Raises:
-        RecoveryError: naming the journal, each file and field that differs with
+        RecoveryError: naming the journal and the entry whose target is not a
+            regular file and what it is, or each file and field that differs with
             both values; the journal and every file are left as they are.
     """
     folder = os.path.dirname(journal.path)
     copied = journal.folder_id is not None and _folder_id(folder) != journal.folder_id
-    problems = [p for e in journal.entries for p in _problems(e, copied)]
+    problems = [p for e in journal.entries for p in _not_own(e)]
+    if not problems:
+        _check_kinds(journal)
+        problems = [p for e in journal.entries for p in _problems(e, copied)]
     if problems:
         raise RecoveryError(
             f"journal {journal.path}: another program changed the set's files since the save was killed "

@@ -138,3 +138,37 @@ def test_only_the_ptdstream_process_gets_the_start_up_handler(monkeypatch, argv0
         signal.signal(signal.SIGINT, before)
     assert installed is (expected and before is signal.default_int_handler)
     assert (after is not before) is installed
+
+
+def test_sigint_after_the_report_keeps_the_commands_exit_code(tmp_path):
+    """30 runs of ``pack``, SIGINT 0-29 ms after its report line is read from its
+    stdout (flushed when the command returned), by ``python -m ptdstream`` and the
+    console script: each exits 0, as the command did. Before, the interpreter's
+    shutdown put SIGINT back to its default action and the process died by the signal."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("PTDSTREAM_DEBUG", None)
+    env.pop("PYTHONUNBUFFERED", None)  # the report reaches the pipe when the entry point flushes it
+    data = os.urandom(1 << 16)
+    (tmp_path / "in.bin").write_bytes(data)
+    want = b"packed in.bin (file, 65,536 bytes) -> out.zst: "
+    launchers = [[sys.executable, "-m", "ptdstream"]]
+    if os.access(SCRIPT, os.X_OK):
+        launchers.append([SCRIPT])
+    ended = []
+    for i in range(30):
+        argv = launchers[i % len(launchers)] + ["pack", "in.bin", "-o", "out.zst", "-f", "--level", "1"]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+                                 preexec_fn=_sigint_default)
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        line = child.stdout.readline() if ready else b""
+        time.sleep(i // 2 / 1000)
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+        else:
+            ended.append(i)
+        _, err = child.communicate(timeout=60)
+        where = f"run {i} ({argv[0]}), SIGINT {i // 2} ms after the report {line!r}: exit {child.returncode}, {err!r}"
+        assert (child.returncode, err, line[: len(want)]) == (0, b"", want), where
+        assert zstandard.ZstdDecompressor().stream_reader((tmp_path / "out.zst").read_bytes(),
+                                                          read_across_frames=True).read() == data, where
+    assert len(ended) < 30, "every run had ended before its signal: the sweep tests nothing"

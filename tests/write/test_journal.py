@@ -12,6 +12,7 @@ must hold exactly A or exactly B, and nothing else.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import signal
@@ -203,6 +204,39 @@ def test_recovery_rolls_back_when_a_temp_file_is_lost(tmp_path):
     os.unlink(temps[1])
     assert journal.recover(folder) == [(path, "back")]
     assert read_all(folder) == {"a.ptd": b"old a", "b.pte": b"old b"}
+
+
+@pytest.mark.parametrize("way", ["forward", "back"])
+def test_an_os_error_midway_names_the_journal_which_finishes_later(tmp_path, way):
+    """Forward: b.pte renamed, then its folder's fsync fails; back (b.pte's temp
+    lost): b.pte's backup put back, then a.ptd's rename fails. Either way the
+    journal stays and a second recovery completes the set."""
+    folder = str(tmp_path)
+    path, temps = _half_published(folder)
+    if way == "back":
+        os.unlink(temps[1])
+    failing = ("fsync_dir", folder) if way == "forward" else ("rename", str(tmp_path / "a.ptd"))
+    ops = []
+
+    def hook(op, p):
+        ops.append((op, p))
+        if (op, p) == failing:
+            raise OSError(errno.EIO, "Input/output error")
+
+    previous = fsops.set_hook(hook)
+    try:
+        with pytest.raises(journal.RecoveryError) as info:
+            journal.recover(folder)
+    finally:
+        fsops.set_hook(previous)
+    assert str(info.value) == (
+        f"journal {path}: recovery stopped by OSError: [Errno 5] Input/output error; the journal stays with the "
+        f"files it names, completed up to there; fix the cause, then run recover on {folder} again")
+    assert ops[0] == ("rename", str(tmp_path / "b.pte")) and ops[-1] == failing  # midway: b.pte done
+    assert os.path.exists(path)
+    assert journal.recover(folder) == [(path, way)]
+    assert read_all(folder) == ({"a.ptd": b"new a", "b.pte": b"new b"} if way == "forward"
+                                else {"a.ptd": b"old a", "b.pte": b"old b"})
 
 
 def test_the_next_save_recovers_the_folder_first(versions, tmp_path):

@@ -170,6 +170,40 @@ def test_a_journal_naming_itself_is_refused(tmp_path):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink out"])
+def test_a_target_that_is_not_a_regular_file_is_refused_before_any_file_is_touched(outside, kind):
+    """Entry 1 names ``sub``, recorded as it is on disk: rolling forward would
+    first replace a.ptd, then fail on the directory (or replace the fifo/link)."""
+    folder, victim = outside
+    a, sub = os.path.join(folder, "a.ptd"), os.path.join(folder, "sub")
+    with open(a, "wb") as f:
+        f.write(b"old a")
+    if kind == "directory":
+        os.mkdir(sub)
+        with open(os.path.join(sub, "inner"), "wb") as f:
+            f.write(b"x")
+    elif kind == "fifo":
+        os.mkfifo(sub)
+    else:
+        os.symlink(victim, sub)
+    entries = []
+    for target in (a, sub):
+        temp = temp_file(folder, os.path.basename(target), b"new " + os.path.basename(target).encode())
+        st = os.lstat(temp)
+        entries.append(journal.JournalEntry(target, temp, None, True, st.st_dev, st.st_ino))
+    path = journal._write_journal(sub, entries)
+    before = snapshot(os.path.dirname(folder))
+    modes = {n: os.lstat(os.path.join(folder, n)).st_mode for n in os.listdir(folder)}
+    what = {"directory": "a directory", "fifo": "a fifo", "symlink out": f"a symbolic link to {victim!r}"}[kind]
+    with pytest.raises(journal.RecoveryError) as info:
+        journal.recover(folder)
+    assert str(info.value).startswith(
+        f"journal {path}: entry 1: target 'sub' is {what}, not a regular file (a journal's targets are files "
+        f"ptdstream writes); refused: the journal and every file are left as they are, none touched")
+    assert snapshot(os.path.dirname(folder)) == before
+    assert {n: os.lstat(os.path.join(folder, n)).st_mode for n in os.listdir(folder)} == modes
+
+
 # --- files changed by another program after a killed save ---------------------------------------
 
 
