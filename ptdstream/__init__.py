@@ -28,10 +28,14 @@ first use, so ``import ptdstream`` imports neither torch nor executorch.
 """
 
 # First: in the ptdstream command, Ctrl-C from here on is one line and exit 130
-# (ptdstream._entry); in any other program this does nothing.
-from ._entry import guard_startup as _guard_startup
+# (ptdstream._entry). Other programs (sys.argv[0] neither "-m", as while
+# ``python -m`` imports the package, nor a ``ptdstream`` script) skip even the import.
+import sys as _sys
 
-_guard_startup()
+if _sys.argv and (_sys.argv[0] == "-m" or _sys.argv[0].rpartition("/")[2].lower().startswith("ptdstream")):
+    from ._entry import guard_startup as _guard_startup
+
+    _guard_startup()
 
 import importlib  # noqa: E402 - after the SIGINT guard above, on purpose
 
