@@ -14,7 +14,9 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from json.decoder import scanstring
+from collections.abc import Iterator
+from json import decoder
+from typing import NoReturn
 
 from ..errors import FormatError
 
@@ -32,9 +34,15 @@ MAX_LIST_ITEMS = 1024
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 #: A tensor's entry as safetensors writes it (its serializer: no spaces, fields in this
 #: order): read with one match; any other spelling is read token by token.
-_WRITTEN_ENTRY = re.compile(r'\{"dtype":"([A-Z0-9_]{1,16})","shape":\[((?:[0-9]{1,20}(?:,[0-9]{1,20}){0,%d})?)\],'
-                            r'"data_offsets":\[([0-9]{1,20}),([0-9]{1,20})\]\}' % (MAX_LIST_ITEMS - 1))
+_WRITTEN_ENTRY = re.compile(r'\{"dtype":"([A-Z0-9_]{1,16})","shape":\[((?:[0-9]{1,20}(?:,[0-9]{1,20})'
+                            f"{{0,{MAX_LIST_ITEMS - 1}}})?)"
+                            r'\],"data_offsets":\[([0-9]{1,20}),([0-9]{1,20})\]\}')
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+#: ``json``'s own string reader (C), which its decoder uses for every string.
+_scanstring = decoder.scanstring  # type: ignore[attr-defined]  # in json/decoder.py, not in typeshed's stub
+#: A JSON scalar, and a tensor's ``(dtype, shape, data_offsets)`` as the header gives them.
+Scalar = str | int | float | bool | None
+Entry = tuple[Scalar | list[Scalar], Scalar | list[Scalar], Scalar | list[Scalar]]
 
 
 def check_safetensors_header(path: str) -> None:
@@ -63,17 +71,17 @@ def check_safetensors_header(path: str) -> None:
         raw = f.read(header_nbytes)
     data_nbytes = file_nbytes - 8 - header_nbytes
     spans = []
-    for key, (dtype, shape, offsets) in _tensor_entries(raw, path).items():
+    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, path).items():
         where = f"{path}: key {key!r}"
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)):
+        offsets, shape = _integers(given_offsets), _integers(given_shape)
+        if offsets is None or len(offsets) != 2 or shape is None or any(d < 0 for d in shape):
             raise FormatError(f"{where}: the header gives no valid data_offsets [begin, end] and shape "
-                              f"(got {offsets!r:.80} and {shape!r:.80})")
+                              f"(got {given_offsets!r:.80} and {given_shape!r:.80})")
         begin, end = offsets
         if not 0 <= begin <= end or end > data_nbytes:
             raise FormatError(f"{where}: data_offsets [{begin}, {end}] are not inside the {data_nbytes} bytes "
                               f"of data (from file offset {8 + header_nbytes}): the header lies, or the file is cut")
-        bits = _SAFETENSORS_BITS.get(dtype)  # type: ignore[arg-type]  # any JSON scalar: a miss is None
+        bits = _SAFETENSORS_BITS.get(dtype) if isinstance(dtype, str) else None
         if bits is not None:
             nbits = 0 if 0 in shape else bits
             for d in shape:
@@ -93,6 +101,14 @@ def check_safetensors_header(path: str) -> None:
 
 
 
+def _integers(value: Scalar | list[Scalar]) -> list[int] | None:
+    """``value`` if it is a list of integers (not booleans), else None."""
+    if not isinstance(value, list):
+        return None
+    out = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return out if len(out) == len(value) else None
+
+
 class _Cursor:
     """A position in the header's JSON text, read one token at a time (strings with
     ``json``'s own ``scanstring``); errors name the file and the file offset."""
@@ -100,7 +116,7 @@ class _Cursor:
     def __init__(self, text: str, path: str) -> None:
         self.text, self.i, self.path = text, 0, path
 
-    def fail(self, what: str, key: str | None = None):
+    def fail(self, what: str, key: str | None = None) -> NoReturn:
         offset = 8 + len(self.text[: self.i].encode("utf-8", "surrogatepass"))
         named = f" key {key!r}:" if key is not None else ""
         raise FormatError(f"{self.path}:{named} the safetensors header (from offset 8) is not what safetensors "
@@ -119,12 +135,12 @@ class _Cursor:
     def string(self, key: str | None = None) -> str:
         self.take('"', key)
         try:
-            value, self.i = scanstring(self.text, self.i, True)
+            value, self.i = _scanstring(self.text, self.i, True)
         except ValueError as e:
             self.fail(f"not a JSON string ({e})", key)
-        return value
+        return str(value)
 
-    def scalar(self, key: str | None = None):
+    def scalar(self, key: str | None = None) -> Scalar:
         """A string, number, true, false or null."""
         if self.peek() == '"':
             return self.string(key)
@@ -143,7 +159,7 @@ class _Cursor:
         self.i = m.end()
         return int(m.group())
 
-    def members(self, key: str | None = None):
+    def members(self, key: str | None = None) -> Iterator[str]:
         """Each name of the object at the cursor, the cursor left on its value."""
         self.take("{", key)
         if self.peek() == "}":
@@ -158,14 +174,14 @@ class _Cursor:
                 return
             self.take(",", key)
 
-    def flat(self, key: str):
+    def flat(self, key: str) -> Scalar | list[Scalar]:
         """A scalar, or a list of at most ``MAX_LIST_ITEMS`` scalars."""
         if self.peek() == "{":
             self.fail("an object where safetensors takes a string or a list of integers", key)
         if self.peek() != "[":
             return self.scalar(key)
         self.i += 1
-        items: list = []
+        items: list[Scalar] = []
         if self.peek() == "]":
             self.i += 1
             return items
@@ -198,7 +214,7 @@ class _Cursor:
                 return
 
 
-def _tensor_entries(raw: bytes, path: str) -> dict[str, tuple]:
+def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
     """Every tensor of the header as ``{key: (dtype, shape, data_offsets)}`` (None
     for a field not given; the last of a repeated key), read in one pass
     (safetensors/src/tensor.rs ``HashMetadata``): ``__metadata__`` must be null or
@@ -217,7 +233,7 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, tuple]:
     cursor = _Cursor(text, path)
     if cursor.peek() != "{":
         cursor.fail("the header is not a JSON object")
-    entries: dict[str, tuple] = {}
+    entries: dict[str, Entry] = {}
     for key in cursor.members():
         if key == "__metadata__":
             if cursor.peek() != "{":
@@ -230,7 +246,7 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, tuple]:
                                 "strings only)", key)
                 cursor.string(key)
             continue
-        fields: dict = {}
+        fields: dict[str, Scalar | list[Scalar]] = {}
         cursor.peek()
         written = _WRITTEN_ENTRY.match(text, cursor.i)
         if written is not None:
