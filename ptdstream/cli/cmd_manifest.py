@@ -22,7 +22,8 @@ def register(subparsers) -> None:
         run=run, inputs=lambda a: a.files, outputs=lambda a: [_output(a)])
     m.add_argument("files", nargs="+", metavar="FILE")
     m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
-    m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES", help="piece size (default 8 MiB, at least 4096)")
+    m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES",
+                   help="piece size (default 8 MiB, at least 4096)")
 
 
 def _output(args) -> str:
