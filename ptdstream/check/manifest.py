@@ -16,7 +16,7 @@ difference lies, and every section and key whose bytes differ
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -31,6 +31,7 @@ from ..write.sink import ChunkedFileSink
 from .manifest_codec import (  # noqa: F401 - the manifest's data and bytes, re-exported
     ALGORITHM,
     IDENTIFIER,
+    MIN_PIECE_NBYTES,
     FileManifest,
     IntegrityManifest,
     SectionEntry,
@@ -83,7 +84,12 @@ def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDig
     size, or of ``piece_nbytes`` when smaller), whatever the piece size: a
     manifest's piece size is read from the manifest, so it never sizes a buffer.
     """
-    pieces: list[bytes] = []
+    return list(iter_piece_digests(source, piece_nbytes, digester))
+
+
+def iter_piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDigester) -> Iterator[bytes]:
+    """:func:`piece_digests` one at a time: a verify keeps none of them (the file
+    may be larger than its manifest says)."""
     hasher, filled = xxhash.xxh3_128(), 0
     for read in source.pieces(BufferRing(min(piece_nbytes, CHUNK_NBYTES), count=1)):
         digester.update(read)
@@ -93,12 +99,11 @@ def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDig
             hasher.update(view[:n])
             view, filled = view[n:], filled + n
             if filled == piece_nbytes:
-                pieces.append(hasher.digest())
+                yield hasher.digest()
                 hasher, filled = xxhash.xxh3_128(), 0
     if filled:
-        pieces.append(hasher.digest())
+        yield hasher.digest()
     digester.finish()
-    return pieces
 
 
 def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: str | None = None) -> FileManifest:
@@ -106,9 +111,14 @@ def describe_file(path: str, piece_nbytes: int = CHUNK_NBYTES, name: str | None 
     save describes its synced temp files under their targets' names). Non-ExecuTorch files get pieces only.
 
     Raises:
+        ValueError: ``piece_nbytes`` below ``MIN_PIECE_NBYTES`` (4096; a manifest
+            with smaller pieces is refused when read).
         OSError: the file cannot be read.
         IntegrityError: the file shrank while it was read.
     """
+    if piece_nbytes < MIN_PIECE_NBYTES:
+        raise ValueError(f"{path}: piece size {piece_nbytes} is below the {MIN_PIECE_NBYTES} bytes a manifest "
+                         "piece may have")
     try:
         artifact = read_artifact(path)
         kind = artifact.kind
@@ -258,10 +268,12 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
     digester = RangeDigester([(s.offset, s.offset + s.nbytes) for s in entry.sections] + list(ranges.values()),
                              entry.block_nbytes)
     source = FileRangeSource(path)
-    pieces = piece_digests(source, entry.piece_nbytes, digester)
-    bad = next((i for i, (w, g) in enumerate(zip(entry.pieces, pieces, strict=False)) if w != g), None)
-    if bad is None and len(entry.pieces) != len(pieces):
-        bad = min(len(entry.pieces), len(pieces))
+    bad, count = None, 0
+    for count, got in enumerate(iter_piece_digests(source, entry.piece_nbytes, digester), 1):
+        if bad is None and (count > len(entry.pieces) or entry.pieces[count - 1] != got):
+            bad = count - 1
+    if bad is None and len(entry.pieces) != count:
+        bad = min(len(entry.pieces), count)
     bad_keys = bad_keys_of(path, entry, ranges, digester)
     bad_sections = differing_sections(entry.sections, digester)
     if bad is None and source.nbytes == entry.nbytes and not bad_keys and not bad_sections:

@@ -11,13 +11,16 @@ from dataclasses import dataclass
 import flatbuffers
 
 from ..errors import FormatError
+from ..format.fb_roots import shown
 
 __all__ = [
     "ALGORITHM",
     "IDENTIFIER",
+    "MIN_PIECE_NBYTES",
     "FileManifest",
     "IntegrityManifest",
     "SectionEntry",
+    "check_entry",
     "from_bytes",
     "to_bytes",
 ]
@@ -27,6 +30,12 @@ IDENTIFIER = b"PSM1"
 #: The largest block size a manifest may give (bytes): a block is buffered whole
 #: while it is checked (ptdstream writes 4 KiB blocks).
 MAX_BLOCK_NBYTES = 1 << 20
+#: The smallest block size a manifest may give (bytes, unless 0: no blocks): the
+#: 4 KiB blocks ptdstream writes; smaller ones would cost a check per few bytes.
+MIN_BLOCK_NBYTES = 4096
+#: The smallest piece size a manifest may give and ptdstream writes (bytes): one
+#: block; a digest per fewer bytes would cost more memory and time than the file.
+MIN_PIECE_NBYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -160,14 +169,17 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
     budget of ``4 * len(data) + 4096``; a manifest that exceeds it is refused
     instead of being expanded.
 
-    Sizes are read as given (the files they describe are checked against them
-    when verified, in bounded reads); a block size above ``MAX_BLOCK_NBYTES``
-    is refused, since a block is buffered whole.
+    Every count and size of a file entry is checked against the file size it
+    gives before the manifest is returned (:func:`check_entry`): piece and block
+    sizes within bounds, one piece digest per piece and one check per block,
+    sections and keys inside the file. The files they describe are checked
+    against them when verified, in bounded reads.
 
     Raises:
         FormatError: wrong identifier, a structure that does not parse or points
-            outside the data, more work than its size allows, or a block size
-            above ``MAX_BLOCK_NBYTES``.
+            outside the data, more work than its size allows, or a file entry
+            whose counts or sizes do not fit (naming the manifest, the file and
+            the field).
     """
     from .manifest_fb.Manifest import Manifest as M
 
@@ -209,18 +221,59 @@ def from_bytes(data: bytes, name: str = "manifest") -> IntegrityManifest:
             for j in range(fe.KeysLength()):
                 k = fe.Keys(j)
                 keys.append((text(k.Key()), k.Size(), _digest(k.Digest())))
-            if fe.PieceSize() <= 0:
-                raise ValueError(f"piece size {fe.PieceSize()}")
-            if fe.BlockSize() > MAX_BLOCK_NBYTES:
-                raise FormatError(f"{name}: file entry {i} gives block size {fe.BlockSize()} bytes, more than "
-                                  f"the {MAX_BLOCK_NBYTES} a manifest may give (ptdstream writes 4096); refused")
-            files.append(FileManifest(text(fe.Name()), text(fe.Kind()), fe.Size(), fe.PieceSize(), pieces,
-                                      tuple(sections), tuple(keys), fe.BlockSize(), blocks))
+            entry = FileManifest(text(fe.Name()), text(fe.Kind()), fe.Size(), fe.PieceSize(), pieces,
+                                 tuple(sections), tuple(keys), fe.BlockSize(), blocks)
+            check_entry(entry, i, name)
+            files.append(entry)
         return IntegrityManifest(tuple(files), text(root.Algorithm()), root.Version())
     except FormatError:
         raise
     except Exception as e:  # noqa: BLE001 - the generated reader trusts its input
         raise FormatError(f"{name}: manifest does not parse ({type(e).__name__}: {e})") from None
+
+
+def check_entry(entry: FileManifest, index: int, name: str = "manifest") -> None:
+    """Refuse a file entry whose counts and sizes do not fit its file size
+    (``entry.nbytes``): a piece size below :data:`MIN_PIECE_NBYTES`, a block
+    size other than 0 or within ``[MIN_BLOCK_NBYTES, MAX_BLOCK_NBYTES]`` (a block
+    is buffered whole), a
+    piece count other than ``ceil(nbytes / piece_size)``, a block count other
+    than ``ceil(nbytes / block_size)`` (0 without blocks), a section or key
+    reaching past the file's end. ``index`` is the entry's place in the manifest.
+
+    Raises:
+        FormatError: naming the manifest ``name``, the entry, the field and both numbers.
+    """
+    where = f"{name}: file entry {index} ({shown(entry.name, True)})"
+
+    def refuse(field: str, got: int, want: str) -> None:
+        raise FormatError(f"{where}: {field} is {got}, {want}: the manifest does not describe this file "
+                          "(damaged or not written by ptdstream); refused, write it again with ptdstream manifest")
+
+    nbytes = entry.nbytes
+    if entry.piece_nbytes < MIN_PIECE_NBYTES:
+        refuse("piece_size", entry.piece_nbytes, f"less than the {MIN_PIECE_NBYTES} bytes a piece may have")
+    if entry.block_nbytes > MAX_BLOCK_NBYTES:
+        raise FormatError(f"{name}: file entry {index} gives block size {entry.block_nbytes} bytes, more than "
+                          f"the {MAX_BLOCK_NBYTES} a manifest may give (ptdstream writes 4096); refused")
+    if 0 < entry.block_nbytes < MIN_BLOCK_NBYTES:
+        refuse("block_size", entry.block_nbytes, f"less than the {MIN_BLOCK_NBYTES} bytes a block may have "
+               "(0: no blocks; ptdstream writes 4096)")
+    want = -(-nbytes // entry.piece_nbytes)
+    if len(entry.pieces) != want:
+        refuse("the count of pieces", len(entry.pieces),
+               f"not the {want} pieces of {entry.piece_nbytes} bytes its size {nbytes} needs")
+    want = -(-nbytes // entry.block_nbytes) if entry.block_nbytes else 0
+    if len(entry.blocks) != want:
+        refuse("the count of blocks", len(entry.blocks),
+               f"not the {want} blocks of {entry.block_nbytes} bytes its size {nbytes} needs")
+    for j, section in enumerate(entry.sections):
+        if section.offset + section.nbytes > nbytes:
+            refuse(f"section {j} ({shown(section.name, True)}) offset + size", section.offset + section.nbytes,
+                   f"past the file's end at {nbytes}")
+    for key, key_nbytes, _ in entry.keys:
+        if key_nbytes > nbytes:
+            refuse(f"key {shown(key, True)} size", key_nbytes, f"more than the file's size {nbytes}")
 
 
 def _str(value) -> str:

@@ -135,7 +135,11 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | None:
 
 
 def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
-    """Replace a ``-`` input by a temp copy of stdin (removed when ``stack`` closes)."""
+    """Replace a ``-`` input by a temp copy of stdin (removed when ``stack`` closes).
+
+    Raises:
+        OverwriteError: stdin is the file stdout is open on (checked before the copy).
+    """
     for name in args.stdin:
         value = getattr(args, name)
         values = value if isinstance(value, list) else [value]
@@ -143,6 +147,7 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
             continue
         if values.count("-") > 1:
             raise UsageError(f"ptdstream {args.command}: stdin (-) can be read once")
+        refuse_stdout_input(["-"])  # before the copy: afterwards the input is the copy
         path = spool_stdin()
         args.stdin_spool = path  # errors name it as "-", not as the temp copy
         stack.callback(shutil.rmtree, os.path.dirname(path), True)

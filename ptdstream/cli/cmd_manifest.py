@@ -22,7 +22,8 @@ def register(subparsers) -> None:
         run=run, inputs=lambda a: a.files, outputs=lambda a: [_output(a)])
     m.add_argument("files", nargs="+", metavar="FILE")
     m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
-    m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES", help="piece size (default 8 MiB)")
+    m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES",
+                   help="piece size (default 8 MiB, at least 4096)")
 
 
 def _output(args) -> str:
@@ -33,9 +34,10 @@ def _output(args) -> str:
 
 
 def run(args) -> int:
-    from ..check.manifest import write_manifest_report
+    from ..check.manifest import MIN_PIECE_NBYTES, write_manifest_report
 
-    if args.piece_size <= 0:
-        raise UsageError("ptdstream manifest: --piece-size must be > 0")
+    if args.piece_size < MIN_PIECE_NBYTES:
+        raise UsageError(f"ptdstream manifest: --piece-size must be at least {MIN_PIECE_NBYTES} (bytes), "
+                         f"got {args.piece_size}")
     print_report(args, write_manifest_report(args.files, _output(args), args.piece_size))
     return EXIT_OK

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..system.files import files_of
 from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_json
 
 __all__ = ["register", "run"]
@@ -26,7 +27,7 @@ def register(subparsers) -> None:
         exit_codes="exit codes: 0 recovered or nothing to do, 1 a journal could not be completed or was refused "
                    "(it names files outside its folder, is unreadable, or another program changed its files: "
                    "it and every file are left in place), 2 usage error",
-        run=run)
+        run=run, inputs=lambda a: [f for folder in a.folders if os.path.isdir(folder) for f in files_of(folder)])
     r.add_argument("folders", nargs="+", metavar="DIR", help="folder of a saved set")
 
 

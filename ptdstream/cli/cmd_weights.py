@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..sources.checkpoint import FORMATS
+from ..system.files import files_of
 from .common import EXIT_OK, add_command, print_report, progress_wanted
 
 __all__ = ["register", "run"]
@@ -40,7 +41,8 @@ def register(subparsers) -> None:
                    "exit codes: 0 written, 1 the checkpoint does not fit the program (nothing written), "
                    "2 usage error or unreadable input",
         progress=True,
-        run=run, inputs=lambda a: [a.program] + list(a.like), imports_torch=True)
+        run=run, inputs=lambda a: [a.program, *a.like, *files_of(a.checkpoint), *files_of(a.old_checkpoint)],
+        imports_torch=True)
     p.add_argument("program", help="the .pte (only its metadata is read)")
     p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")
     p.add_argument("-o", "--out", "--output", dest="out", required=True, help="existing folder for the .ptd files")

@@ -12,8 +12,11 @@ count from the first byte of the data (file offset ``8 + N``).
 from __future__ import annotations
 
 import itertools
-import json
 import os
+import re
+from collections.abc import Iterator
+from json import decoder
+from typing import NoReturn
 
 from ..errors import FormatError
 
@@ -25,6 +28,21 @@ SAFETENSORS_MAX_HEADER_NBYTES = 100_000_000
 _SAFETENSORS_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
                      "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64,
                      "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
+#: The most items a ``shape`` or ``data_offsets`` list may have (safetensors takes
+#: any number; no tensor has so many dimensions): each is kept as a Python list.
+MAX_LIST_ITEMS = 1024
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+#: A tensor's entry as safetensors writes it (its serializer: no spaces, fields in this
+#: order): read with one match; any other spelling is read token by token.
+_WRITTEN_ENTRY = re.compile(r'\{"dtype":"([A-Z0-9_]{1,16})","shape":\[((?:[0-9]{1,20}(?:,[0-9]{1,20})'
+                            f"{{0,{MAX_LIST_ITEMS - 1}}})?)"
+                            r'\],"data_offsets":\[([0-9]{1,20}),([0-9]{1,20})\]\}')
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+#: ``json``'s own string reader (C), which its decoder uses for every string.
+_scanstring = decoder.scanstring  # type: ignore[attr-defined]  # in json/decoder.py, not in typeshed's stub
+#: A JSON scalar, and a tensor's ``(dtype, shape, data_offsets)`` as the header gives them.
+Scalar = str | int | float | bool | None
+Entry = tuple[Scalar | list[Scalar], Scalar | list[Scalar], Scalar | list[Scalar]]
 
 
 def check_safetensors_header(path: str) -> None:
@@ -52,29 +70,18 @@ def check_safetensors_header(path: str) -> None:
                               f"{SAFETENSORS_MAX_HEADER_NBYTES}): not a safetensors file, or cut")
         raw = f.read(header_nbytes)
     data_nbytes = file_nbytes - 8 - header_nbytes
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise TypeError(f"the header is a {type(header).__name__}, not an object")
-    except (ValueError, TypeError) as e:
-        raise FormatError(f"{path}: the safetensors header (offset 8, {header_nbytes} bytes) is not a JSON "
-                          f"object: {e}") from None
     spans = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
+    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, path).items():
         where = f"{path}: key {key!r}"
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-                or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)):
+        offsets, shape = _integers(given_offsets), _integers(given_shape)
+        if offsets is None or len(offsets) != 2 or shape is None or any(d < 0 for d in shape):
             raise FormatError(f"{where}: the header gives no valid data_offsets [begin, end] and shape "
-                              f"(got {offsets!r:.80} and {shape!r:.80})")
+                              f"(got {given_offsets!r:.80} and {given_shape!r:.80})")
         begin, end = offsets
         if not 0 <= begin <= end or end > data_nbytes:
             raise FormatError(f"{where}: data_offsets [{begin}, {end}] are not inside the {data_nbytes} bytes "
                               f"of data (from file offset {8 + header_nbytes}): the header lies, or the file is cut")
-        bits = _SAFETENSORS_BITS.get(info.get("dtype"))
+        bits = _SAFETENSORS_BITS.get(dtype) if isinstance(dtype, str) else None
         if bits is not None:
             nbits = 0 if 0 in shape else bits
             for d in shape:
@@ -83,7 +90,7 @@ def check_safetensors_header(path: str) -> None:
                     break  # more than the file holds: no need to multiply out a huge shape
             if nbits != 8 * (end - begin):
                 need = f"{nbits // 8}" if nbits <= 8 * data_nbytes else f"more than the {data_nbytes}"
-                raise FormatError(f"{where}: shape {shape!r:.80} of {info.get('dtype')} needs {need} bytes, "
+                raise FormatError(f"{where}: shape {shape!r:.80} of {dtype} needs {need} bytes, "
                                   f"data_offsets [{begin}, {end}] (from file offset {8 + header_nbytes}) "
                                   f"hold {end - begin}")
         spans.append((begin, end, key))
@@ -92,3 +99,171 @@ def check_safetensors_header(path: str) -> None:
         if b1 < e0:
             raise FormatError(f"{path}: key {k1!r} at data offset {b1} overlaps key {k0!r} [{b0}, {e0})")
 
+
+
+def _integers(value: Scalar | list[Scalar]) -> list[int] | None:
+    """``value`` if it is a list of integers (not booleans), else None."""
+    if not isinstance(value, list):
+        return None
+    out = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return out if len(out) == len(value) else None
+
+
+class _Cursor:
+    """A position in the header's JSON text, read one token at a time (strings with
+    ``json``'s own ``scanstring``); errors name the file and the file offset."""
+
+    def __init__(self, text: str, path: str) -> None:
+        self.text, self.i, self.path = text, 0, path
+
+    def fail(self, what: str, key: str | None = None) -> NoReturn:
+        offset = 8 + len(self.text[: self.i].encode("utf-8", "surrogatepass"))
+        named = f" key {key!r}:" if key is not None else ""
+        raise FormatError(f"{self.path}:{named} the safetensors header (from offset 8) is not what safetensors "
+                          f"reads, at file offset {offset}: {what}")
+
+    def peek(self) -> str:
+        """The next character after white space ("" at the end)."""
+        self.i = _WHITESPACE.match(self.text, self.i).end()  # type: ignore[union-attr]  # matches the empty string
+        return self.text[self.i : self.i + 1]
+
+    def take(self, char: str, key: str | None = None) -> None:
+        if self.peek() != char:
+            self.fail(f"expected {char!r}, got {self.text[self.i : self.i + 20]!r}", key)
+        self.i += 1
+
+    def string(self, key: str | None = None) -> str:
+        self.take('"', key)
+        try:
+            value, self.i = _scanstring(self.text, self.i, True)
+        except ValueError as e:
+            self.fail(f"not a JSON string ({e})", key)
+        return str(value)
+
+    def scalar(self, key: str | None = None) -> Scalar:
+        """A string, number, true, false or null."""
+        if self.peek() == '"':
+            return self.string(key)
+        for word, value in (("true", True), ("false", False), ("null", None)):
+            if self.text.startswith(word, self.i):
+                self.i += len(word)
+                return value
+        m = _NUMBER.match(self.text, self.i)
+        if m is None:
+            self.fail(f"expected a value, got {self.text[self.i : self.i + 20]!r}", key)
+        if m.group(1) or m.group(2):
+            self.i = m.end()
+            return float(m.group())
+        if m.end() - m.start() > 20:  # more digits than a 64-bit size (safetensors' usize)
+            self.fail(f"integer of {m.end() - m.start()} digits, larger than safetensors' 64-bit sizes", key)
+        self.i = m.end()
+        return int(m.group())
+
+    def members(self, key: str | None = None) -> Iterator[str]:
+        """Each name of the object at the cursor, the cursor left on its value."""
+        self.take("{", key)
+        if self.peek() == "}":
+            self.i += 1
+            return
+        while True:
+            name = self.string(key)
+            self.take(":", key)
+            yield name
+            if self.peek() == "}":
+                self.i += 1
+                return
+            self.take(",", key)
+
+    def flat(self, key: str) -> Scalar | list[Scalar]:
+        """A scalar, or a list of at most ``MAX_LIST_ITEMS`` scalars."""
+        if self.peek() == "{":
+            self.fail("an object where safetensors takes a string or a list of integers", key)
+        if self.peek() != "[":
+            return self.scalar(key)
+        self.i += 1
+        items: list[Scalar] = []
+        if self.peek() == "]":
+            self.i += 1
+            return items
+        while True:
+            if self.peek() in ("[", "{"):
+                self.fail("a nested list or object where safetensors takes integers", key)
+            items.append(self.scalar(key))
+            if len(items) > MAX_LIST_ITEMS:
+                self.fail(f"a list of more than {MAX_LIST_ITEMS} items", key)
+            if self.peek() == "]":
+                self.i += 1
+                return items
+            self.take(",", key)
+
+    def skip(self, key: str) -> None:
+        """Step over one value, keeping nothing (a field safetensors ignores)."""
+        depth = 0
+        while True:
+            c = self.peek()
+            if c in ("{", "["):
+                depth, self.i = depth + 1, self.i + 1
+            elif c in ("}", "]") and depth:
+                depth, self.i = depth - 1, self.i + 1
+            elif c in (",", ":") and depth:
+                self.i += 1
+                continue
+            else:
+                self.scalar(key)
+            if not depth:
+                return
+
+
+def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
+    """Every tensor of the header as ``{key: (dtype, shape, data_offsets)}`` (None
+    for a field not given; the last of a repeated key), read in one pass
+    (safetensors/src/tensor.rs ``HashMetadata``): ``__metadata__`` must be null or
+    an object of strings (``HashMap<String, String>``) and is not kept, a field
+    safetensors ignores is stepped over, nothing else is built.
+
+    Raises:
+        FormatError: not UTF-8, not a JSON object, a ``__metadata__`` value that is
+            not a string, a nested value in a tensor's fields, a list longer than
+            ``MAX_LIST_ITEMS``: naming the file, the key and the file offset.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: the safetensors header is not UTF-8 (file offset {8 + e.start})") from None
+    cursor = _Cursor(text, path)
+    if cursor.peek() != "{":
+        cursor.fail("the header is not a JSON object")
+    entries: dict[str, Entry] = {}
+    for key in cursor.members():
+        if key == "__metadata__":
+            if cursor.peek() != "{":
+                if cursor.scalar(key) is not None:
+                    cursor.fail("__metadata__ is neither an object of strings nor null", key)
+                continue
+            for name in cursor.members(key):
+                if cursor.peek() != '"':
+                    cursor.fail(f"the __metadata__ value of {name[:80]!r} is not a string (safetensors takes "
+                                "strings only)", key)
+                cursor.string(key)
+            continue
+        fields: dict[str, Scalar | list[Scalar]] = {}
+        cursor.peek()
+        written = _WRITTEN_ENTRY.match(text, cursor.i)
+        if written is not None:
+            cursor.i = written.end()
+            dims = written.group(2)
+            entries[key] = (written.group(1), [int(d) for d in dims.split(",")] if dims else [],
+                            [int(written.group(3)), int(written.group(4))])
+            continue
+        if cursor.peek() != "{":
+            cursor.skip(key)  # not an object: refused as giving no data_offsets and shape
+        else:
+            for field in cursor.members(key):
+                if field in ("dtype", "shape", "data_offsets"):
+                    fields[field] = cursor.flat(key)
+                else:
+                    cursor.skip(key)
+        entries[key] = (fields.get("dtype"), fields.get("shape"), fields.get("data_offsets"))
+    if cursor.peek():
+        cursor.fail("text after the header's object")
+    return entries

@@ -7,7 +7,7 @@ import os
 import stat
 from collections.abc import Iterable
 
-__all__ = ["case_insensitive", "check_regular_inputs", "pread_exact", "pwrite_all",
+__all__ = ["case_insensitive", "check_regular_inputs", "files_of", "pread_exact", "pwrite_all",
            "refuse_overwrite", "same_file"]
 
 
@@ -70,6 +70,19 @@ def check_regular_inputs(paths: Iterable[str]) -> None:
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
+
+
+def files_of(path: str | None) -> list[str]:
+    """The files a command may read through ``path``: ``[path]`` for a file (or a
+    missing path: the command reports it), every regular file directly in it
+    (symlinks followed, sorted) for a folder, ``[]`` for None. A checkpoint
+    folder's shards and index, a saved set's files: inputs like any other."""
+    if path is None:
+        return []
+    if not os.path.isdir(path):
+        return [path]
+    with os.scandir(path) as entries:
+        return sorted(e.path for e in entries if e.is_file())
 
 
 def case_insensitive(folder: str) -> bool:
@@ -136,7 +149,12 @@ def stdout_input(inputs: Iterable[str | None], fd: int = 1) -> str | None:
     """The input that file descriptor ``fd`` (standard output) is open on, by
     device and inode (``fstat``, as zstd compares them), or None. Only a regular
     file can be one: a pipe, terminal or ``/dev/null`` never is. Opened in any
-    mode (``> F``, ``>> F``, ``1<> F``), writing to it would change the input."""
+    mode (``> F``, ``>> F``, ``1<> F``), writing to it would change the input.
+
+    An input ``-`` is standard input: the file fd 0 is open on is compared
+    (``< F`` with ``1<> F``), and so is a file named ``-``; it is returned as
+    ``"- (stdin)"``.
+    """
     try:
         out = os.fstat(fd)
     except OSError:  # closed
@@ -146,6 +164,14 @@ def stdout_input(inputs: Iterable[str | None], fd: int = 1) -> str | None:
     for path in inputs:
         if path is None:
             continue
+        if path == "-":
+            try:
+                st = os.fstat(0)
+            except OSError:  # closed
+                pass
+            else:
+                if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
+                    return "- (stdin)"
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):

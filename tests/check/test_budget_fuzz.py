@@ -85,7 +85,7 @@ def shared_manifest(sections: int, files: int, name: str) -> bytes:
 
 
 VALID = to_bytes(IntegrityManifest((FileManifest(
-    "model.pte", "pte", 3000, 1024, (b"\x01" * 16,) * 3,
+    "model.pte", "pte", 12000, 4096, (b"\x01" * 16,) * 3,
     tuple(SectionEntry(f"s{i}", None, i * 100, 100) for i in range(5)), (("k", 10, b"\x02" * 16),)),)))
 
 

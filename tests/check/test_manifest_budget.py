@@ -13,6 +13,7 @@ from ptdstream.check.manifest import IDENTIFIER, from_bytes
 from ptdstream.check.manifest_fb import FileEntry as FE
 from ptdstream.check.manifest_fb import Manifest as M
 from ptdstream.check.manifest_fb import Section as S
+from ptdstream.check.manifest_fb.Digest128 import CreateDigest128
 from ptdstream.cli import main as cli_main
 
 
@@ -30,12 +31,16 @@ def shared_tables(sections: int, files: int) -> bytes:
     for _ in range(sections):
         b.PrependUOffsetTRelative(section)
     section_vec = b.EndVector()
+    FE.FileEntryStartPiecesVector(b, 1)  # the one piece of its 1 byte
+    CreateDigest128(b, 0, 0)
+    pieces = b.EndVector()
     fname, kind = b.CreateString("w.ptd"), b.CreateString("ptd")
     FE.FileEntryStart(b)
     FE.FileEntryAddName(b, fname)
     FE.FileEntryAddKind(b, kind)
     FE.FileEntryAddSize(b, 1)
     FE.FileEntryAddPieceSize(b, 1 << 23)
+    FE.FileEntryAddPieces(b, pieces)
     FE.FileEntryAddSections(b, section_vec)
     entry = FE.FileEntryEnd(b)
     M.ManifestStartFilesVector(b, files)
@@ -159,3 +164,114 @@ def test_a_block_size_above_the_ceiling_is_refused(tmp_path):
     with pytest.raises(FormatError, match=r"lying: file entry 0 gives block size 1099511627776 bytes, more than "
                                           r"the 1048576 a manifest may give \(ptdstream writes 4096\); refused"):
         from_bytes(to_bytes(lying), "lying")
+
+
+def _lie(tmp_path, **change):
+    """A real manifest of a 64 KiB file (16 pieces of 4 KiB, 16 blocks, one section
+    added), its one entry rewritten with ``change``; its bytes."""
+    import dataclasses
+    import os
+
+    from ptdstream.check.manifest import SectionEntry, to_bytes, write_manifest
+
+    (tmp_path / "w.bin").write_bytes(os.urandom(64 << 10))
+    manifest = write_manifest([str(tmp_path / "w.bin")], str(tmp_path / "m.manifest"), piece_nbytes=4096)
+    entry = dataclasses.replace(manifest.files[0], sections=(SectionEntry("s", "k", 0, 100),),
+                                keys=(("k", 100, b"\x00" * 16),))
+    entry = dataclasses.replace(entry, **{k: v(entry) if callable(v) else v for k, v in change.items()})
+    return to_bytes(dataclasses.replace(manifest, files=(entry,)))
+
+
+_HINT = ": the manifest does not describe this file (damaged or not written by ptdstream); refused, write it " \
+        "again with ptdstream manifest"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"piece_nbytes": 1}, "piece_size is 1, less than the 4096 bytes a piece may have"),
+    ({"piece_nbytes": 4095}, "piece_size is 4095, less than the 4096 bytes a piece may have"),
+    ({"block_nbytes": 1}, "block_size is 1, less than the 4096 bytes a block may have (0: no blocks; ptdstream "
+                          "writes 4096)"),
+    ({"pieces": lambda e: e.pieces[:-1]}, "the count of pieces is 15, not the 16 pieces of 4096 bytes its size "
+                                          "65536 needs"),
+    ({"piece_nbytes": 8192}, "the count of pieces is 16, not the 8 pieces of 8192 bytes its size 65536 needs"),
+    ({"nbytes": 1 << 40}, "the count of pieces is 16, not the 268435456 pieces of 4096 bytes its size "
+                          "1099511627776 needs"),
+    ({"blocks": lambda e: e.blocks * 2}, "the count of blocks is 32, not the 16 blocks of 4096 bytes its size "
+                                         "65536 needs"),
+    ({"sections": lambda e: (e.sections[0], type(e.sections[0])("t", None, 65000, 537))},
+     "section 1 ('t') offset + size is 65537, past the file's end at 65536"),
+    ({"keys": (("k", 65537, b"\x00" * 16),)}, "key 'k' size is 65537, more than the file's size 65536"),
+])
+def test_a_count_or_size_that_does_not_fit_the_file_is_refused_naming_manifest_file_and_field(
+        tmp_path, change, message):
+    """Every count and size of a file entry is checked against the file size it gives
+    (they were read as given: piece size 1 cost a digest object per byte verified)."""
+    data = _lie(tmp_path, **change)
+    with pytest.raises(FormatError) as raised:
+        from_bytes(data, "lie.manifest")
+    assert str(raised.value) == f"lie.manifest: file entry 0 ('w.bin'): {message}{_HINT}"
+
+
+def test_the_unchanged_entry_of_those_lies_parses(tmp_path):
+    m = from_bytes(_lie(tmp_path), "true.manifest")
+    assert (m.files[0].nbytes, m.files[0].piece_nbytes, len(m.files[0].pieces), m.files[0].block_nbytes,
+            len(m.files[0].blocks)) == (65536, 4096, 16, 4096, 16)
+
+
+_PEAK_IN_A_CHILD = r"""
+import sys, time
+from ptdstream.cli import main
+start = time.perf_counter()
+rc = main(sys.argv[1:])
+seconds = time.perf_counter() - start
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print("RESULT", rc, peak // 1024, seconds)
+"""
+
+
+@pytest.mark.parametrize("field", ["piece_nbytes", "block_nbytes"])
+def test_verify_against_a_manifest_of_one_byte_pieces_exits_1_at_once_in_bounded_memory(tmp_path, field):
+    """A 4 MiB file and its manifest saying piece (or block) size 1: ``verify --manifest``
+    exits 1 naming manifest, file and field, before reading the file (it used 325 MiB
+    and 40 s: a digest per byte); the peak RSS of the process (VmHWM) stays small."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    import ptdstream
+    from ptdstream.check.manifest import to_bytes, write_manifest
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(4 << 20))
+    real = write_manifest([str(data)], str(tmp_path / "real.manifest"))
+    lie = tmp_path / "lie.manifest"
+    lie.write_bytes(to_bytes(dataclasses.replace(real, files=(dataclasses.replace(real.files[0], **{field: 1}),))))
+    before = (data.read_bytes(), lie.read_bytes())
+    root = os.path.dirname(os.path.dirname(ptdstream.__file__))
+    proc = subprocess.run([sys.executable, "-c", _PEAK_IN_A_CHILD, "verify", str(data), "--manifest", str(lie)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root), timeout=300)
+    rc, peak_mib, seconds = proc.stdout.split("RESULT")[1].split()
+    what = {"piece_nbytes": "piece_size is 1, less than the 4096 bytes a piece may have",
+            "block_nbytes": "block_size is 1, less than the 4096 bytes a block may have (0: no blocks; "
+                            "ptdstream writes 4096)"}[field]
+    assert int(rc) == 1
+    assert proc.stderr.strip() == f"ptdstream: invalid file: {lie}: file entry 0 ('data.bin'): {what}{_HINT}"
+    assert int(peak_mib) < 100, peak_mib
+    assert float(seconds) < 5, seconds
+    assert (data.read_bytes(), lie.read_bytes()) == before
+
+
+def test_ptdstream_never_writes_pieces_below_the_minimum(tmp_path, capsys):
+    from ptdstream.check.manifest import describe_file
+
+    (tmp_path / "w.bin").write_bytes(b"x" * 10000)
+    assert cli_main(["manifest", str(tmp_path / "w.bin"), "--piece-size", "4095", "-o", str(tmp_path / "m")]) == 2
+    assert capsys.readouterr().err.strip() == ("ptdstream manifest: --piece-size must be at least 4096 "
+                                               "(bytes), got 4095")
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(ValueError, match=r"w.bin: piece size 1024 is below the 4096 bytes a manifest piece may have"):
+        describe_file(str(tmp_path / "w.bin"), 1024)
+    assert cli_main(["manifest", str(tmp_path / "w.bin"), "--piece-size", "4096", "-o", str(tmp_path / "m"),
+                     "-q"]) == 0
+    assert len(from_bytes((tmp_path / "m").read_bytes()).files[0].pieces) == 3

@@ -159,3 +159,120 @@ def test_stdout_on_another_file_is_written(work):
     assert proc.returncode == 0, proc.stderr
     assert cli_main(["unpack", str(work / "copy.zst"), "-o", str(work / "copy.pte"), "-q"]) == 0
     assert (work / "copy.pte").read_bytes() == (work / "model.pte").read_bytes()
+
+
+def _run_cli(argv, stdin, stdout):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)], stdin=stdin, stdout=stdout,
+                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["r+b", "ab"], ids=["1<>", ">>"])
+@pytest.mark.parametrize("command", ["pack", "unpack", "extract", "inspect", "verify"])
+def test_stdin_on_the_file_stdout_is_open_on_is_refused_before_it_is_copied(work, command, mode):
+    """``pack - -o - < F 1<> F``, ``inspect - < F >> F``, ``extract - KEY -o - < F.zst 1<> F.zst``:
+    the input is stdin, and stdin's file is stdout's: exit 2 naming stdin, the file keeps
+    its bytes (it was compared after stdin was copied to a temp file: exit 0, F overwritten)."""
+    target = work / ("w.ptd.zst" if command in ("unpack", "extract") else "model.pte")
+    argv = {"pack": ["pack", "-", "-o", "-"], "unpack": ["unpack", "-", "-o", "-"],
+            "extract": ["extract", "-", _first_key(work), "-o", "-"], "inspect": ["inspect", "-"],
+            "verify": ["verify", "-"]}[command]
+    before = snapshot(work)
+    with open(target, "rb") as stdin, open(target, mode) as stdout:
+        proc = _run_cli(argv, stdin, stdout)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode().strip() == (
+        f"ptdstream {command}: error: standard output is the input - (stdin): writing to it would change "
+        "the input; redirect stdout to another file or give -o OUT")
+    assert snapshot(work) == before
+
+
+def test_stdin_from_the_input_and_stdout_elsewhere_still_works(work):
+    with open(work / "model.pte", "rb") as stdin, open(work / "copy.zst", "wb") as stdout:
+        proc = _run_cli(["pack", "-", "-o", "-", "-q"], stdin, stdout)
+    assert proc.returncode == 0, proc.stderr
+    assert cli_main(["unpack", str(work / "copy.zst"), "-o", str(work / "copy.pte"), "-q"]) == 0
+    assert (work / "copy.pte").read_bytes() == (work / "model.pte").read_bytes()
+
+
+@pytest.fixture
+def checkpoint(work):
+    """``ck.safetensors`` (the program's weights + 1) and ``hf/``: the same keys as a
+    Hugging Face sharded checkpoint (two shards and their index)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ptdstream.format.reader import read_artifact
+
+    keys = [n.key for n in read_artifact(str(work / "_default_external_constant.ptd")).named]
+    tensors = {k: v.detach() + 1 for k, v in Mlp().state_dict().items()}
+    assert sorted(tensors) == sorted(keys)
+    save_file(tensors, str(work / "ck.safetensors"))
+    (work / "hf").mkdir()
+    first, rest = keys[:1], keys[1:]
+    save_file({k: tensors[k] for k in first}, str(work / "hf" / "a.safetensors"))
+    save_file({k: tensors[k] for k in rest}, str(work / "hf" / "b.safetensors"))
+    index = {"weight_map": {**dict.fromkeys(first, "a.safetensors"), **dict.fromkeys(rest, "b.safetensors")}}
+    (work / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    (work / "out").mkdir()
+    torch.manual_seed(0)
+    return work
+
+
+@pytest.mark.parametrize("option,victim", [("--from", "ck.safetensors"), ("--from", "hf/b.safetensors"),
+                                           ("--from", "hf/model.safetensors.index.json"),
+                                           ("--old", "hf/a.safetensors")])
+def test_weights_refuses_stdout_on_a_file_of_its_checkpoint(checkpoint, option, victim):
+    """``weights model.pte --from ck.safetensors -o out/ >> ck.safetensors`` (and a shard or
+    the index of a checkpoint folder, and --old): exit 2 naming the file, nothing changed
+    (the checkpoint was no input: exit 0, the report appended to it)."""
+    work = checkpoint
+    source = work / ("ck.safetensors" if victim == "ck.safetensors" else "hf")
+    argv = ["weights", work / "model.pte", "--from", source, "-o", work / "out"]
+    if option == "--old":
+        argv = ["weights", work / "model.pte", "--from", work / "ck.safetensors", "--old", source,
+                "-o", work / "out"]
+        if victim == "ck.safetensors":
+            argv[argv.index("--from") + 1] = work / "hf"
+    before = {**snapshot(work), **{f"hf/{k}": v for k, v in snapshot(work / "hf").items()}}
+    with open(work / victim, "ab") as stdout:
+        proc = _run_cli(argv, subprocess_devnull(), stdout)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode().strip().splitlines()[-1] == (
+        f"ptdstream weights: error: standard output is the input {work / victim}: writing to it would change "
+        "the input; redirect stdout to another file or give -o OUT")
+    assert {**snapshot(work), **{f"hf/{k}": v for k, v in snapshot(work / "hf").items()}} == before
+    assert os.listdir(work / "out") == []
+
+
+def test_weights_with_stdout_elsewhere_still_writes(checkpoint, tmp_path_factory):
+    work = checkpoint
+    log = tmp_path_factory.mktemp("log") / "report.txt"
+    with open(log, "wb") as stdout:
+        proc = _run_cli(["weights", work / "model.pte", "--from", work / "hf", "-o", work / "out"],
+                        subprocess_devnull(), stdout)
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(work / "out") == ["_default_external_constant.ptd"]
+    assert log.read_bytes() != b""
+
+
+def test_recover_refuses_stdout_on_a_file_of_its_folder(work):
+    """``recover DIR >> DIR/model.pte`` with nothing to recover appended its line to the program."""
+    before = snapshot(work)
+    with open(work / "model.pte", "ab") as stdout:
+        proc = _run_cli(["recover", work], subprocess_devnull(), stdout)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode().strip() == (
+        f"ptdstream recover: error: standard output is the input {work / 'model.pte'}: writing to it would "
+        "change the input; redirect stdout to another file or give -o OUT")
+    assert snapshot(work) == before
+
+
+def subprocess_devnull():
+    import subprocess
+
+    return subprocess.DEVNULL

@@ -238,3 +238,119 @@ def test_a_lying_safetensors_header_is_refused_naming_file_key_and_offset(tmp_pa
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+_W = '"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}'
+
+
+def _header_file(path, header: bytes, data: bytes = bytes(range(16))) -> None:
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+def _safetensors_reads(path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            list(f.keys())
+        return True
+    except Exception:  # noqa: BLE001 - any refusal of safetensors'
+        return False
+
+
+@pytest.mark.parametrize("header, message", [
+    ('{"__metadata__":{"x":1},' + _W + '}',
+     "key '__metadata__': the safetensors header (from offset 8) is not what safetensors reads, at file offset 29: "
+     "the __metadata__ value of 'x' is not a string (safetensors takes strings only)"),
+    ('{"__metadata__":{"a":"b","x":[{},{}]},' + _W + '}',
+     "key '__metadata__': the safetensors header (from offset 8) is not what safetensors reads, at file offset 37: "
+     "the __metadata__ value of 'x' is not a string (safetensors takes strings only)"),
+    ('{"__metadata__":[],' + _W + '}',
+     "key '__metadata__': the safetensors header (from offset 8) is not what safetensors reads, at file offset 24: "
+     "expected a value, got '[],\"w\":{\"dtype\":\"F32'"),
+    ('{"w":{"dtype":"F32","shape":[[4]],"data_offsets":[0,16]}}',
+     "key 'w': the safetensors header (from offset 8) is not what safetensors reads, at file offset 37: "
+     "a nested list or object where safetensors takes integers"),
+    ('{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,123456789012345678901]}}',
+     "key 'w': the safetensors header (from offset 8) is not what safetensors reads, at file offset 58: "
+     "integer of 21 digits, larger than safetensors' 64-bit sizes"),
+    ('[' + _W + ']',
+     "the safetensors header (from offset 8) is not what safetensors reads, at file offset 8: "
+     "the header is not a JSON object"),
+    ('{' + _W + '}x',
+     "the safetensors header (from offset 8) is not what safetensors reads, at file offset 63: "
+     "text after the header's object"),
+], ids=["metadata-number", "metadata-list-of-objects", "metadata-list", "nested-shape", "offset-over-64-bits",
+        "not-an-object", "trailing-text"])
+def test_a_header_safetensors_refuses_is_refused_naming_file_key_and_offset(tmp_path, header, message):
+    path = tmp_path / "l.safetensors"
+    _header_file(path, header.encode())
+    assert not _safetensors_reads(path)  # safetensors refuses each, without naming key or offset
+    with pytest.raises(FormatError) as raised:
+        open_checkpoint(str(path))
+    assert str(raised.value) == f"{path}: {message}"
+
+
+def test_a_shape_longer_than_any_tensor_has_is_refused(tmp_path):
+    path = tmp_path / "l.safetensors"
+    _header_file(path, ('{"w":{"dtype":"F32","shape":[' + ",".join(["1"] * 1025) + '],"data_offsets":[0,4]}}')
+                 .encode(), bytes(4))
+    with pytest.raises(FormatError) as raised:
+        open_checkpoint(str(path))
+    assert str(raised.value) == (f"{path}: key 'w': the safetensors header (from offset 8) is not what safetensors "
+                                 "reads, at file offset 2086: a list of more than 1024 items")
+
+
+@pytest.mark.parametrize("header", [
+    '{"__metadata__":null,' + _W + '}',
+    '{"__metadata__":{"format":"pt","n\\u00e9":"\\"x\\""},' + _W + '}',
+    '{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"note":[[{"a":[1,2.5e3,true,null]}],"s"]}}',
+    '  { "w" : { "data_offsets" : [ 0 , 16 ] , "shape" : [ 4 ] , "dtype" : "F32" } }    ',
+    '{"\\u0077":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}',
+    '{' + _W + ',' + _W + '}',
+], ids=["metadata-null", "metadata-escapes", "ignored-nested-field", "spaced-and-reordered", "escaped-key",
+        "repeated-key"])
+def test_every_spelling_safetensors_reads_is_read(tmp_path, header):
+    path = tmp_path / "ok.safetensors"
+    data = torch.arange(4, dtype=torch.float32)
+    _header_file(path, header.encode(), _raw(data))
+    assert _safetensors_reads(path)
+    with open_checkpoint(str(path)) as ckpt:
+        assert list(ckpt.entries) == ["w"] and _bytes(ckpt.source("w")) == _raw(data)
+
+
+_HEADER_IN_A_CHILD = r"""
+import sys
+from ptdstream.sources.safetensors_header import check_safetensors_header
+try:
+    check_safetensors_header(sys.argv[1])
+    print("accepted")
+except Exception as e:
+    print(type(e).__name__, e)
+print("VmHWM_KiB", next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+"""
+
+
+def test_a_10_mb_header_of_empty_objects_is_refused_in_bounded_memory(tmp_path):
+    """3.3 million ``{}`` under ``__metadata__``, the lying key last: refused at the first
+    one, the process's peak RSS (VmHWM) small (json.loads of it reached 262 MiB)."""
+    import os
+    import subprocess
+    import sys
+
+    import ptdstream
+
+    path = tmp_path / "lie.safetensors"
+    header = ('{"__metadata__":{"x":[' + ",".join(["{}"] * (10_000_000 // 3)) + ']},'
+              '"w":{"dtype":"F32","shape":[4],"data_offsets":[0,1000000]}}').encode()
+    _header_file(path, header)
+    before = path.read_bytes()
+    root = os.path.dirname(os.path.dirname(ptdstream.__file__))
+    proc = subprocess.run([sys.executable, "-c", _HEADER_IN_A_CHILD, str(path)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=root), timeout=120)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (f"FormatError {path}: key '__metadata__': the safetensors header (from offset 8) is not what "
+                        "safetensors reads, at file offset 29: the __metadata__ value of 'x' is not a string "
+                        "(safetensors takes strings only)"), proc.stderr[-2000:]
+    assert int(lines[1].split()[1]) < 100 << 10, lines[1]
+    assert path.read_bytes() == before
