@@ -37,9 +37,9 @@ if _sys.argv and (_sys.argv[0] == "-m" or _sys.argv[0].rpartition("/")[2].lower(
 
     _guard_startup()
 
-import importlib  # noqa: E402 - after the SIGINT guard above, on purpose
+import importlib
 
-from .errors import (  # noqa: E402 - after the SIGINT guard above, on purpose
+from .errors import (
     CheckpointMismatchError,
     FormatError,
     IntegrityError,
@@ -49,7 +49,7 @@ from .errors import (  # noqa: E402 - after the SIGINT guard above, on purpose
     PtdstreamError,
     StateError,
 )
-from .save import SaveReport, save, write_data_files  # noqa: E402 - after the SIGINT guard above, on purpose
+from .save import SaveReport, save, write_data_files
 
 #: Public names loaded on first use (``import ptdstream`` stays fast): name -> module.
 _LAZY = {
