@@ -394,12 +394,15 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
         FormatError: the program or a ``like`` file is invalid, or the checkpoint
             cannot be read (a DCP folder without ``format="dcp"`` included).
         FileNotFoundError: ``out_dir`` does not exist.
+        ValueError: ``segment_alignment <= 0`` (upstream's text).
         IntegrityError, OSError: a read or write failed (nothing published).
     """
+    from .format.layout import check_alignment
     from .progress import progress_callback
     from .write.set_writer import write_save_plan
 
     start = time.perf_counter()
+    check_alignment(segment_alignment, "segment_alignment")  # before a checkpoint is opened
     out_dir = os.fspath(out_dir)
     if not os.path.isdir(out_dir):
         raise FileNotFoundError(f"{out_dir}: output folder does not exist")

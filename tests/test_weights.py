@@ -348,3 +348,21 @@ def test_cli_never_unpickles_a_planted_dcp_metadata(exports, tmp_path, capsys):
     assert os.listdir(out) == []
     assert main(["weights", pte, "--from", dcp, "--format", "dcp", "-o", str(out)]) == 0
     assert (out / PTD).read_bytes() == files["B"][PTD]
+
+
+def test_a_segment_alignment_that_is_not_positive_is_refused_before_anything_is_read(tmp_path):
+    """0 used to reach a modulo by zero (ZeroDivisionError) after the checkpoint was read."""
+    import subprocess
+    import sys
+
+    from ptdstream import write_ptd
+
+    with pytest.raises(ValueError, match=r"^Alignment must be greater than 0, received 0\.$"):
+        write_ptd(str(tmp_path / "missing.pte"), str(tmp_path / "missing.safetensors"), str(tmp_path),
+                  segment_alignment=0)
+    proc = subprocess.run([sys.executable, "-m", "ptdstream", "weights", str(tmp_path / "m.pte"), "--from",
+                           str(tmp_path / "c.safetensors"), "-o", str(tmp_path), "--segment-alignment", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--segment-alignment must be a positive number of bytes, got 0" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

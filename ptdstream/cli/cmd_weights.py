@@ -6,7 +6,7 @@ import argparse
 
 from ..sources.checkpoint import FORMATS
 from ..system.files import files_of
-from .common import EXIT_OK, add_command, print_report, progress_wanted
+from .common import EXIT_OK, UsageError, add_command, print_report, progress_wanted
 
 __all__ = ["register", "run"]
 
@@ -63,6 +63,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    if args.segment_alignment <= 0:  # before torch is imported (and before the modulo by it)
+        raise UsageError(f"ptdstream weights: --segment-alignment must be a positive number of bytes, "
+                         f"got {args.segment_alignment}")
     from ..weights import write_ptd
 
     report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
