@@ -4,8 +4,8 @@ tensors"): a channels_last 4-D DTensor (Replicate, on 2 gloo ranks).
 One process: the store accepts the channels_last tensor (dense over its storage)
 and writes its storage bytes with dim order (0, 2, 3, 1), as upstream does.
 Distributed: ptdstream/distributed/writer.py _local_pieces() sets
-dim_order = tuple(range(tensor.dim())) (line ~106) and makes the local piece
-.contiguous() (line ~110): the .ptd holds NCHW bytes with dim order (0, 1, 2, 3).
+dim_order = tuple(range(tensor.dim())) (line 115) and makes the local piece
+.contiguous() (line 119): the .ptd holds NCHW bytes with dim order (0, 1, 2, 3).
 A program exported with channels_last weights records dim order (0, 2, 3, 1)
 for that key, so the distributed .ptd does not match it.
 

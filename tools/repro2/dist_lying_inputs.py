@@ -15,7 +15,7 @@ across ranks or with their local shards. Each should be refused on every rank
 
 Actual: every one is published ("ok"), with rank 0's (the first piece's) view of
 the key: ptdstream/distributed/plan.py collate() (lines 67-92) checks only that
-the pieces' sizes add up to group[0].total_nbytes; plan_files() (line 111) takes
+the pieces' sizes add up to group[0].total_nbytes; plan_files() (line 118) takes
 tag, alignment, dtype, sizes and dim order from pieces[key][0] and never compares
 them with the other ranks' PieceInfo; nothing checks a Shard(0) piece's row count
 against the chunk torch.chunk gives its coordinate.
