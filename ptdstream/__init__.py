@@ -55,7 +55,7 @@ _LAZY = {
     "plan_pte": "format.pte", "plan_manager": "manager", "StreamingNamedDataStore": "store",
     "ChunkedFileSink": "write.sink", "write_plan": "write.writer", "prepare_folders": "write.publish",
     "recover": "write.journal", "RecoveryError": "write.journal",
-    "write_ptd": "weights", "WeightsReport": "weights",
+    "write_ptd": "weights", "WeightsReport": "weights", "weights_from": "weightless",
     "SourceBackedData": "hooks.interop", "file_blob": "hooks.blobs", "delegate_blobs_from_files": "hooks.blobs",
     "xnnpack_constants_by_reference": "hooks.xnnpack", "stream_cuda_weights": "hooks.cuda.backend",
 }
@@ -124,6 +124,7 @@ __all__ = [
     "stream_cuda_weights",
     "uninstall",
     "weights",
+    "weights_from",
     "write_data_files",
     "write_plan",
     "write_ptd",
