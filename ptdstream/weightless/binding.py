@@ -37,11 +37,8 @@ class BindingError(CheckpointMismatchError):
     """
 
     def __init__(self, checkpoint: str, problems: list[str]) -> None:
-        self.problems = list(problems)
-        super().__init__(
-            f"{checkpoint}: {len(problems)} problem(s) binding the exported constants to this checkpoint "
-            "(nothing bound, nothing written):\n  " + "\n  ".join(problems)
-            + "\nfix the checkpoint, or map names with key_map={fqn: checkpoint key}")
+        super().__init__("the exported program's storage-less constants (nothing bound)", checkpoint, problems)
+        self.args = (self.args[0] + "\nfix the checkpoint, or map names with key_map={fqn: checkpoint key}",)
 
 
 class UnboundConstantError(PtdstreamError, ValueError):
