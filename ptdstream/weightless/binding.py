@@ -134,12 +134,13 @@ def _dim_order(tensor: Any) -> tuple[int, ...]:
 
 
 def bind_programs(programs: Mapping[str, Any], checkpoint: Any, plan: BindingPlan,
-                  tensor_of: Any) -> None:
+                  tensor_of: Any) -> list[Any]:
     """Replace each planned place by the checkpoint's tensor (``tensor_of(key)``:
     memory-mapped, nothing read), one tensor object per group; parameters stay
-    ``torch.nn.Parameter`` with their ``requires_grad``."""
+    ``torch.nn.Parameter`` with their ``requires_grad``. Returns the tensors placed."""
     import torch
 
+    placed: dict[int, Any] = {}
     for key, places in plan.groups.items():
         mapped = tensor_of(key)
         made: dict[bool, Any] = {}
@@ -152,6 +153,8 @@ def bind_programs(programs: Mapping[str, Any], checkpoint: Any, plan: BindingPla
             else:
                 new = mapped
             getattr(programs[method], table)[fqn] = new
+            placed[id(new)] = new
+    return list(placed.values())
 
 
 def unbound_constants(programs: Mapping[str, Any]) -> list[str]:

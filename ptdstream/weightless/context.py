@@ -22,16 +22,24 @@ out), and a program that still holds a storage-less constant is refused by
 name before emission (so no manager, and nothing written, ever holds one);
 5) ``ptdstream.save`` streams each weight from the checkpoint through its ring.
 
+XNNPACK with weights tagged to a ``.ptd`` (``delegate_external_constants_pass_unlifted``
+on ``program.module()``, re-exported, then bound) works the same way: inside the
+context XNNPACK keeps unchanged weights by reference and its per-partition copy
+shares the bound tensors (:mod:`ptdstream.weightless.delegates`).
+
 What needs the weights' values while exporting is not supported and fails in
 upstream code, not silently: ``constant_prop_pass`` (it folds weights into new
-constants), quantization (torchao), and backends that transform weights at
-lowering (XNNPACK's packing). Checkpoints: safetensors (a file, or a Hugging
-Face sharded folder) and weights-only ``torch.save``; DCP is refused (its
-tensors are loaded, not mapped).
+constants), quantization (torchao), and XNNPACK's packing of transformed
+weights (4-bit, NHWC or swapped convolutions: such weights are read, and
+copied, from the mapping as upstream would). Checkpoints: safetensors (a file,
+or a Hugging Face sharded folder) and weights-only ``torch.save``; DCP is
+refused (its tensors are loaded, not mapped). The checkpoint's dtype must be the
+export's (not converted).
 
-Patches: the emitter's (see ``constants_by_reference``) and executorch's
-``exir/program/_program.py`` module global ``emit_program`` (a check of its
-input first), both scoped through :mod:`ptdstream.upstream.patching`, restored
+Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
+``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`)
+and executorch's ``exir/program/_program.py`` module global ``emit_program`` (a
+check of its input first), all scoped through :mod:`ptdstream.upstream.patching`, restored
 when the last context exits. Contexts nest and may be used from several
 threads at once (each holds its own checkpoint); the emission check applies in
 every thread while any context is open (it refuses only what upstream's
@@ -52,6 +60,7 @@ from ..sources.checkpoint import Checkpoint, open_checkpoint
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .binding import UnboundConstantError, bind_programs, plan_binding, unbound_constants
+from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .storage_less import storage_less_model
 
 __all__ = ["WeightsFrom", "weights_from"]
@@ -72,6 +81,7 @@ class WeightsFrom:
         self.key_map = dict(key_map or {})
         self.allow_extra = allow_extra
         self._open = True
+        self._bound: list[Any] = []  # every tensor bound (kept alive: XNNPACK's copy shares them by id)
 
     def _check_open(self, what: str) -> None:
         if not self._open:
@@ -97,7 +107,7 @@ class WeightsFrom:
         self._check_open("bind")
         methods = programs if isinstance(programs, Mapping) else {"forward": programs}
         plan = plan_binding(methods, self.checkpoint, self.key_map, self.allow_extra)
-        bind_programs(methods, self.checkpoint, plan, self._tensor)
+        add_bound(self._bound, bind_programs(methods, self.checkpoint, plan, self._tensor))
         return programs
 
     def export(self, model: Any, args: tuple, **kwargs: Any) -> Any:
@@ -150,7 +160,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
         module = adapter.program_module()
         weights = WeightsFrom(opened, key_map, allow_extra)
         try:
-            with constants_by_reference(), \
+            with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
                     shadowed(module, "emit_program", _checking_emit(module.emit_program)):
                 yield weights
         finally:
