@@ -22,6 +22,11 @@ a fresh Python process:
   from ``weights.model(factory)`` (storage-less parameters), ``weights.export``,
   lowered, emitted and saved with ``ptdstream.save`` inside the block.
 
+With ``--xnnpack`` every variant lowers to XNNPACK with the weights tagged to a
+``.ptd`` (``program.module()``, ``delegate_external_constants_pass_unlifted``,
+re-exported; weightless binds that second program), the real-weight ptdstream
+variants inside ``ptdstream.xnnpack_constants_by_reference()`` as well.
+
 Peak RSS added is the larger of ``VmHWM`` (reset after the imports) and a 5 ms
 ``VmRSS`` sampler, over the RSS after the imports (the loaded weights count, as
 they do for a user). Every variant's files are compared (xxh3-128) with
@@ -63,26 +68,60 @@ def prepare(args) -> dict:
     return {}
 
 
-def child(args) -> dict:
+def lower(program, example, args, by_reference: bool):
+    """``to_edge_transform_and_lower`` -> ``to_executorch``: portable with external
+    constants, or (``--xnnpack``) XNNPACK with the weights tagged to a .ptd."""
+    import contextlib
+
     import torch
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    import ptdstream
+
+    partitioner = None
+    config = ExecutorchBackendConfig(external_constants=True)
+    if args.xnnpack:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir.passes.external_constants_pass import delegate_external_constants_pass_unlifted
+
+        unlifted = program.module()
+        delegate_external_constants_pass_unlifted(unlifted, gen_tag_fn=lambda node: "w")
+        program = torch.export.export(unlifted, example, strict=False)
+        partitioner, config = [XnnpackPartitioner()], ExecutorchBackendConfig()
+    return program, partitioner, config, (
+        ptdstream.xnnpack_constants_by_reference if by_reference and args.xnnpack else contextlib.nullcontext,
+        ptdstream.constants_by_reference if by_reference else contextlib.nullcontext,
+        to_edge_transform_and_lower)
+
+
+def child(args) -> dict:
+    import torch
     from safetensors.torch import load_file
 
     import ptdstream
+
+    if args.xnnpack:  # imported before the baseline, as the portable route's modules are
+        import executorch.backends.xnnpack.partition.xnnpack_partitioner
+        import executorch.backends.xnnpack.xnnpack_preprocess
+        import executorch.exir.passes.external_constants_pass  # noqa: F401 - import cost only
+
+        import ptdstream.hooks.xnnpack
+    import ptdstream.weightless
 
     res = {"rss_after_imports": status_kib("VmRSS") * 1024, "anon_after_imports": status_kib("RssAnon") * 1024}
     reset_peak_rss()
     sampler = RssSampler(("VmRSS", "RssAnon", "RssFile"))
     out = os.path.join(args.out, args.variant)
     os.makedirs(out, exist_ok=True)
-    config = ExecutorchBackendConfig(external_constants=True)
     example = (torch.randn(1, WIDTH),)
     t0 = time.perf_counter()
     if args.variant == "weightless":
         with ptdstream.weights_from(args.checkpoint) as weights:
             model = weights.model(lambda: factory(args.layers))
-            program = weights.export(model, example, strict=args.strict)
-            manager = to_edge_transform_and_lower(program).to_executorch(config)
+            program = torch.export.export(model, example, strict=args.strict)
+            program, partitioner, config, (_, _, to_edge) = lower(program, example, args, False)
+            weights.bind(program)
+            manager = to_edge(program, partitioner=partitioner).to_executorch(config)
             res["export_s"] = time.perf_counter() - t0
             t = time.perf_counter()
             ptdstream.save(manager, os.path.join(out, "model.pte"))
@@ -95,11 +134,12 @@ def child(args) -> dict:
         else:
             torch.manual_seed(0)
             model = factory(args.layers)
-        edge = to_edge_transform_and_lower(torch.export.export(model.eval(), example, strict=args.strict))
-        if args.variant != "upstream":
-            with ptdstream.constants_by_reference():
-                manager = edge.to_executorch(config)
-        else:
+        program = torch.export.export(model.eval(), example, strict=args.strict)
+        program, partitioner, config, (lowering, emitting, to_edge) = lower(
+            program, example, args, args.variant != "upstream")
+        with lowering():
+            edge = to_edge(program, partitioner=partitioner)
+        with emitting():
             manager = edge.to_executorch(config)
         res["export_s"] = time.perf_counter() - t0
         t = time.perf_counter()
@@ -127,7 +167,8 @@ def child(args) -> dict:
 def run_child(args, variant: str) -> dict:
     result = os.path.join(args.out, "result.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
-           "--out", args.out, "--result", result, "--checkpoint", args.checkpoint] + ["--strict"] * args.strict
+           "--out", args.out, "--result", result, "--checkpoint", args.checkpoint]
+    cmd += ["--strict"] * args.strict + ["--xnnpack"] * args.xnnpack
     print(f"[{time.strftime('%H:%M:%S')}] {variant}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     os.sync()
@@ -164,6 +205,8 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--out", default="./bench-weightless-out", help="scratch folder (removed at the end)")
     p.add_argument("--strict", action="store_true", help="torch.export(strict=True) (dynamo) in every variant")
+    p.add_argument("--xnnpack", action="store_true",
+                   help="XNNPACK with the weights tagged to a .ptd (delegate_external_constants_pass_unlifted)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)

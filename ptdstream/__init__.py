@@ -10,7 +10,9 @@ The ways in, each by its public path:
 * the ``ptdstream`` command (``verify``, ``inspect``, ``manifest``, ``pack``,
   ``unpack``, ``extract``, ``weights``, ``recover``, ``demo``);
 * ``ptdstream.write_ptd(program, checkpoint, out_dir)``: a program's ``.ptd``
-  files from a checkpoint (:mod:`ptdstream.weights`);
+  files from a checkpoint (:mod:`ptdstream.weights`); ``ptdstream.weights_from(checkpoint)``:
+  export, lower, emit and save on storage-less parameters bound to the checkpoint
+  (:mod:`ptdstream.weightless`);
   ``ptdstream.distributed.write_data_files``: one ``.ptd`` set written by every
   rank of a ``torch.distributed`` group;
 * inside upstream's export: :func:`constants_by_reference`,
