@@ -356,3 +356,24 @@ def test_xnnpack_partition_copy_shares_only_bound_weights(tmp_path):
     assert "copy_exported_program_for_preprocess" not in vars(XnnpackBackend)
     after = XnnpackBackend.copy_exported_program_for_preprocess(bound, [])
     assert not any(after.state_dict[k] is t for k, t in bound.state_dict.items())
+
+
+def test_checkpoint_changed_between_emission_and_save_is_refused(tmp_path):
+    from ptdstream.errors import IntegrityError
+
+    real = _seeded(Mlp)
+    ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    with weights_from(ckpt) as weights:
+        manager = _lower(weights.export(weights.model(Mlp), example_inputs(real)))
+        with open(ckpt, "r+b") as f:  # the last 4 bytes: the end of the last tensor's data ('l2.weight')
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\x01\x02\x03\x04")
+        with pytest.raises(IntegrityError) as caught:
+            ptdstream.save(manager, str(out / "model.pte"))
+    assert os.listdir(out) == []
+    message = str(caught.value)
+    assert message.startswith("named data (key 'l2.weight') of _default_external_constant.ptd at offset 8832: "
+                              "constant 'l2.weight' (1024 bytes)")
+    assert "changed after it was handed over" in message and message.endswith("nothing was published")
