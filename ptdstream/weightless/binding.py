@@ -13,7 +13,10 @@ All checks are made before any program is changed, and every problem is
 reported at once (:class:`BindingError`): a group with no checkpoint key, a
 checkpoint key no group uses, a dtype, shape or dim order that differs. The
 dtype must be equal: a checkpoint stored in another dtype than the export's is
-refused, not converted.
+refused, not converted. A constant that ``constant_prop_pass`` folded from
+storage-less weights has no checkpoint key and is named as such: its values
+need the weights' (a pass run after binding computes them from the mapped
+checkpoint and holds the folded constants in memory).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from typing import Any
 from ..errors import CheckpointMismatchError, PtdstreamError
 from .storage_less import is_storage_less
 
-__all__ = ["BindingError", "BindingPlan", "UnboundConstantError", "bind_programs", "plan_binding",
+#: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
+FOLDED_PREFIX = "_prop_tensor_constant"
+
+__all__ = ["FOLDED_PREFIX", "BindingError", "BindingPlan", "UnboundConstantError", "bind_programs", "plan_binding",
            "unbound_constants"]
 
 
@@ -101,7 +107,10 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
         names = ", ".join(f"{fqn!r}" + (f" (method {m!r})" if len(programs) > 1 else "") for m, _, fqn, _ in places)
         if not held:
             wanted = ", ".join(repr(k) for k in dict.fromkeys(keys))
-            problems.append(f"missing: {names} needs checkpoint key {wanted}, which the checkpoint does not hold")
+            folded = any(fqn.startswith(FOLDED_PREFIX) for _, _, fqn, _ in places)
+            problems.append(f"missing: {names} needs checkpoint key {wanted}, which the checkpoint does not hold"
+                            + (" (a constant that constant_prop_pass folded from storage-less weights: it "
+                               "needs their values, so bind before constant_prop_pass)" if folded else ""))
             continue
         used.update(held)
         tensor = places[0][3]

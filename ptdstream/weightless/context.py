@@ -27,11 +27,14 @@ on ``program.module()``, re-exported, then bound) works the same way: inside the
 context XNNPACK keeps unchanged weights by reference and its per-partition copy
 shares the bound tensors (:mod:`ptdstream.weightless.delegates`).
 
-What needs the weights' values while exporting is not supported and fails in
-upstream code, not silently: ``constant_prop_pass`` (it folds weights into new
-constants), quantization (torchao), and XNNPACK's packing of transformed
-weights (4-bit, NHWC or swapped convolutions: such weights are read, and
-copied, from the mapping as upstream would). Checkpoints: safetensors (a file,
+What needs the weights' values while exporting is not done per weight:
+``constant_prop_pass`` run before :meth:`WeightsFrom.bind` leaves folded
+constants that :meth:`~WeightsFrom.bind` refuses by name; run after it, it
+computes them from the mapped checkpoint (the same bytes, but the folded
+constants are held in memory). Quantization (torchao) of storage-less weights
+gives tensors the checkpoint does not fit (refused by :meth:`~WeightsFrom.bind`);
+XNNPACK's packing of transformed weights (4-bit, NHWC or swapped convolutions)
+reads them from the mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
 or a Hugging Face sharded folder) and weights-only ``torch.save``; DCP is
 refused (its tensors are loaded, not mapped). The checkpoint's dtype must be the
 export's (not converted).

@@ -377,3 +377,30 @@ def test_checkpoint_changed_between_emission_and_save_is_refused(tmp_path):
     assert message.startswith("named data (key 'l2.weight') of _default_external_constant.ptd at offset 8832: "
                               "constant 'l2.weight' (1024 bytes)")
     assert "changed after it was handed over" in message and message.endswith("nothing was published")
+
+
+def test_constant_prop_before_binding_is_refused_by_name_and_after_binding_matches(tmp_path):
+    from executorch.exir import to_edge
+    from executorch.exir.passes.constant_prop_pass import constant_prop_pass
+
+    real = _seeded(Mlp)
+    x = example_inputs(real)
+    edge = to_edge(torch.export.export(real, x))
+    constant_prop_pass(edge.exported_program())
+    _save(edge.to_executorch(_config()), tmp_path / "real")
+    ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        early = to_edge(torch.export.export(weights.model(Mlp), x))
+        constant_prop_pass(early.exported_program())  # folds the transposes of storage-less weights
+        with pytest.raises(BindingError) as caught:
+            weights.bind(early.exported_program())
+        late = to_edge(weights.export(weights.model(Mlp), x))
+        constant_prop_pass(late.exported_program())  # folded from the mapped checkpoint
+        _save(late.to_executorch(_config()), tmp_path / "weightless")
+    folded = ("which the checkpoint does not hold (a constant that constant_prop_pass folded from storage-less "
+              "weights: it needs their values, so bind before constant_prop_pass)")
+    assert [p for p in caught.value.problems if p.startswith("missing")] == [
+        f"missing: '_prop_tensor_constant0' needs checkpoint key '_prop_tensor_constant0', {folded}",
+        f"missing: '_prop_tensor_constant1' needs checkpoint key '_prop_tensor_constant1', {folded}",
+    ]
+    assert read_folder(str(tmp_path / "weightless")) == read_folder(str(tmp_path / "real"))
