@@ -31,9 +31,8 @@ What needs the weights' values while exporting is not done per weight:
 ``constant_prop_pass`` run before :meth:`WeightsFrom.bind` leaves folded
 constants that :meth:`~WeightsFrom.bind` refuses by name; run after it, it
 computes them from the mapped checkpoint (the same bytes, but the folded
-constants are held in memory). Quantization (torchao) of storage-less weights
-gives tensors the checkpoint does not fit (refused by :meth:`~WeightsFrom.bind`);
-XNNPACK's packing of transformed weights (4-bit, NHWC or swapped convolutions)
+constants are held in memory). Quantization (torchao) is not supported (not tried
+on storage-less weights); XNNPACK's packing of transformed weights (4-bit, NHWC or swapped convolutions)
 reads them from the mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
 or a Hugging Face sharded folder) and weights-only ``torch.save``; DCP is
 refused (its tensors are loaded, not mapped). The checkpoint's dtype must be the
