@@ -10,7 +10,9 @@ The ways in, each by its public path:
 * the ``ptdstream`` command (``verify``, ``inspect``, ``manifest``, ``pack``,
   ``unpack``, ``extract``, ``weights``, ``recover``, ``demo``);
 * ``ptdstream.write_ptd(program, checkpoint, out_dir)``: a program's ``.ptd``
-  files from a checkpoint (:mod:`ptdstream.weights`);
+  files from a checkpoint (:mod:`ptdstream.weights`); ``ptdstream.weights_from(checkpoint)``:
+  export, lower, emit and save on storage-less parameters bound to the checkpoint
+  (:mod:`ptdstream.weightless`);
   ``ptdstream.distributed.write_data_files``: one ``.ptd`` set written by every
   rank of a ``torch.distributed`` group;
 * inside upstream's export: :func:`constants_by_reference`,
@@ -60,7 +62,7 @@ _LAZY = {
     "ChunkedFileSink": "write.sink", "write_plan": "write.writer", "prepare_folders": "write.publish",
     "check_structure": "check.structure",
     "recover": "write.journal", "RecoveryError": "write.journal",
-    "write_ptd": "weights", "WeightsReport": "weights",
+    "write_ptd": "weights", "WeightsReport": "weights", "weights_from": "weightless",
     "SourceBackedData": "hooks.interop", "file_blob": "hooks.blobs", "delegate_blobs_from_files": "hooks.blobs",
     "xnnpack_constants_by_reference": "hooks.xnnpack", "stream_cuda_weights": "hooks.cuda.backend",
 }
@@ -130,6 +132,7 @@ __all__ = [
     "stream_cuda_weights",
     "uninstall",
     "weights",
+    "weights_from",
     "write_data_files",
     "write_plan",
     "write_ptd",

@@ -27,6 +27,7 @@ LAYERS = {
     "manager": 4, "check": 4, "pack": 4,
     "save": 5, "weights": 5, "weights_xnnpack": 5, "distributed": 5,
     "hooks": 6,
+    "weightless": 7,
     "cli": 7, "demo": 7, "hf": 7, "__main__": 7, "_entry": 7,
     "": 8,  # ptdstream/__init__.py: the public API re-exports every layer
 }

@@ -30,6 +30,8 @@ __all__ = [
     "emitter_module",
     "export_verifier_module",
     "external_tensor_layouts",
+    "fake_tensor_mode",
+    "fake_tensor_type",
     "file_backed_data_type",
     "file_backed_path",
     "flat_tensor_to_flatbuffer",
@@ -39,6 +41,7 @@ __all__ = [
     "manager_class",
     "manager_parts",
     "preload_serializer",
+    "program_module",
     "program_to_flatbuffer",
     "recorded_backend_config",
     "reference_cords",
@@ -275,6 +278,22 @@ def cuda_weight_collector():
 def int_mm(a: Any, b: Any) -> Any:
     """``torch._int_mm(a, b)``: exact int8 x int8 -> int32 matrix product on CUDA."""
     return resolve("torch", "_int_mm")(a, b)
+
+
+def fake_tensor_type() -> type:
+    """``torch._subclasses.fake_tensor.FakeTensor``: a tensor with metadata and no storage."""
+    return resolve("torch._subclasses.fake_tensor", "FakeTensor")
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """A new ``torch._subclasses.fake_tensor.FakeTensorMode(**kwargs)``."""
+    return resolve("torch._subclasses.fake_tensor", "FakeTensorMode")(**kwargs)
+
+
+def program_module():
+    """executorch's program module (``exir/program/_program.py``): ``ExecutorchProgramManager``
+    calls its module global ``emit_program`` to emit the edge programs."""
+    return resolve("executorch.exir.program._program")
 
 
 def preload_serializer() -> None:

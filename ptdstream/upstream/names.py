@@ -83,6 +83,10 @@ NAMES: tuple[PrivateName, ...] = (
     PrivateName(_COLLECTOR, "FileBackedData", "replaced: move_from(path, sha256) turns that file into named data"),
     PrivateName(_COLLECTOR, "trim_host_memory", "replaced: gc.collect + malloc_trim around each method"),
     PrivateName("torch", "_int_mm", "exact int8 matrix product of the GPU fingerprint"),
+    PrivateName("torch._subclasses.fake_tensor", "FakeTensor", "storage-less parameters (weightless export)"),
+    PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "makes storage-less cpu tensors"),
+    PrivateName("executorch.exir.program._program", "",
+                "module global 'emit_program' shadowed by weightless (unbound constants refused by name)"),
 )
 
 FIELDS: tuple[PrivateField, ...] = (

@@ -1,0 +1,81 @@
+"""XNNPACK lowering of bound programs: its constants by reference, its per-partition copy sharing them.
+
+``to_backend`` deep-copies each partition's program before the backend's
+``preprocess`` (``exir/backend/backend_api.py`` calls
+``BackendDetails.copy_exported_program_for_preprocess``, ``copy.deepcopy``):
+for a program bound to a checkpoint that is a host copy of every mapped weight
+of the partition. While :func:`sharing_bound_weights` is active, XNNPACK's
+copy (``XnnpackBackend``, which does not override the method) shares the
+tensors bound by an open :func:`~ptdstream.weightless.weights_from` context
+instead, as executorch's CUDA backend does in its low-memory mode
+(``backends/cuda/cuda_backend.py::copy_exported_program_for_preprocess``); every
+other tensor, and the graph, is copied as upstream does. XNNPACK's
+``preprocess`` reads weights and builds new tensors for what it transforms; it
+does not write the program's tensors. The patch is scoped through
+:mod:`ptdstream.upstream.patching`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from ..hooks.xnnpack import xnnpack_constants_by_reference
+from ..upstream.patching import shadowed
+
+__all__ = ["bound_weights", "sharing_bound_weights"]
+
+_lock = threading.Lock()
+_bound: dict[int, int] = {}  # id(bound tensor) -> number of contexts holding it (they keep it alive)
+
+
+@contextlib.contextmanager
+def bound_weights(tensors: list[Any]) -> Iterator[list[Any]]:
+    """Register ``tensors`` (a list the caller keeps appending bound tensors to,
+    and keeps alive) as shared by XNNPACK's copy until exit."""
+    try:
+        yield tensors
+    finally:
+        with _lock:
+            for t in tensors:
+                n = _bound.get(id(t), 0) - 1
+                if n > 0:
+                    _bound[id(t)] = n
+                else:
+                    _bound.pop(id(t), None)
+
+
+def add_bound(tensors: list[Any], new: Iterable[Any]) -> None:
+    """Append ``new`` to ``tensors`` (a :func:`bound_weights` list) and register them."""
+    with _lock:
+        for t in new:
+            tensors.append(t)
+            _bound[id(t)] = _bound.get(id(t), 0) + 1
+
+
+def _sharing_copy(cls, edge_program, compile_specs):
+    with _lock:
+        memo = {id(t): t for values in (edge_program.state_dict, edge_program.constants)
+                for t in values.values() if id(t) in _bound}
+    return copy.deepcopy(edge_program, memo)
+
+
+@contextlib.contextmanager
+def sharing_bound_weights() -> Iterator[None]:
+    """While active, XNNPACK keeps unchanged weights by reference
+    (:func:`ptdstream.hooks.xnnpack.xnnpack_constants_by_reference`) and its
+    per-partition copy shares the bound tensors. Does nothing when executorch's
+    XNNPACK backend is not importable."""
+    try:
+        from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+    except ImportError:
+        XnnpackBackend = None
+    with contextlib.ExitStack() as patches:
+        if XnnpackBackend is not None:
+            patches.enter_context(xnnpack_constants_by_reference())
+            patches.enter_context(shadowed(XnnpackBackend, "copy_exported_program_for_preprocess",
+                                           classmethod(_sharing_copy)))
+        yield
