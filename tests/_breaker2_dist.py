@@ -66,7 +66,9 @@ def _scenario(name, rank, world, mesh, writer):
     if name == "lie-plain-and-dtensor":
         if rank == 0:
             return {"w": full.clone()}, kw, restore
-        return {"w": DTensor.from_local(full[3:].clone(), mesh, [Shard(0)], run_check=False, shape=torch.Size([6, 3]), stride=(3, 1))}, kw, restore
+        lying = DTensor.from_local(full[3:].clone(), mesh, [Shard(0)], run_check=False,
+                                   shape=torch.Size([6, 3]), stride=(3, 1))
+        return {"w": lying}, kw, restore
     if name == "lie-folder-differs":
         kw["folder_suffix"] = f"rank{rank}"
         return {f"k{rank}": full.clone() + rank}, kw, restore
@@ -151,7 +153,8 @@ def _scenario(name, rank, world, mesh, writer):
             writer.plan_files = slow
             restore.append(lambda: setattr(writer, "plan_files", original))
         if rank == 1:
-            import threading, time
+            import threading
+            import time
             threading.Thread(target=lambda: (time.sleep(1.0), os._exit(4)), daemon=True).start()
         return mine, kw, restore
     raise SystemExit(f"unknown scenario {name}")
@@ -178,20 +181,20 @@ def worker(rank, world, init_file, out_root, scenarios):
             try:
                 rep = write_data_files(tensors, folder, **kw)
                 outcome = f"ok {sorted(os.path.basename(p) for p, _ in rep.files)}"
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the outcome file reports any error to the test
                 outcome = f"error {type(e).__module__}.{type(e).__name__}: {e}"
             finally:
                 for r in restore:
                     r()
             with open(os.path.join(out_root, f"{name}.rank{rank}"), "w") as f:
                 f.write(outcome)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the worker reports any failure by its exit status
         traceback.print_exc()
         sys.exit(1)
     finally:
         try:
             dist.destroy_process_group()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the group may already be gone (a killed peer)
             pass
 
 
