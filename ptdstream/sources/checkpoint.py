@@ -28,6 +28,7 @@ once while planning, to take its first bytes and digest).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -88,6 +89,13 @@ class Checkpoint:
         """A :class:`~ptdstream.sources.Source` over the bytes of ``key``, in the
         tensor's memory order (``nbytes`` bytes)."""
         raise NotImplementedError
+
+    def files(self) -> list[str]:
+        """The files it reads: ``path`` itself, or every regular file directly in
+        it for a folder (a writer refuses to replace any of them)."""
+        from ..system.files import files_of
+
+        return files_of(self.path)
 
     def close(self) -> None:
         """Release mappings and readers."""
@@ -165,8 +173,6 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        from safetensors import safe_open
-
         self._handles: dict[str, safe_open] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         #: each file -> its identity when it was opened (checked at every read)
@@ -180,7 +186,7 @@ class SafetensorsCheckpoint(Checkpoint):
         try:
             for name in files:
                 file = os.path.join(folder, name)
-                self._opened[file] = _opened(file, lambda file=file, name=name: self._open_file(file, name, shards))
+                self._opened[file] = _opened(file, functools.partial(self._open_file, file, name, shards))
         except (FormatError, IntegrityError):
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError), reported
@@ -206,6 +212,9 @@ class SafetensorsCheckpoint(Checkpoint):
             tensor = handle.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
             self._tensors[key] = tensor
             self.entries[key] = _entry(key, tensor, file)
+
+    def files(self) -> list[str]:
+        return [*([self.path] if self.path.endswith(".json") else []), *self._opened]
 
     def source(self, key: str) -> Source:
         where = self.entries[key].where
