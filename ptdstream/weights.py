@@ -394,11 +394,15 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
         FormatError: the program or a ``like`` file is invalid, or the checkpoint
             cannot be read (a DCP folder without ``format="dcp"`` included).
         FileNotFoundError: ``out_dir`` does not exist.
+        OverwriteError: a file to write is one of the files read (the program,
+            a ``like`` file, a file of ``checkpoint`` or ``old_checkpoint``; same
+            device and inode, links included), naming both; nothing written.
         ValueError: ``segment_alignment <= 0`` (upstream's text).
         IntegrityError, OSError: a read or write failed (nothing published).
     """
     from .format.layout import check_alignment
     from .progress import progress_callback
+    from .system.files import refuse_overwrite
     from .write.set_writer import write_save_plan
 
     start = time.perf_counter()
@@ -420,6 +424,9 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
         plan, nkeys, changed = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
                                               allow_extra=allow_extra, segment_alignment=segment_alignment,
                                               old_checkpoint=old)
+        inputs = [program.path if isinstance(program, ProgramWeights) else program, *like, *ckpt.files(),
+                  *(old.files() if old is not None else ())]
+        refuse_overwrite(inputs, [f.path for f in plan.files], force=True)  # only an output that is an input
         with contextlib.ExitStack() as stack:
             callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
             reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,

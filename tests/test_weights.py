@@ -366,3 +366,67 @@ def test_a_segment_alignment_that_is_not_positive_is_refused_before_anything_is_
     assert proc.returncode == 2
     assert "--segment-alignment must be a positive number of bytes, got 0" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_a_checkpoint_rewritten_in_place_midsave_is_refused_and_nothing_published(exports, tmp_path, kind,
+                                                                                   monkeypatch):
+    """Rewritten after the first tensor was read (same inode and size; every tensor
+    of more than 8 floats changed past its first 32 bytes): IntegrityError naming
+    the checkpoint and key, never a .ptd mixing both checkpoints."""
+    from _checkpoints import rewrite_in_place, untied
+
+    import ptdstream.sources.mapped as mapped
+    from ptdstream.errors import IntegrityError
+
+    folder, model_b, _ = exports["mlp"]
+    old = {k: v + 1 for k, v in state_of(model_b).items()}
+    new = {k: v.clone() for k, v in old.items()}
+    for v in new.values():
+        if v.numel() > 8:
+            v.view(-1)[-1] += 5.0
+    ckpt = save_checkpoint(kind, old, tmp_path / "ckpt")
+    original = mapped.MappedTensorSource.pieces
+    calls = []
+
+    def pieces(self, ring):
+        calls.append(self.describe())
+        if len(calls) == 2:
+            rewrite_in_place(ckpt, untied(new) if kind == "safetensors" else new, kind)
+        yield from original(self, ring)
+
+    monkeypatch.setattr(mapped.MappedTensorSource, "pieces", pieces)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(IntegrityError) as e:
+        write_ptd(str(folder / "A" / "model.pte"), ckpt, str(out))
+    assert f"{ckpt}: key " in str(e.value) and "was written to after it was opened" in str(e.value)
+    assert "nothing was published" in str(e.value)
+    assert len(calls) == 2 and os.listdir(out) == []
+
+
+@pytest.mark.parametrize("via", ["checkpoint", "like"])
+def test_an_output_that_is_an_input_is_refused_before_anything_is_written(exports, tmp_path, via):
+    """--from OUT/<tag>.ptd (a weights-only torch.save file under the output's
+    name) or --like OUT/<tag>.ptd: OverwriteError naming the file; the folder is
+    unchanged byte for byte (the only copy of the checkpoint kept)."""
+    import shutil
+
+    from ptdstream.errors import OverwriteError
+
+    folder, model_b, files = exports["mlp"]
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(folder / "A" / "model.pte", out / "model.pte")
+    if via == "checkpoint":
+        torch.save(state_of(model_b), out / PTD)
+        ckpt, like = str(out / PTD), []
+    else:
+        (out / PTD).write_bytes(files["A"][PTD])
+        ckpt, like = save_checkpoint("safetensors", state_of(model_b), tmp_path / "ckpt"), [str(out / PTD)]
+    before = {n: (out / n).read_bytes() for n in sorted(os.listdir(out))}
+    with pytest.raises(OverwriteError) as e:
+        write_ptd(str(out / "model.pte"), ckpt, str(out), like=like)
+    assert str(e.value) == (f"output {out / PTD} is also an input: writing it would destroy the input; "
+                            "choose another output path")
+    assert {n: (out / n).read_bytes() for n in sorted(os.listdir(out))} == before

@@ -21,9 +21,11 @@ exposes it with a ``__ptdstream_source__()`` method, which
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import xxhash
 
@@ -31,7 +33,7 @@ from ..defaults import CHUNK_NBYTES
 from ..errors import LayoutError
 from .digest import ALGO, Fingerprint, StreamingDigest
 
-__all__ = ["NO_EXPECTATION", "BufferRing", "Expectation", "Source", "digest_view"]
+__all__ = ["NO_EXPECTATION", "BufferRing", "Expectation", "FileIdentity", "Source", "digest_view"]
 
 
 class BufferRing:
@@ -63,6 +65,22 @@ class BufferRing:
         return memoryview(buf)
 
 
+class FileIdentity(NamedTuple):
+    """A file as ``stat`` saw it: device, inode, size in bytes, modification and
+    change time in ns. Equal identities: the same file, not written to between."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        """The identity of a ``stat``/``fstat`` result."""
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @dataclass(frozen=True)
 class Expectation:
     """What a source's bytes must still prove when they are written.
@@ -82,10 +100,16 @@ class Expectation:
             were copied off the GPU keeps the fingerprint of where they came from
             here (for callers that matched them by it); its bytes are checked
             against ``fingerprint``. ``None``: nothing recorded.
+        file: the :class:`FileIdentity` of the file the bytes are read from, as
+            it was when it was handed over (a checkpoint: when it was opened); a
+            file source checks it before and after each read and raises
+            ``IntegrityError`` when it differs (the file was replaced or written
+            to). ``None``: the source takes it itself when it is created.
     """
 
     fingerprint: Fingerprint | None = None
     gpu_fingerprint: Fingerprint | None = None
+    file: FileIdentity | None = None
 
 
 def digest_view(view: memoryview) -> Fingerprint:

@@ -28,6 +28,7 @@ once while planning, to take its first bytes and digest).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import FormatError, IntegrityError
-from .base import BufferRing, Expectation, Source
+from .base import BufferRing, Expectation, FileIdentity, Source
 from .fingerprint import Fingerprint, StreamingDigest
 from .safetensors_header import check_safetensors_header
 from .tensor import TensorSource
@@ -89,6 +90,13 @@ class Checkpoint:
         tensor's memory order (``nbytes`` bytes)."""
         raise NotImplementedError
 
+    def files(self) -> list[str]:
+        """The files it reads: ``path`` itself, or every regular file directly in
+        it for a folder (a writer refuses to replace any of them)."""
+        from ..system.files import files_of
+
+        return files_of(self.path)
+
     def close(self) -> None:
         """Release mappings and readers."""
 
@@ -114,10 +122,30 @@ def _entry(key: str, tensor: torch.Tensor, where: str) -> CheckpointEntry:
     )
 
 
-def _mapped_source(tensor: torch.Tensor, label: str, read_file: bool = True) -> Source:
+def _opened(path: str, open_file: Callable[[], None]) -> FileIdentity:
+    """Run ``open_file()`` (which maps the checkpoint file at ``path``) and return
+    the file's identity, the same before and after it (what each source checks).
+
+    Raises:
+        IntegrityError: the file was replaced or written to while it was opened.
+    """
+    before = FileIdentity.of(os.stat(path))
+    open_file()
+    after = FileIdentity.of(os.stat(path))
+    if after != before:
+        raise IntegrityError(
+            f"checkpoint file {path}: changed while it was opened (device, inode, size, modification "
+            f"and change time {tuple(before)} before, {tuple(after)} after); a checkpoint must not "
+            "change while it is saved"
+        )
+    return before
+
+
+def _mapped_source(tensor: torch.Tensor, label: str, opened: FileIdentity, read_file: bool = True) -> Source:
     """A source read from the file with ``pread`` when the tensor lies in a file
     mapping (the mapping is the checkpoint's own, never handed out, so it holds
-    the file's bytes), else a plain tensor source."""
+    the file's bytes), else a plain tensor source. ``opened``: the checkpoint
+    file's identity when it was opened, checked at every read."""
     from ..system.pagecache import file_mapping
     from .mapped import MappedTensorSource
 
@@ -125,7 +153,8 @@ def _mapped_source(tensor: torch.Tensor, label: str, read_file: bool = True) -> 
     if nbytes:
         mapping = file_mapping(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
         if mapping is not None:
-            return MappedTensorSource(tensor, mapping, label, read_file=read_file)
+            return MappedTensorSource(tensor, mapping, label, read_file=read_file,
+                                      expectation=Expectation(file=opened))
     return TensorSource(tensor, label)
 
 
@@ -144,10 +173,10 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        from safetensors import safe_open
-
         self._handles: dict[str, safe_open] = {}
         self._tensors: dict[str, torch.Tensor] = {}
+        #: each file -> its identity when it was opened (checked at every read)
+        self._opened: dict[str, FileIdentity] = {}
         if path.endswith(".json"):
             shards = _hf_weight_map(path)
             folder = os.path.dirname(path)
@@ -157,17 +186,8 @@ class SafetensorsCheckpoint(Checkpoint):
         try:
             for name in files:
                 file = os.path.join(folder, name)
-                check_safetensors_header(file)
-                handle = safe_open(file, framework="pt")
-                self._handles[file] = handle
-                for key in handle.keys():  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
-                    if shards is not None and shards.get(key) != name:
-                        continue  # the index names another shard for it
-                    # a view of the mapping: nothing read yet
-                    tensor = handle.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
-                    self._tensors[key] = tensor
-                    self.entries[key] = _entry(key, tensor, file)
-        except FormatError:
+                self._opened[file] = _opened(file, functools.partial(self._open_file, file, name, shards))
+        except (FormatError, IntegrityError):
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError), reported
             raise FormatError(f"{path}: safetensors could not read it: {type(e).__name__}: {e}") from None
@@ -179,8 +199,26 @@ class SafetensorsCheckpoint(Checkpoint):
                     + ", ".join(f"{k!r} ({shards[k]})" for k in lost[:20])
                 )
 
+    def _open_file(self, file: str, name: str, shards: dict[str, str] | None) -> None:
+        from safetensors import safe_open
+
+        check_safetensors_header(file)
+        handle = safe_open(file, framework="pt")
+        self._handles[file] = handle
+        for key in handle.keys():  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
+            if shards is not None and shards.get(key) != name:
+                continue  # the index names another shard for it
+            # a view of the mapping: nothing read yet
+            tensor = handle.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
+            self._tensors[key] = tensor
+            self.entries[key] = _entry(key, tensor, file)
+
+    def files(self) -> list[str]:
+        return [*([self.path] if self.path.endswith(".json") else []), *self._opened]
+
     def source(self, key: str) -> Source:
-        return _mapped_source(self._tensors[key], f"{self.entries[key].where}: key {key!r}")
+        where = self.entries[key].where
+        return _mapped_source(self._tensors[key], f"{where}: key {key!r}", self._opened[where])
 
     def close(self) -> None:
         self._tensors.clear()
@@ -231,11 +269,16 @@ class TorchCheckpoint(Checkpoint):
         super().__init__(path)
         import torch
 
+        loaded: list[object] = []
         try:
-            state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            self._opened = _opened(path, lambda: loaded.append(
+                torch.load(path, mmap=True, weights_only=True, map_location="cpu")))
+        except IntegrityError:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure of torch.load is reported as FormatError
             raise FormatError(f"{path}: torch.load(mmap=True, weights_only=True) failed: "
                               f"{type(e).__name__}: {e}") from None
+        state = loaded[0]
         if not isinstance(state, dict):
             raise FormatError(f"{path}: holds a {type(state).__name__}, not a state dict {{key: tensor}}")
         bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
@@ -255,7 +298,8 @@ class TorchCheckpoint(Checkpoint):
     def source(self, key: str) -> Source:
         # torch.load byte-swaps (in its private mapping) an archive saved with the
         # other byte order: then only the mapping has the bytes to write.
-        return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", read_file=self._native)
+        return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", self._opened,
+                              read_file=self._native)
 
     def close(self) -> None:
         self._tensors = {}

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from ..errors import IntegrityError, LayoutError
 from ..system.files import pread_exact
 from ..system.pagecache import READAHEAD_NBYTES, drop_pages, drop_read
-from .base import BufferRing, Source
+from .base import NO_EXPECTATION, BufferRing, Expectation, FileIdentity, Source
 
 __all__ = ["FileRangeSource", "pread_pieces"]
 
@@ -25,12 +25,16 @@ class FileRangeSource(Source):
         IntegrityError: while reading, when the file has shrunk (names the file
             and the offset where data ran out), or when it is not the file handed
             over: replaced (another device or inode) before it was opened, or
-            changed (size or change time) by the time its last byte was read.
-            A file rewritten in place mid-save is refused, not torn; a second
-            read of the file, which would double the disk traffic, is not needed.
+            changed (size, modification or change time) by the time its last byte
+            was read. A file rewritten in place mid-save is refused, not torn; a
+            second read of the file, which would double the disk traffic, is not
+            needed. With ``expectation.file`` (the file's identity when it was
+            opened: a checkpoint's), the file must still have that identity
+            before the read as well as after it.
     """
 
-    def __init__(self, path: str, offset: int = 0, length: int | None = None) -> None:
+    def __init__(self, path: str, offset: int = 0, length: int | None = None,
+                 expectation: Expectation = NO_EXPECTATION) -> None:
         self.path = os.fspath(path)
         size = os.path.getsize(self.path)
         if length is None:
@@ -42,17 +46,18 @@ class FileRangeSource(Source):
             )
         self.offset = offset
         self.nbytes = length
-        #: (device, inode, size, change time in ns) when handed over
-        self.identity = _identity(os.stat(self.path))
+        self._expectation = expectation
+        #: the file when handed over (``expectation.file``, else now)
+        self.identity = expectation.file or FileIdentity.of(os.stat(self.path))
 
-    def _check_identity(self, fd: int, when: str, fields: int = 4) -> None:
-        now = _identity(os.fstat(fd))
+    def _check_identity(self, fd: int, when: str, fields: int = len(FileIdentity._fields)) -> None:
+        now = FileIdentity.of(os.fstat(fd))
         if now[:fields] != self.identity[:fields]:
             what = "replaced" if now[:2] != self.identity[:2] else "changed"
             raise IntegrityError(
-                f"file {self.path}: {what} {when} (device, inode, size, change time "
-                f"{self.identity} when handed over, {now} now); a file must not be "
-                "written to while it is saved"
+                f"file {self.path}: {what} {when} (device, inode, size, modification and "
+                f"change time {tuple(self.identity)} when handed over, {tuple(now)} now); a "
+                "file must not be written to while it is saved"
             )
 
     #: Checked by its identity and change time when read, not digested at hand-over.
@@ -72,7 +77,9 @@ class FileRangeSource(Source):
     def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            self._check_identity(fd, "before it was read", fields=2)
+            # taken at hand-over by someone else: it must not have changed since either
+            self._check_identity(fd, "before it was read",
+                                 fields=len(FileIdentity._fields) if self.expectation.file else 2)
             yield from pread_pieces(fd, self.offset, self.nbytes, ring, lambda end: IntegrityError(
                 f"file {self.path}: ended at offset {end}, "
                 f"expected {self.nbytes} bytes from offset {self.offset}"
@@ -102,6 +109,3 @@ def pread_pieces(fd: int, offset: int, nbytes: int, ring: BufferRing,
         drop_read(fd, offset + done, want, last=done + want == nbytes)
         done += want
 
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError, LayoutError
 from ..system.pagecache import FileMapping, page_out, will_need
-from .base import BufferRing
+from .base import NO_EXPECTATION, BufferRing, Expectation, FileIdentity
 from .file import FileRangeSource
 from .tensor import TensorSource
 
@@ -38,16 +38,24 @@ class MappedTensorSource(TensorSource):
     at a time; ``pread`` reads each 8 MiB piece in one call).
     A file replaced since is read through the mapping, which keeps the old one.
 
+    ``expectation.file``: the checkpoint file's identity when it was opened
+    (mapped). While the mapped path is still that inode, the file must still
+    have that identity before and after every read (its first bytes included),
+    through ``pread`` or the mapping alike: a file rewritten in place since it
+    was opened is refused, never read half old, half new.
+
     Raises:
-        IntegrityError: the checkpoint file was truncated, or (``read_file``)
-            changed while it was read.
+        IntegrityError: the checkpoint file was truncated, or changed since it
+            was opened (``expectation.file``) or (``read_file``) while it was
+            read; the message names the file and the source's label (its key).
     """
 
     def __init__(self, tensor: torch.Tensor, mapping: FileMapping, label: str = "tensor",
-                 read_file: bool = False) -> None:
+                 read_file: bool = False, expectation: Expectation = NO_EXPECTATION) -> None:
         super().__init__(tensor, label)
         self.mapping = mapping
         self.read_file = read_file
+        self._expectation = expectation
 
     #: Its bytes are a mapped checkpoint's: checked against the file before
     #: reading, not digested at hand-over (a second read of the checkpoint).
@@ -59,7 +67,8 @@ class MappedTensorSource(TensorSource):
         if m.path.endswith(" (deleted)"):
             return None
         try:
-            source = FileRangeSource(m.path, m.offset + (self._address() - m.start), self.nbytes)
+            source = FileRangeSource(m.path, m.offset + (self._address() - m.start), self.nbytes,
+                                     Expectation(file=self.expectation.file))
         except (OSError, LayoutError):
             return None
         if source.identity[1] != m.inode:
@@ -76,6 +85,14 @@ class MappedTensorSource(TensorSource):
             return  # unlinked since it was mapped: the mapping keeps the inode
         if st.st_ino != m.inode:
             return  # replaced (os.replace): the mapping keeps the old inode, unchanged
+        opened = self.expectation.file
+        if opened is not None and FileIdentity.of(st) != opened:
+            raise IntegrityError(
+                f"{self.describe()}: its checkpoint file {m.path} was written to after it was "
+                f"opened (device, inode, size, modification and change time {tuple(opened)} then, "
+                f"{tuple(FileIdentity.of(st))} now); nothing is written from it: a checkpoint "
+                "must not change while it is saved"
+            )
         needed = m.offset + (self._address() - m.start) + self.nbytes
         if st.st_size < needed:
             raise IntegrityError(
@@ -87,7 +104,10 @@ class MappedTensorSource(TensorSource):
         self._check_file()
         file_range = self._file_range() if self.read_file else None
         if file_range is not None:
-            yield from file_range.pieces(ring)
+            try:
+                yield from file_range.pieces(ring)
+            except IntegrityError as e:
+                raise IntegrityError(f"{self.describe()}: {e}") from None
             return
         view = self._view()
         address = self._address()
@@ -101,13 +121,16 @@ class MappedTensorSource(TensorSource):
             buf[:] = piece
             page_out(address + start, len(piece), bounds)
             yield buf
+        self._check_file()  # the mapping shows a file written to in place: not torn
 
     def prefix(self, nbytes: int = 32) -> bytes:
         self._check_file()
         file_range = self._file_range() if self.read_file else None
         if file_range is not None:
-            return file_range.prefix(nbytes)
-        head = super().prefix(nbytes)
-        # The fault maps (and reads ahead) more than the page it needs.
-        page_out(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
+            head = file_range.prefix(nbytes)
+        else:
+            head = super().prefix(nbytes)
+            # The fault maps (and reads ahead) more than the page it needs.
+            page_out(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
+        self._check_file()
         return head

@@ -123,7 +123,8 @@ def same_file(a: str, b: str) -> bool:
 def refuse_overwrite(inputs: Iterable[str], outputs: Iterable[str], force: bool = False) -> None:
     """Refuse, before anything is written, an output that is one of the inputs
     (always) or that already exists (unless ``force``): zstd's convention for a
-    command line. The Python API does not call this: like upstream's, it replaces.
+    command line. The Python API replaces an existing output, like upstream's; only
+    ``write_ptd`` calls this (``force=True``), for outputs that are inputs.
 
     Raises:
         OverwriteError: naming the output and the input (or the existing file).

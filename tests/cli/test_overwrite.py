@@ -276,3 +276,27 @@ def subprocess_devnull():
     import subprocess
 
     return subprocess.DEVNULL
+
+
+@pytest.mark.parametrize("via", ["--from", "--like"])
+def test_weights_onto_its_checkpoint_or_like_file_is_refused(work, tmp_path_factory, capsys, via):
+    """``weights --from OUT/<tag>.ptd`` (a weights-only torch.save file under the
+    output's name) or ``--like OUT/<tag>.ptd``: exit 2 naming it, folder unchanged."""
+    import safetensors.torch as st
+    import torch
+
+    state = {k: v.detach().contiguous() for k, v in Mlp().state_dict().items()}
+    ptd = work / "_default_external_constant.ptd"
+    if via == "--from":
+        torch.save(state, ptd)
+        args = ["--from", ptd]
+    else:
+        ckpt = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
+        st.save_file(state, ckpt)
+        args = ["--from", ckpt, "--like", ptd]
+    before = snapshot(work)
+    code, err = cli(capsys, "weights", work / "model.pte", *args, "-o", work)
+    assert code == 2
+    assert err.splitlines()[-1] == (f"ptdstream weights: error: output {ptd} is also an input: "
+                                    "writing it would destroy the input; choose another output path")
+    assert snapshot(work) == before

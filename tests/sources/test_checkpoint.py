@@ -7,8 +7,9 @@ import json
 
 import pytest
 import torch
+from _checkpoints import rewrite_in_place
 
-from ptdstream.errors import FormatError
+from ptdstream.errors import FormatError, IntegrityError
 from ptdstream.sources import BufferRing
 from ptdstream.sources.checkpoint import DcpTensorSource, open_checkpoint
 
@@ -140,6 +141,44 @@ class _Payload:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("when", ["before the read", "during the read"])
+@pytest.mark.parametrize("kind", ["safetensors", "torch", "torch through the mapping"])
+def test_a_checkpoint_rewritten_in_place_after_it_was_opened_is_refused_naming_file_and_key(tmp_path, kind, when):
+    """Same inode, same size, only bytes past the first 32 differ: the identity the
+    checkpoint had when opened is checked at every read (pread or mapping), so the
+    bytes of the rewritten file are never handed out as the opened one's."""
+    import safetensors.torch as st
+
+    old = {"w": torch.arange(12, dtype=torch.float32), "h": torch.arange(300, dtype=torch.float32)}
+    new = {k: v.clone() for k, v in old.items()}
+    new["h"][-1] = -1.0  # byte 1196 of 1200
+    path = str(tmp_path / ("a.safetensors" if kind == "safetensors" else "a.pt"))
+    if kind == "safetensors":
+        st.save_file(old, path)
+    else:
+        torch.save(old, path)
+    with open_checkpoint(path) as ckpt:
+        if kind == "torch through the mapping":
+            ckpt._native = False  # as for an archive of the other byte order
+        assert _bytes(ckpt.source("w")) == _raw(old["w"])
+        source = ckpt.source("h")
+        pieces = source.pieces(BufferRing(64, count=2))
+        if when == "during the read":
+            assert bytes(next(pieces)) == _raw(old["h"])[:64]
+        rewrite_in_place(path, {k: v.contiguous() for k, v in new.items()}, "safetensors" if kind == "safetensors"
+                          else "torch")
+        with pytest.raises(IntegrityError) as e:
+            b"".join(bytes(p) for p in pieces)
+        message = str(e.value)
+        assert message.startswith(f"{path}: key 'h' float32[300]: ")
+        if when == "during the read" and kind != "torch through the mapping":
+            assert f"file {path}: changed while it was read" in message
+        else:
+            assert f"its checkpoint file {path} was written to after it was opened" in message
+        with pytest.raises(IntegrityError, match="was written to after it was opened"):
+            ckpt.source("w").prefix()
 
 
 def _plant_dcp_metadata(folder, marker) -> None:
