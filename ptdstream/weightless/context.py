@@ -109,7 +109,7 @@ class WeightsFrom:
         self._check_open("bind")
         methods = programs if isinstance(programs, Mapping) else {"forward": programs}
         plan = plan_binding(methods, self.checkpoint, self.key_map, self.allow_extra)
-        add_bound(self._bound, bind_programs(methods, self.checkpoint, plan, self._tensor))
+        add_bound(self._bound, bind_programs(methods, self.checkpoint, plan, self._mapped_tensor))
         return programs
 
     def export(self, model: Any, args: tuple, **kwargs: Any) -> Any:
@@ -118,7 +118,7 @@ class WeightsFrom:
 
         return self.bind(torch.export.export(model, args, **kwargs))
 
-    def _tensor(self, key: str) -> Any:
+    def _mapped_tensor(self, key: str) -> Any:
         # The checkpoint's own mapped view of the key (Checkpoint keeps one per key).
         return self.checkpoint._tensors[key]  # type: ignore[attr-defined]  # both MAPPED_KINDS keep _tensors
 
