@@ -94,6 +94,8 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
             if mesh.ndim != 1:
                 raise LayoutError(f"key {key!r}: a DTensor on a {mesh.ndim}-D mesh; only 1-D meshes are supported")
             placement = tensor.placements[0]
+            strides = list(tensor.stride())  # the whole's, as the caller passed it
+            dense = torch.empty_strided(tensor.shape, tensor.stride(), device="meta").is_contiguous()
             if tensor.dim() == 0 and not placement.is_replicate():
                 tensor, private = tensor.redistribute(mesh, [Replicate()]), True  # a scalar has no rows
                 placement = tensor.placements[0]
@@ -114,12 +116,15 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
                 if coordinate != owner:
                     piece = piece.new_empty(0)  # no bytes
                 coordinate = 0 if coordinate == owner else 1
-            elif piece.numel() and not piece.is_contiguous():
-                raise LayoutError(f"key {key!r}: a Shard(0) DTensor whose local tensor (strides {list(piece.stride())}) "
-                                  "is not contiguous: its rows are not byte ranges of the whole (channels_last "
-                                  "included); pass contiguous shards, or a Replicate() DTensor")
+            elif not (dense and (private or piece.numel() == 0 or piece.is_contiguous())):
+                raise LayoutError(f"key {key!r}: a Shard(0) DTensor of strides {strides}, its local "
+                                  f"tensor of strides {list(piece.stride())}: not contiguous, so its rows are not "
+                                  "byte ranges of the whole as one process writes it (channels_last included); make "
+                                  "the tensor contiguous before sharding it, or pass a Replicate() DTensor")
             total = tensor.numel() * tensor.element_size()
             sharded = True
+            if placement.is_shard() and not piece.is_contiguous():  # redistributed by DTensor from a row-major whole
+                piece, private = piece.contiguous(), True
             if piece.numel() == 0:  # no bytes; its storage offset may lie past its (empty) storage
                 piece, private = piece.new_empty(piece.shape), True
         elif isinstance(tensor, torch.Tensor):
