@@ -14,7 +14,7 @@ from ..sources import BufferRing, Source
 from ..sources.fingerprint import Fingerprint
 
 __all__ = ["PREFIX_NBYTES", "PieceInfo", "check_local_shape", "collate", "dedup_candidates", "plan_files",
-           "wire_plan"]
+           "store_layout", "wire_plan"]
 
 PREFIX_NBYTES = 32
 
@@ -64,6 +64,23 @@ def check_local_shape(key: str, local: tuple[int, ...], whole: tuple[int, ...], 
         what = f"Shard(0) over {mesh_size} ranks gives coordinate {coordinate}" if shard else "Replicate() gives"
         raise LayoutError(f"key {key!r}: the local tensor has shape {list(local)}; the whole {list(whole)} "
                           f"placed {what} shape {list(expected)}; pass the local tensor of that shape")
+
+
+def store_layout(key: str, tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """``(scalar type, sizes, dim order)`` as the single-process store takes them
+    (executorch's ``TensorLayout.from_tensor``: contiguous or channels_last only).
+
+    Raises:
+        LayoutError: another layout, naming the key.
+    """
+    from executorch.exir.tensor_layout import TensorLayout
+
+    try:
+        layout = TensorLayout.from_tensor(tensor)
+    except ValueError as e:
+        raise LayoutError(f"key {key!r}: {e}") from None
+    return (int(layout.scalar_type), tuple(int(s) for s in layout.sizes),
+            tuple(int(d) for d in layout.dim_order))
 
 
 def _shown(field: str, value):
@@ -126,10 +143,9 @@ def collate(all_infos: list[list[PieceInfo]]):
         for field, what in _SAME:
             odd = next((p for p in group if getattr(p, field) != getattr(group[0], field)), None)
             if odd is not None:
-                first = group[0]
-                raise LayoutError(f"key {key!r}: rank {first.rank} passes {what} {_shown(field, getattr(first, field))}, "
-                                  f"rank {odd.rank} {_shown(field, getattr(odd, field))}; every rank must pass the "
-                                  f"same {what} for a DTensor key")
+                first, theirs = _shown(field, getattr(group[0], field)), _shown(field, getattr(odd, field))
+                raise LayoutError(f"key {key!r}: rank {group[0].rank} passes {what} {first}, rank {odd.rank} "
+                                  f"{theirs}; every rank must pass the same {what} for a DTensor key")
         group.sort(key=lambda p: (p.coordinate, p.rank))
         end = 0
         for p in group:

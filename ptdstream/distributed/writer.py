@@ -46,7 +46,16 @@ from ..sources import BufferRing, Source, as_source
 from ..sources.fingerprint import StreamingDigest, check_expected
 from .collective import Collective, DistributedIntegrityError, DistributedWriteError
 from .fingerprint import combine, digest_piece
-from .plan import PREFIX_NBYTES, PieceInfo, check_local_shape, collate, dedup_candidates, plan_files, wire_plan
+from .plan import (
+    PREFIX_NBYTES,
+    PieceInfo,
+    check_local_shape,
+    collate,
+    dedup_candidates,
+    plan_files,
+    store_layout,
+    wire_plan,
+)
 
 __all__ = ["DistributedIntegrityError", "DistributedReport", "DistributedWriteError", "write_data_files"]
 
@@ -70,11 +79,14 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
 
     A 0-dim DTensor is written whole by one rank (a ``Partial`` one is first
     redistributed to ``Replicate``); a shard that holds no rows is a piece of 0 bytes.
+    A ``Replicate`` DTensor has its local tensor's layout (channels_last kept), a
+    ``Shard(0)`` one the row-major layout of its whole.
 
     Raises:
         LayoutError: a key that is not a str, a value that is not a tensor, a
             layout the single-process store refuses, a DTensor on a mesh of more
-            than one dimension.
+            than one dimension, a local tensor of another shape than its placement
+            gives, a ``Shard(0)`` DTensor or local tensor that is not row-major.
     """
     import torch
     from executorch.exir.tensor import scalar_type_enum
@@ -109,7 +121,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
             sizes, dim_order = tuple(int(s) for s in tensor.shape), tuple(range(tensor.dim()))
             check_local_shape(key, tuple(piece.shape), sizes, placement.is_shard(), mesh.size(), coordinate)
             if placement.is_replicate():
-                dim_order = _plain_layout(key, piece)[2]  # as one process: contiguous or channels_last
+                dim_order = store_layout(key, piece)[2]  # as one process: contiguous or channels_last
                 # One rank writes a replicated tensor, the same on every rank whatever the
                 # order of its other keys; spread over the ranks by the key's CRC-32.
                 owner = zlib.crc32(key.encode()) % mesh.size()
@@ -129,7 +141,7 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
                 piece, private = piece.new_empty(piece.shape), True
         elif isinstance(tensor, torch.Tensor):
             piece, coordinate, sharded = tensor.detach(), 0, False
-            scalar, sizes, dim_order = _plain_layout(key, piece)
+            scalar, sizes, dim_order = store_layout(key, piece)
             total = piece.numel() * piece.element_size()
         else:
             raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
@@ -139,23 +151,6 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
                                sharded, source.nbytes, head, rank, str(placement) if sharded else ""))
         local[key] = (source, piece, head)
     return infos, local
-
-
-def _plain_layout(key: str, tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """``(scalar type, sizes, dim order)`` as the single-process store takes them
-    (executorch's ``TensorLayout.from_tensor``: contiguous or channels_last only).
-
-    Raises:
-        LayoutError: another layout, naming the key.
-    """
-    from executorch.exir.tensor_layout import TensorLayout
-
-    try:
-        layout = TensorLayout.from_tensor(tensor)
-    except ValueError as e:
-        raise LayoutError(f"key {key!r}: {e}") from None
-    return (int(layout.scalar_type), tuple(int(s) for s in layout.sizes),
-            tuple(int(d) for d in layout.dim_order))
 
 
 def _handed_over(piece, label: str, fingerprint: bool) -> Source:
