@@ -13,7 +13,8 @@ from ..errors import LayoutError
 from ..sources import BufferRing, Source
 from ..sources.fingerprint import Fingerprint
 
-__all__ = ["PREFIX_NBYTES", "PieceInfo", "collate", "dedup_candidates", "plan_files", "wire_plan"]
+__all__ = ["PREFIX_NBYTES", "PieceInfo", "check_local_shape", "collate", "dedup_candidates", "plan_files",
+           "store_layout", "wire_plan"]
 
 PREFIX_NBYTES = 32
 
@@ -34,6 +35,60 @@ class PieceInfo:
     nbytes: int
     head: bytes  # first min(32, nbytes) bytes of the piece
     rank: int
+    placement: str = ""  # "Shard(0)" or "Replicate()" of a DTensor; "" for a plain tensor
+
+
+#: The attributes every rank's piece of one key must agree on, with their names in errors.
+_SAME = (("tag", "external tag"), ("alignment", "alignment"), ("placement", "placement"),
+         ("scalar_type", "dtype"), ("sizes", "shape"), ("dim_order", "dim order"))
+
+
+def check_local_shape(key: str, local: tuple[int, ...], whole: tuple[int, ...], shard: bool, mesh_size: int,
+                      coordinate: int) -> None:
+    """A DTensor's local tensor has the shape its placement gives its mesh
+    coordinate: the whole's for ``Replicate``; for ``Shard(0)`` the whole's with
+    the rows ``torch.chunk`` gives the coordinate (DTensor's own rule,
+    ``Shard.local_shard_size_and_offset`` of ``torch/distributed/tensor/placement_types.py``).
+
+    Raises:
+        LayoutError: another shape (one built with ``DTensor.from_local(...,
+            run_check=False, shape=...)``), naming the key, both shapes and the coordinate.
+    """
+    expected = whole
+    if shard:
+        from torch.distributed.tensor import Shard
+
+        rows = int(Shard.local_shard_size_and_offset(whole[0], mesh_size, coordinate)[0])
+        expected = (rows, *whole[1:])
+    if tuple(local) != tuple(expected):
+        what = f"Shard(0) over {mesh_size} ranks gives coordinate {coordinate}" if shard else "Replicate() gives"
+        raise LayoutError(f"key {key!r}: the local tensor has shape {list(local)}; the whole {list(whole)} "
+                          f"placed {what} shape {list(expected)}; pass the local tensor of that shape")
+
+
+def store_layout(key: str, tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """``(scalar type, sizes, dim order)`` as the single-process store takes them
+    (executorch's ``TensorLayout.from_tensor``: contiguous or channels_last only).
+
+    Raises:
+        LayoutError: another layout, naming the key.
+    """
+    from executorch.exir.tensor_layout import TensorLayout
+
+    try:
+        layout = TensorLayout.from_tensor(tensor)
+    except ValueError as e:
+        raise LayoutError(f"key {key!r}: {e}") from None
+    return (int(layout.scalar_type), tuple(int(s) for s in layout.sizes),
+            tuple(int(d) for d in layout.dim_order))
+
+
+def _shown(field: str, value):
+    if field == "scalar_type":
+        from executorch.exir.scalar_type import ScalarType
+
+        return ScalarType(value).name
+    return list(value) if isinstance(value, tuple) else repr(value) if isinstance(value, str) else value
 
 
 class PlannedSource(Source):
@@ -68,7 +123,9 @@ def collate(all_infos: list[list[PieceInfo]]):
     """Global key order and ``{key: [pieces in order]}`` with their offsets.
 
     Raises:
-        LayoutError: a plain tensor key on two ranks, pieces that do not add up.
+        LayoutError: a plain tensor key on two ranks; a DTensor key whose ranks
+            disagree on its tag, alignment, placement, dtype, shape or dim order
+            (naming both ranks and their values); pieces that do not add up.
     """
     order: list[str] = []
     pieces: dict[str, list[PieceInfo]] = {}
@@ -83,6 +140,12 @@ def collate(all_infos: list[list[PieceInfo]]):
         if len(group) > 1 and not all(p.sharded for p in group):
             raise LayoutError(f"key {key!r} is held by ranks {[p.rank for p in group]}; a key that is not a "
                               "DTensor must be on one rank")
+        for field, what in _SAME:
+            odd = next((p for p in group if getattr(p, field) != getattr(group[0], field)), None)
+            if odd is not None:
+                first, theirs = _shown(field, getattr(group[0], field)), _shown(field, getattr(odd, field))
+                raise LayoutError(f"key {key!r}: rank {group[0].rank} passes {what} {first}, rank {odd.rank} "
+                                  f"{theirs}; every rank must pass the same {what} for a DTensor key")
         group.sort(key=lambda p: (p.coordinate, p.rank))
         end = 0
         for p in group:

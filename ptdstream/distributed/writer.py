@@ -46,7 +46,16 @@ from ..sources import BufferRing, Source, as_source
 from ..sources.fingerprint import StreamingDigest, check_expected
 from .collective import Collective, DistributedIntegrityError, DistributedWriteError
 from .fingerprint import combine, digest_piece
-from .plan import PREFIX_NBYTES, PieceInfo, collate, dedup_candidates, plan_files, wire_plan
+from .plan import (
+    PREFIX_NBYTES,
+    PieceInfo,
+    check_local_shape,
+    collate,
+    dedup_candidates,
+    plan_files,
+    store_layout,
+    wire_plan,
+)
 
 __all__ = ["DistributedIntegrityError", "DistributedReport", "DistributedWriteError", "write_data_files"]
 
@@ -70,15 +79,17 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
 
     A 0-dim DTensor is written whole by one rank (a ``Partial`` one is first
     redistributed to ``Replicate``); a shard that holds no rows is a piece of 0 bytes.
+    A ``Replicate`` DTensor has its local tensor's layout (channels_last kept), a
+    ``Shard(0)`` one the row-major layout of its whole.
 
     Raises:
         LayoutError: a key that is not a str, a value that is not a tensor, a
             layout the single-process store refuses, a DTensor on a mesh of more
-            than one dimension.
+            than one dimension, a local tensor of another shape than its placement
+            gives, a ``Shard(0)`` DTensor or local tensor that is not row-major.
     """
     import torch
     from executorch.exir.tensor import scalar_type_enum
-    from executorch.exir.tensor_layout import TensorLayout
 
     try:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -95,6 +106,8 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
             if mesh.ndim != 1:
                 raise LayoutError(f"key {key!r}: a DTensor on a {mesh.ndim}-D mesh; only 1-D meshes are supported")
             placement = tensor.placements[0]
+            strides = list(tensor.stride())  # the whole's, as the caller passed it
+            dense = torch.empty_strided(tensor.shape, tensor.stride(), device="meta").is_contiguous()
             if tensor.dim() == 0 and not placement.is_replicate():
                 tensor, private = tensor.redistribute(mesh, [Replicate()]), True  # a scalar has no rows
                 placement = tensor.placements[0]
@@ -104,37 +117,38 @@ def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alig
                 placement = tensor.placements[0]
             coordinate = mesh.get_coordinate()[0]  # type: ignore[index]  # None only off the mesh; this rank is on it
             piece = tensor.to_local()
+            scalar = int(scalar_type_enum(tensor.dtype))
+            sizes, dim_order = tuple(int(s) for s in tensor.shape), tuple(range(tensor.dim()))
+            check_local_shape(key, tuple(piece.shape), sizes, placement.is_shard(), mesh.size(), coordinate)
             if placement.is_replicate():
+                dim_order = store_layout(key, piece)[2]  # as one process: contiguous or channels_last
                 # One rank writes a replicated tensor, the same on every rank whatever the
                 # order of its other keys; spread over the ranks by the key's CRC-32.
                 owner = zlib.crc32(key.encode()) % mesh.size()
                 if coordinate != owner:
-                    piece = piece.reshape(-1)[:0]  # no bytes (a 0-dim tensor cannot be sliced)
+                    piece = piece.new_empty(0)  # no bytes
                 coordinate = 0 if coordinate == owner else 1
-            scalar = int(scalar_type_enum(tensor.dtype))
-            sizes, dim_order = tuple(int(s) for s in tensor.shape), tuple(range(tensor.dim()))
+            elif not (dense and (private or piece.numel() == 0 or piece.is_contiguous())):
+                raise LayoutError(f"key {key!r}: a Shard(0) DTensor of strides {strides}, its local "
+                                  f"tensor of strides {list(piece.stride())}: not contiguous, so its rows are not "
+                                  "byte ranges of the whole as one process writes it (channels_last included); make "
+                                  "the tensor contiguous before sharding it, or pass a Replicate() DTensor")
             total = tensor.numel() * tensor.element_size()
             sharded = True
-            if not piece.is_contiguous():
+            if placement.is_shard() and not piece.is_contiguous():  # redistributed by DTensor from a row-major whole
                 piece, private = piece.contiguous(), True
             if piece.numel() == 0:  # no bytes; its storage offset may lie past its (empty) storage
                 piece, private = piece.new_empty(piece.shape), True
         elif isinstance(tensor, torch.Tensor):
             piece, coordinate, sharded = tensor.detach(), 0, False
-            try:  # the single-process store's layout: contiguous or channels_last only
-                layout = TensorLayout.from_tensor(piece)
-            except ValueError as e:
-                raise LayoutError(f"key {key!r}: {e}") from None
-            scalar = int(layout.scalar_type)
-            sizes = tuple(int(s) for s in layout.sizes)
-            dim_order = tuple(int(d) for d in layout.dim_order)
+            scalar, sizes, dim_order = store_layout(key, piece)
             total = piece.numel() * piece.element_size()
         else:
             raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
         source = _handed_over(piece, f"rank {rank} key {key!r}", fingerprint=not private)
         head = source.prefix(PREFIX_NBYTES)
         infos.append(PieceInfo(key, tag_of(key), alignment, scalar, sizes, dim_order, total, coordinate,
-                               sharded, source.nbytes, head, rank))
+                               sharded, source.nbytes, head, rank, str(placement) if sharded else ""))
         local[key] = (source, piece, head)
     return infos, local
 

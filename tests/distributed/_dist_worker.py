@@ -74,6 +74,45 @@ CHANGES = {
 }
 
 
+def channels_last() -> torch.Tensor:
+    """A 4-D channels_last tensor (dense over its storage, not contiguous), fixed seed."""
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(4, 3, 2, 2, generator=g).contiguous(memory_format=torch.channels_last)
+
+
+def _lie(scenario: str, rank: int, mesh):
+    """``(tensors, write_data_files keywords)`` of a DTensor whose ranks disagree, or
+    whose local tensor is not what its placement gives this rank (``run_check=False``)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    whole = torch.arange(18, dtype=torch.float32).reshape(6, 3)
+    half = whole[rank * 3:(rank + 1) * 3].clone()
+    shape, local, kwargs = (6, 3), half, {}
+    if scenario == "lie-shard-rows":  # Shard(0) of 6 rows over 2 ranks is 3 + 3; the ranks hold 2 + 4
+        local = whole[:2].clone() if rank == 0 else whole[2:].clone()
+    if scenario == "lie-shape" and rank == 1:  # the same bytes, the whole (2, 9) on rank 1
+        shape, local = (2, 9), half.reshape(1, 9)
+    if scenario == "lie-dtype" and rank == 1:
+        local = half.view(torch.int32)
+    if scenario == "lie-tag":
+        kwargs["external_tag"] = f"tag{rank}"
+    if scenario == "lie-alignment":
+        kwargs["alignment"] = 16 if rank == 0 else 64
+    if scenario == "channels-last-replicate":
+        return {"cl": DTensor.from_local(channels_last(), mesh, [Replicate()], run_check=False)}, kwargs
+    if scenario == "channels-last-shard":  # DTensor's strides channels_last, its local shards contiguous
+        return {"cl": distribute_tensor(channels_last(), mesh, [Shard(0)])}, kwargs
+    if scenario == "channels-last-local":  # rank r holds rows 2r, 2r + 1, channels_last
+        local = channels_last()[rank * 2:(rank + 1) * 2]
+        return {"cl": DTensor.from_local(local, mesh, [Shard(0)], run_check=False)}, kwargs
+    w = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1))
+    return {"w": w}, kwargs
+
+
+LIES = ("lie-shard-rows", "lie-shape", "lie-dtype", "lie-tag", "lie-alignment", "channels-last-replicate",
+        "channels-last-shard", "channels-last-local")
+
+
 def tag_of(key: str) -> str:
     return "extra" if key.endswith(".zeros") else "model"
 
@@ -141,12 +180,13 @@ def worker(rank: int, world: int, init_file: str, out_root: str, scenarios, resu
 
         mesh = init_device_mesh(device, (world,))
         for scenario in scenarios:
-            tensors = _tensors(scenario, rank, world, mesh, device)
+            tensors, kwargs = _lie(scenario, rank, mesh) if scenario in LIES else (
+                _tensors(scenario, rank, world, mesh, device), {})
             saved = (writer._write_pieces, writer.collate)
             _inject(scenario, rank, world, tensors, writer)
             try:
-                report = write_data_files(tensors, os.path.join(out_root, scenario), external_tag=tag_of,
-                                          alignment=16)
+                report = write_data_files(tensors, os.path.join(out_root, scenario),
+                                          **{"external_tag": tag_of, "alignment": 16, **kwargs})
                 names = sorted(os.path.basename(p) for p, _ in report.files)
                 outcome = f"ok {report.rank_nbytes} {report.dedup_saved_nbytes} {names}"
             except Exception as e:  # noqa: BLE001 - any failure is the scenario's outcome, checked by the test

@@ -18,7 +18,7 @@ from ptdstream.save import write_data_files
 from ptdstream.store import StreamingNamedDataStore
 
 #: The scenarios each group size runs ("kill" ends its group: last).
-SCENARIOS = {1: ["ok", "edges"], 2: ["ok", "edges", "raise", "raise-everywhere", *W.CHANGES, "kill"],
+SCENARIOS = {1: ["ok", "edges"], 2: ["ok", "edges", "raise", "raise-everywhere", *W.CHANGES, *W.LIES, "kill"],
              4: ["ok", "edges"]}
 
 
@@ -33,7 +33,8 @@ def _run(world: int, tmp_path, scenarios, backend: str = "gloo"):
     for scenario in scenarios:
         (root / scenario).mkdir(parents=True, exist_ok=True)
         if (scenario in ("raise", "raise-everywhere", "kill")
-                or scenario in W.CHANGES and scenario != "change-dedup-second"):
+                or scenario in W.CHANGES and scenario != "change-dedup-second"
+                or scenario in W.LIES and scenario != "channels-last-replicate"):
             (root / scenario / "model.ptd").write_bytes(b"previous")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=W.worker,
@@ -238,6 +239,71 @@ def test_a_candidate_changed_before_its_fingerprint_is_refused(group):
                 f"key 'near' float32[256] changed after it was handed over (digest {now} before the plan != {then} "
                 "when handed over); nothing was published")
     assert outcomes["change-before-fingerprint"] == {0: expected, 1: expected}
+
+
+def _refused(root, outcomes, scenario: str, message: str) -> None:
+    """``scenario`` refused on both ranks with ``message``; the folder unchanged."""
+    folder = root / scenario
+    assert sorted(os.listdir(folder)) == ["model.ptd"] and (folder / "model.ptd").read_bytes() == b"previous"
+    assert outcomes[scenario] == {0: message, 1: message}
+
+
+_DISAGREE = {
+    "lie-shape": "shape [6, 3], rank 1 [2, 9]; every rank must pass the same shape",
+    "lie-dtype": "dtype FLOAT, rank 1 INT; every rank must pass the same dtype",
+    "lie-tag": "external tag 'tag0', rank 1 'tag1'; every rank must pass the same external tag",
+    "lie-alignment": "alignment 16, rank 1 64; every rank must pass the same alignment",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", sorted(_DISAGREE))
+def test_a_dtensor_whose_ranks_disagree_is_refused_naming_both(group, scenario):
+    """Rank 1 passes key ``w`` with another whole shape (the same bytes), dtype
+    (the same bytes), tag or alignment than rank 0: refused on every rank, naming
+    the key and both ranks' values; nothing published."""
+    root, outcomes = group(2)
+    _refused(root, outcomes, scenario, "error DistributedWriteError: fingerprint the dedup candidates: ranks 0, 1: "
+             f"LayoutError: key 'w': rank 0 passes {_DISAGREE[scenario]} for a DTensor key; nothing was published")
+
+
+@pytest.mark.slow
+def test_a_shard_holding_other_rows_than_its_placement_gives_is_refused(group):
+    """Shard(0) of 6 rows over 2 ranks is 3 + 3 (torch.chunk); the local tensors
+    (``from_local(..., run_check=False, shape=)``) hold 2 + 4: refused on every rank."""
+    root, outcomes = group(2)
+    why = [f"rank {r}: LayoutError: key 'w': the local tensor has shape [{n}, 3]; the whole [6, 3] placed Shard(0) "
+           f"over 2 ranks gives coordinate {r} shape [3, 3]; pass the local tensor of that shape"
+           for r, n in ((0, 2), (1, 4))]
+    _refused(root, outcomes, "lie-shard-rows",
+             f"error DistributedWriteError: describe the pieces: {'; '.join(why)}; nothing was published")
+
+
+@pytest.mark.slow
+def test_a_channels_last_replicate_dtensor_writes_the_single_process_bytes(tmp_path, group):
+    """Its storage bytes with dim order (0, 2, 3, 1), as one process writes it."""
+    root, outcomes = group(2)
+    assert all(o.startswith("ok") for o in outcomes["channels-last-replicate"].values()), outcomes
+    cl = W.channels_last()
+    _reference({"cl": cl}, tmp_path / "ref")
+    _same_files(root / "channels-last-replicate", tmp_path / "ref", ["model.ptd"])
+    data = (tmp_path / "ref" / "model.ptd").read_bytes()
+    storage = cl.permute(0, 2, 3, 1).contiguous().numpy().tobytes()
+    assert storage in data and cl.contiguous().numpy().tobytes() not in data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scenario", "local"), [("channels-last-shard", [12, 4, 2, 1]),
+                                                 ("channels-last-local", [12, 1, 6, 3])])
+def test_a_channels_last_shard_is_refused(group, scenario, local):
+    """A Shard(0) DTensor with channels_last strides (its local shards contiguous,
+    as ``distribute_tensor`` makes them, or channels_last): refused on every rank."""
+    root, outcomes = group(2)
+    _refused(root, outcomes, scenario, "error DistributedWriteError: describe the pieces: ranks 0, 1: LayoutError: "
+             f"key 'cl': a Shard(0) DTensor of strides [12, 1, 6, 3], its local tensor of strides {local}: not "
+             "contiguous, so its rows are not byte ranges of the whole as one process writes it (channels_last "
+             "included); make the tensor contiguous before sharding it, or pass a Replicate() DTensor; nothing was "
+             "published")
 
 
 @pytest.mark.parametrize("cuts", [[], [1], [7, 8, 9], [65535, 65537, 131072], [100000]])
