@@ -178,6 +178,30 @@ def files_under(folder: str) -> list[str]:
     return sorted(p for p in found if os.path.isfile(p))
 
 
+def fsync_files(folder: str) -> None:
+    """fsync every file under ``folder`` (what upstream's writers leave unsynced)."""
+    for path in files_under(folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def upstream_save(manager: Any, out: str) -> None:
+    """Upstream's save of ``manager`` into ``out``: ``write_to_file`` into ``model.pte``,
+    ``write_tensor_data_to_file``, then every file fsynced (as ``ptdstream.save`` does)."""
+    with open(os.path.join(out, "model.pte"), "wb") as f:
+        manager.write_to_file(f)
+    manager.write_tensor_data_to_file(out)
+    fsync_files(out)
+
+
+def file_digests(folder: str) -> dict[str, tuple[int, str]]:
+    """``{file name: (bytes, xxh3-128 hex)}`` of every file under ``folder``."""
+    return {os.path.basename(p): (os.path.getsize(p), xxh3_file(p)) for p in files_under(folder)}
+
+
 def discard_file(path: str) -> None:
     """Drop every cached page of ``path`` and remove it.
 

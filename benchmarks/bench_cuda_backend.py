@@ -61,7 +61,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (
     RssSampler,
     discard_file,
+    file_digests,
     files_under,
+    fsync_files,
     raw_write_fsync,
     reset_peak_rss,
     status_kib,
@@ -241,16 +243,13 @@ def child_export(args) -> dict:
                 manager.write_to_file(f)
             manager.write_tensor_data_to_file(out)
             res["save_as_is_s"] = time.perf_counter() - save_start
-            for path in files_under(out):
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
+            fsync_files(out)
     res["save"] = save
     res["saved_nbytes"] = sum(os.path.getsize(p) for p in files_under(out))
     res["peak_rss"] = max(rss.peak["VmRSS"], status_kib("VmHWM") * 1024)
     res["gpu_peak_save_nbytes"] = torch.cuda.max_memory_allocated()
     res["gpu_peak_nbytes"] = max(res["gpu_peak_lowering_nbytes"], res["gpu_peak_save_nbytes"])
-    res["files"] = {os.path.basename(p): (os.path.getsize(p), xxh3_file(p)) for p in files_under(out)}
+    res["files"] = file_digests(out)
     if args.variant == "ptdstream":
         # The .pte holds each process's own AOTI .so, so it is compared with
         # upstream's serializer on this same manager (the .ptd across processes).

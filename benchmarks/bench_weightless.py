@@ -44,7 +44,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file
+from _measure import RssSampler, discard_file, file_digests, files_under, reset_peak_rss, status_kib, upstream_save
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -146,19 +146,13 @@ def child(args) -> dict:
         if args.variant != "upstream":
             ptdstream.save(manager, os.path.join(out, "model.pte"))
         else:
-            with open(os.path.join(out, "model.pte"), "wb") as f:
-                manager.write_to_file(f)
-            manager.write_tensor_data_to_file(out)
-            for path in files_under(out):
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
+            upstream_save(manager, out)
         res["save_s"] = time.perf_counter() - t
     res["total_s"] = time.perf_counter() - t0
     peaks = sampler.stop()
     res["peak_rss"] = max(peaks["VmRSS"], status_kib("VmHWM") * 1024)
     res["peak_anon"], res["peak_file"] = peaks["RssAnon"], peaks["RssFile"]
-    res["files"] = {os.path.basename(p): (os.path.getsize(p), xxh3_file(p)) for p in files_under(out)}
+    res["files"] = file_digests(out)
     for p in files_under(out):
         discard_file(p)
     return res

@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, files_under, reset_peak_rss, status_kib, xxh3_file
+from _measure import RssSampler, discard_file, file_digests, files_under, fsync_files, reset_peak_rss, status_kib
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -131,7 +131,7 @@ def child(args) -> dict:
     if args.method == "write_ptd safetensors":
         ptdstream.weights.write_ptd(program, os.path.join(args.out, "B.safetensors"), out)
     elif args.method == "write_ptd dcp":
-        ptdstream.weights.write_ptd(program, os.path.join(args.out, "B.dcp"), out)
+        ptdstream.weights.write_ptd(program, os.path.join(args.out, "B.dcp"), out, format="dcp")
     elif args.method == "upstream":
         import safetensors.torch as st
 
@@ -139,17 +139,14 @@ def child(args) -> dict:
         model.load_state_dict(st.load_file(os.path.join(args.out, "B.safetensors")), assign=True)
         manager = _export(model)
         manager.write_tensor_data_to_file(out)
-        for path in files_under(out):
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        fsync_files(out)
     else:
         _raw_copy(os.path.join(args.out, "B.safetensors"), os.path.join(out, "raw.bin"))
     res["seconds"] = time.perf_counter() - t
     peaks = sampler.stop()
     res["peak_rss"] = max(peaks["VmRSS"], status_kib("VmHWM") * 1024)
     res["peak_anon"], res["peak_file"] = peaks["RssAnon"], peaks["RssFile"]
-    res["files"] = {os.path.basename(p): (os.path.getsize(p), xxh3_file(p)) for p in files_under(out)}
+    res["files"] = file_digests(out)
     for p in files_under(out):
         discard_file(p)
     return res
