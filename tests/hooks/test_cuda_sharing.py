@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
+from conftest import Mlp
 
 from ptdstream.hooks.cuda import sharing
 from ptdstream.hooks.cuda.backend import CudaWeightStream
 from ptdstream.upstream import adapter
-from conftest import Mlp
 
 
 class _Backend:

@@ -122,7 +122,7 @@ def _without_shared(program: Any) -> types.SimpleNamespace:
 
 
 @contextlib.contextmanager
-def sharing_weights(backend: type) -> Iterator[None]:
+def sharing_weights(backend: Any) -> Iterator[None]:
     """While active, ``backend``'s per-method copies share the program's weights.
 
     ``backend`` is an executorch ``BackendDetails`` subclass with
