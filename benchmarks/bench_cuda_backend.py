@@ -467,7 +467,7 @@ def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extr
         res = json.load(f)
     if args.json:
         # Each child's figures as soon as they exist: a run cut short keeps them.
-        with open(f"{args.json}.{variant}.partial", "w") as f:
+        with open(f"{args.json}.{variant}-{weights_on}-m{len(batches)}.partial", "w") as f:
             json.dump(res, f)
     return res
 
@@ -640,7 +640,8 @@ def table(results: list[dict], layers: int) -> str:
         rss_over = ours["peak_rss"] - ours["rss_model"]
         targets = [
             ("ptdstream completes", True),
-            ("host RSS over the model <= ring + 64 MiB (one-time kernel load included)", rss_over <= ring + 64 * MiB),
+            ("host RSS over the model <= ring + 64 MiB (one-time kernel load and AOTI compile included)",
+             rss_over <= ring + 64 * MiB),
             ("GPU peak lowering <= 1.25x weights + largest compile workspace",
              ours["gpu_peak_lowering_nbytes"] <= 1.25 * w + _workspace(ours)),
             ("byte-identical", same_pte and same_other and same_ptd is not False),
@@ -654,6 +655,8 @@ def table(results: list[dict], layers: int) -> str:
         if up is not None and "failed" not in up:
             targets.append(("GPU peak of the save <= upstream's + 64 MiB",
                             ours["gpu_peak_save_nbytes"] <= up["gpu_peak_save_nbytes"] + 64 * MiB))
+            targets.append(("host RSS over the model <= upstream's + ring + 64 MiB",
+                            rss_over <= up["peak_rss"] - up["rss_model"] + ring + 64 * MiB))
         if ours.get("spilled_nbytes"):
             targets = [(what + " (not a target with storages spilled)", None)
                        if what.startswith(("weight handling", "save >=")) else (what, ok) for what, ok in targets]
