@@ -380,6 +380,7 @@ def child_export(args) -> dict:
         res["routed"], res["routed_nbytes"], res["copied_nbytes"], res["twin_nbytes"] = (
             stats.routed, stats.routed_nbytes, stats.copied_nbytes, stats.twin_nbytes)
         res["spilled_nbytes"], res["shared_nbytes"] = stats.spilled_nbytes, stats.shared_nbytes
+        res["hosted_nbytes"] = stats.hosted_nbytes
     res["gpu_peak_lowering_nbytes"] = max(stages.gpu_peak, torch.cuda.max_memory_allocated())
     res["rss_peak_lowering"] = max(rss.peak["VmRSS"], status_kib("VmHWM") * 1024)
     if manager is None:
@@ -619,7 +620,8 @@ def table(results: list[dict], layers: int) -> str:
         first = ours["materialize"][0]["seconds"] + ours["save"]["seconds"]
         later = [m["seconds"] for m in ours["materialize"][1:]]
         lines.append("  ptdstream: methods 2..: " + ", ".join(f"{100 * s / first:.3f}%" for s in later)
-                     + f" of the first; shared with the program {_gib(ours.get('shared_nbytes', 0))} GiB, twins "
+                     + f" of the first; shared with the program {_gib(ours.get('shared_nbytes', 0))} GiB, served "
+                     f"from host weights {_gib(ours.get('hosted_nbytes', 0))} GiB, twins "
                      f"{_gib(ours.get('twin_nbytes', 0))} GiB, device copies {_gib(ours.get('copied_nbytes', 0))} GiB, "
                      f"spilled {_gib(ours.get('spilled_nbytes', 0))} GiB, of {_gib(ours.get('routed_nbytes', 0))} "
                      f"GiB routed")

@@ -130,3 +130,65 @@ def test_stream_opens_without_the_backend_class(monkeypatch):
     monkeypatch.setattr(adapter, "cuda_backend", missing)
     with CudaWeightStream() as stats:
         assert stats.shared_nbytes == 0 and sharing.shared_count() == 0
+
+
+def test_host_weights_are_known_by_name_while_shared():
+    program = _program()
+    assert sharing.host_weight("l1.weight") is None
+    with sharing.sharing_weights(_Backend):
+        for _ in range(2):
+            _Backend.copy_exported_program_for_preprocess(program, [])
+        assert sharing.host_weight("l1.weight") is program.state_dict["l1.weight"]
+        assert sharing.host_weight("l2.bias") is program.state_dict["l2.bias"]
+        assert sharing.host_weight("nope") is None
+        other = _program()  # the same names over other storages: served by neither
+        _Backend.copy_exported_program_for_preprocess(other, [])
+        assert sharing.host_weight("l1.weight") is None
+    assert sharing.host_weight("l2.bias") is None and sharing.shared_count() == 0
+
+
+def test_equal_to_host_compares_every_piece_exactly():
+    from ptdstream.hooks.cuda.hosted import equal_to_host
+
+    torch.manual_seed(1)
+    host = torch.randn(1000, dtype=torch.bfloat16)
+    flat = host.view(torch.uint8).clone()
+    assert equal_to_host(host, flat, compare_nbytes=64)
+    flat[1999] ^= 1  # the last byte, in the last piece
+    assert not equal_to_host(host, flat, compare_nbytes=64)
+    flat[1999] ^= 1
+    assert not equal_to_host(host[1:], flat[2:], compare_nbytes=64)  # past storage offset 0
+    assert not equal_to_host(host.view(10, 100).t(), flat, compare_nbytes=64)  # not contiguous
+    assert not equal_to_host(host[:999], flat[:1998], compare_nbytes=64)  # does not fill its storage
+    assert not equal_to_host(host, flat[:1998], compare_nbytes=64)  # other size
+
+
+def test_a_host_weight_changed_after_lowering_is_refused_at_the_save_naming_the_key(tmp_path):
+    import os
+
+    from ptdstream import StreamingNamedDataStore
+    from ptdstream.errors import IntegrityError
+    from ptdstream.hooks.cuda.hosted import HostWeightSource
+    from ptdstream.hooks.interop import SourceBackedData
+    from ptdstream.save import write_data_files
+    from ptdstream.sources.digest import Fingerprint
+
+    host = torch.arange(4096, dtype=torch.float32)
+    gpu = Fingerprint(host.numel() * 4, "gpu-test", b"\x01" * 32)
+    source = HostWeightSource(host, "CUDA weight storage (16384 bytes) served from the host weight", gpu)
+    assert source.gpu_fingerprint() is gpu and source.expectation.fingerprint is not None
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    store = StreamingNamedDataStore()
+    store.add_named_data("w", SourceBackedData(source, sha256=gpu.digest), external_tag="w")
+    write_data_files(store, str(ok))
+    assert os.listdir(ok) == ["w.ptd"] and host.numpy().tobytes() in (ok / "w.ptd").read_bytes()
+    host[7] = -1.0
+    out = tmp_path / "out"
+    out.mkdir()
+    store = StreamingNamedDataStore()
+    store.add_named_data("w", SourceBackedData(source, sha256=gpu.digest), external_tag="w")
+    with pytest.raises(IntegrityError, match=r"key 'w'.* w\.ptd at offset 256: .*served from the host "
+                                             r"weight.*changed after it was handed over"):
+        write_data_files(store, str(out))
+    assert os.listdir(out) == []

@@ -3,6 +3,8 @@ fingerprint's bounded scratch (needs a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -16,13 +18,14 @@ _LAYERS = 4
 _METHODS = (("b1", 1), ("b2", 2), ("b4", 4))
 
 
-def _model():
+def _model(device="cuda"):
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(_DIM, _DIM, dtype=torch.bfloat16) for _ in range(_LAYERS)]
-                               ).cuda().eval()
+                               ).to(device).eval()
 
 
-def _lower(model, share: bool):
+def _lower(model, share: bool | None, methods=_METHODS):
+    """Lowered inside stream_cuda_weights(share_weights=share); ``None``: upstream's own path."""
     from executorch.backends.cuda.cuda_backend import CudaBackend
     from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
@@ -30,14 +33,15 @@ def _lower(model, share: bool):
 
     from ptdstream.hooks.cuda.backend import stream_cuda_weights
 
-    programs = {name: torch.export.export(model, (torch.randn(b, _DIM, dtype=torch.bfloat16, device="cuda"),))
-                for name, b in _METHODS}
+    device = next(model.parameters()).device
+    programs = {name: torch.export.export(model, (torch.randn(b, _DIM, dtype=torch.bfloat16, device=device),))
+                for name, b in methods}
     partitioners = {name: [CudaPartitioner([CudaBackend.generate_method_name_compile_spec(name),
                                             CompileSpec("max_autotune", b"OFF")])] for name in programs}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    with stream_cuda_weights(share_weights=share) as stats:
+    with stream_cuda_weights(share_weights=share) if share is not None else contextlib.nullcontext() as stats:
         edge = to_edge_transform_and_lower(programs, partitioner=partitioners,
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False))
         torch.cuda.synchronize()
@@ -78,6 +82,28 @@ def test_methods_share_one_copy_of_the_weights_and_keep_upstreams_bytes(tmp_path
     assert ptds and ptds == sorted(n for n in ours if n.endswith(".ptd"))
     for name in ptds:
         assert ours[name] == upstream[name], f"{name} differs from upstream's export"
+
+
+def test_weights_on_the_host_are_served_from_there_with_upstreams_bytes(tmp_path):
+    from conftest import read_folder, reference_files
+
+    import ptdstream
+
+    model = _model("cpu")
+    weights_nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    methods = _METHODS[:2]
+    upstream = reference_files(_lower(model, None, methods)[0], str(tmp_path / "upstream"))
+    manager, stats, peak = _lower(model, True, methods)
+    # No device copy kept and nothing spilled: each storage is the move of a host weight.
+    assert (stats.hosted_nbytes, stats.copied_nbytes, stats.spilled_nbytes) == (weights_nbytes, 0, 0)
+    assert stats.routed_nbytes == len(methods) * weights_nbytes
+    out = tmp_path / "out"
+    out.mkdir()
+    ptdstream.save(manager, str(out / "model.pte"))
+    ours = read_folder(str(out))
+    ptds = sorted(n for n in upstream if n.endswith(".ptd"))
+    assert ptds and all(ours[n] == upstream[n] for n in ptds)
+    assert ours == reference_files(manager, str(tmp_path / "slow"))
 
 
 def test_gpu_fingerprint_scratch_stays_small_and_chunks_join():

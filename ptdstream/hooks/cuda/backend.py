@@ -40,7 +40,9 @@ Weights shared through lowering (``share_weights``, the default): the
 per-method copies executorch makes before the first method compiles share the
 program's weights (:mod:`ptdstream.hooks.cuda.sharing`), so an AOTI storage is
 often the caller's own weight; it is kept by reference (``shared_nbytes``), as
-a twin is.
+a twin is; with the weights on the host, a storage that is the device copy of
+one of them is served from the host tensor (:mod:`ptdstream.hooks.cuda.hosted`,
+``hosted_nbytes``).
 
 CPU-resident AOTI weights keep upstream's path.
 """
@@ -58,7 +60,7 @@ from ...errors import StateError
 from ...sources.base import Expectation, Source
 from ...upstream import adapter
 from ...upstream.patching import is_shadowed, shadowed
-from .sharing import is_shared, sharing_weights
+from .sharing import host_weight, is_shared, sharing_weights
 from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 
 __all__ = ["CudaWeightStats", "CudaWeightStream", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "StreamState",
@@ -82,7 +84,9 @@ class CudaWeightStats:
     storages spilled to a temp file (beyond the device copy budget);
     ``upstream``: storages left to upstream's path (CPU ones); ``shared_nbytes``:
     bytes of distinct storages that are the program's own weights, shared by
-    every method's copy (``share_weights``; no memory added)."""
+    every method's copy (``share_weights``; no memory added); ``hosted_nbytes``:
+    bytes of distinct CUDA storages served from the shared host weight of the
+    same FQN and bytes (weights on the host; no device memory added)."""
 
     routed: int = 0
     routed_nbytes: int = 0
@@ -91,6 +95,7 @@ class CudaWeightStats:
     spilled_nbytes: int = 0
     upstream: int = 0
     shared_nbytes: int = 0
+    hosted_nbytes: int = 0
 
 
 #: The CUDA caching allocator's granularity (bytes): a copy takes whole blocks.
@@ -275,7 +280,7 @@ class CudaWeightStream:
         if guess is not None and guess.nbytes == nbytes and self._same(guess, flat, fingerprints):
             source = guess  # this FQN's storage of an earlier method, unchanged
         else:
-            source = self._find_or_keep(flat, storage, nbytes, fingerprints, path, is_shared(tensor))
+            source = self._find_or_keep(flat, storage, nbytes, fingerprints, path, is_shared(tensor), fqn)
         if fqn is not None:
             self._by_fqn[fqn] = source
         self._pending[path] = source
@@ -302,9 +307,10 @@ class CudaWeightStream:
     def _same(source, flat, fingerprints: list) -> bool:
         """Whether ``source`` holds ``flat``'s bytes (``fingerprints``: flat's, once computed)."""
         from ...sources.cuda_fingerprint import gpu_fingerprint
+        from .hosted import HostWeightSource
         from .spill import SpilledSource
 
-        if isinstance(source, SpilledSource):
+        if isinstance(source, (SpilledSource, HostWeightSource)):
             if not fingerprints:
                 fingerprints.append(gpu_fingerprint(flat))
             return source.gpu_fingerprint() == fingerprints[0]
@@ -313,10 +319,11 @@ class CudaWeightStream:
             return True  # the same memory (a shared weight handed in again by a later method)
         return same_bytes(held, flat)
 
-    def _find_or_keep(self, flat, storage, nbytes, fingerprints, path, shared=False):
+    def _find_or_keep(self, flat, storage, nbytes, fingerprints, path, shared=False, fqn=None):
         """A kept source with ``flat``'s bytes, else a new one (twin, device copy or spill)."""
         from ...sources.cuda import CudaTensorSource
         from ...sources.cuda_fingerprint import gpu_fingerprint
+        from .hosted import HostWeightSource, equal_to_host
         from .spill import SpillFile
 
         wanted = probe(flat, self._positions)
@@ -332,6 +339,7 @@ class CudaWeightStream:
             fingerprints.append(gpu_fingerprint(flat))
         expectation = Expectation(gpu_fingerprint=fingerprints[0])
         budget = self.device_copy_budget_nbytes
+        host = host_weight(fqn) if fqn is not None and not shared and twin is None else None
         source: Source
         if shared:
             # The program's own weight, shared by every method's copy and never
@@ -342,6 +350,10 @@ class CudaWeightStream:
             # A parameter the process holds with these bytes: keep a reference.
             source = CudaTensorSource(twin, label=label + " held by a parameter", expectation=expectation)
             self.stats.twin_nbytes += nbytes
+        elif host is not None and equal_to_host(host, flat):
+            # The device copy of a shared host weight (weights on the host): serve it from there.
+            source = HostWeightSource(host, label + " served from the host weight", fingerprints[0])
+            self.stats.hosted_nbytes += nbytes
         elif budget is None or self.stats.copied_nbytes + _blocks(nbytes) <= budget:
             # Upstream frees (resizes to 0) the AOTI storage once it is written;
             # keep a device-side copy (at device bandwidth) until ptdstream saves it.
@@ -398,7 +410,9 @@ def stream_cuda_weights(
             never released while lowering
             (:func:`ptdstream.hooks.cuda.sharing.sharing_weights`): one copy of
             the weights however many methods, on the GPU or on the host, and the
-            same output. ``False``: upstream's copy per method.
+            same output; with the weights on the host, each storage that is the
+            device copy of one is served from it (:mod:`.hosted`). ``False``:
+            upstream's copy per method.
 
     Raises:
         ImportError: executorch's CUDA backend is not importable.

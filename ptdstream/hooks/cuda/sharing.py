@@ -26,7 +26,9 @@ the program's tensors (mutated buffers are cloned by Inductor's
 skipped.
 
 :func:`is_shared` tells :mod:`ptdstream.hooks.cuda.backend` that an AOTI
-storage is such a weight, so that it keeps a reference instead of a copy.
+storage is such a weight, so that it keeps a reference instead of a copy;
+:func:`host_weight` names the shared host weight a CUDA storage may be the
+device copy of (weights on the host: :mod:`ptdstream.hooks.cuda.hosted`).
 Patches go through :func:`ptdstream.upstream.patching.shadowed`.
 """
 
@@ -41,10 +43,11 @@ from typing import Any
 
 from ...upstream.patching import shadowed
 
-__all__ = ["is_shared", "shared_count", "sharing_copy", "sharing_weights"]
+__all__ = ["host_weight", "is_shared", "shared_count", "sharing_copy", "sharing_weights"]
 
 _lock = threading.Lock()
 _shared: dict[tuple[str, int], list] = {}  # (device, storage data pointer) -> [contexts, tensor kept alive]
+_hosts: dict[str, list] = {}  # FQN -> [contexts, the host tensor, or None when two storages claim it]
 
 
 def _storage_key(tensor: Any) -> tuple[str, int] | None:
@@ -67,46 +70,63 @@ def is_shared(tensor: Any) -> bool:
         return key is not None and key in _shared
 
 
+def host_weight(fqn: str) -> Any:
+    """The shared host tensor registered under ``fqn`` (a ``state_dict`` or
+    ``constants`` key of a program copied inside an active context), or ``None``
+    (none, or two different storages under that name)."""
+    with _lock:
+        entry = _hosts.get(fqn)
+        return entry[1] if entry is not None else None
+
+
 def shared_count() -> int:
     """Storages registered as shared (across active contexts)."""
     with _lock:
         return len(_shared)
 
 
-def _program_tensors(program: Any) -> list:
+def _program_tensors(program: Any) -> list[tuple[str, Any]]:
     import torch
 
-    return [t for values in (program.state_dict, program.constants) for t in values.values()
+    return [(k, t) for values in (program.state_dict, program.constants) for k, t in values.items()
             if isinstance(t, torch.Tensor)]
 
 
 def sharing_copy(program: Any, registered: list) -> Any:
     """``copy.deepcopy(program)`` sharing its ``state_dict`` and ``constants`` tensors.
 
-    Registers each shared tensor's storage (see :func:`is_shared`) and appends
-    its key to ``registered`` (the caller unregisters them).
+    Registers each shared tensor's storage (see :func:`is_shared`) and each
+    host one by name (see :func:`host_weight`), and appends what it registered
+    to ``registered`` (the caller unregisters them).
     """
     tensors = _program_tensors(program)
     with _lock:
-        for t in tensors:
+        for fqn, t in tensors:
             key = _storage_key(t)
             if key is None:
                 continue
             entry = _shared.setdefault(key, [0, t])
             entry[0] += 1
             registered.append(key)
-    return copy.deepcopy(program, {id(t): t for t in tensors})
+            if key[0] == "cpu":
+                host = _hosts.setdefault(fqn, [0, t])
+                if host[1] is not None and _storage_key(host[1]) != key:
+                    host[1] = None  # two storages under one name: serve neither from the host
+                host[0] += 1
+                registered.append(fqn)
+    return copy.deepcopy(program, {id(t): t for _, t in tensors})
 
 
 def _unregister(registered: list) -> None:
     with _lock:
         for key in registered:
-            entry = _shared.get(key)
+            table: dict = _hosts if isinstance(key, str) else _shared
+            entry = table.get(key)
             if entry is None:
                 continue
             entry[0] -= 1
             if entry[0] <= 0:
-                del _shared[key]
+                del table[key]
         registered.clear()
 
 
