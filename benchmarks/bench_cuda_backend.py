@@ -239,7 +239,9 @@ def aoti_outputs(args, so: dict[str, bytes], weights: dict, methods: dict[str, i
         try:
             runner = torch._C._aoti.AOTIModelContainerRunnerCuda(path, 1, "cuda")
             names = runner.get_constant_names_to_original_fqns()
-            runner.update_constant_buffer({k: weights[fqn] for k, fqn in names.items()}, False, True)
+            # Keyed by internal name and by FQN (releases differ in which one they look up).
+            bound = {k: weights[fqn] for k, fqn in names.items()}
+            runner.update_constant_buffer({**{names[k]: t for k, t in bound.items()}, **bound}, False, True)
             g = torch.Generator(device="cuda").manual_seed(1234 + methods[name])
             x = torch.randn(methods[name], dim, dtype=torch.bfloat16, device="cuda", generator=g)
             out = runner.run([x])[0]
