@@ -192,3 +192,29 @@ def test_a_host_weight_changed_after_lowering_is_refused_at_the_save_naming_the_
                                              r"weight.*changed after it was handed over"):
         write_data_files(store, str(out))
     assert os.listdir(out) == []
+
+
+def test_upstreams_lowering_and_release_are_what_the_sharing_relies_on():
+    """executorch's lowering makes every method's copy before preprocess_multimethod, and
+    CudaBackend's release reads only the moved program's state_dict and constants (so the
+    view without the shared tensors is all it frees); read from the source, which needs no
+    GPU nor triton."""
+    import ast
+    import importlib.util
+    import inspect
+    import pathlib
+
+    from executorch.exir.backend import backend_api
+
+    lower = inspect.getsource(backend_api.lower_all_submodules_to_backend)
+    assert lower.index("copy_exported_program_for_preprocess") < lower.index("preprocess_multimethod")
+    spec = importlib.util.find_spec("executorch")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "backends" / "cuda" / "cuda_backend.py"
+    tree = ast.parse(path.read_text())
+    release = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "release_moved_tensors")
+    reads = {c.args[1].value for c in ast.walk(release) if isinstance(c, ast.Call)
+             and getattr(c.func, "id", None) == "getattr" and isinstance(c.args[1], ast.Constant)}
+    attrs = {a.attr for a in ast.walk(release) if isinstance(a, ast.Attribute)
+             and isinstance(a.value, ast.Name) and a.value.id == "device_edge_program"}
+    assert reads == {"state_dict", "constants"} and attrs == set()
+    assert "resize_" in ast.unparse(release)

@@ -320,7 +320,8 @@ class CudaWeightStream:
         return same_bytes(held, flat)
 
     def _find_or_keep(self, flat, storage, nbytes, fingerprints, path, shared=False, fqn=None):
-        """A kept source with ``flat``'s bytes, else a new one (twin, device copy or spill)."""
+        """A kept source with ``flat``'s bytes, else a new one (shared weight, twin, host weight,
+        device copy or spill)."""
         from ...sources.cuda import CudaTensorSource
         from ...sources.cuda_fingerprint import gpu_fingerprint
         from .hosted import HostWeightSource, equal_to_host
