@@ -44,9 +44,10 @@ ROW_NBYTES = 4096
 COLUMNS = 16
 HASHES = 4
 PRIME = (1 << 61) - 1
-#: Rows per matrix product: 1 Mi rows = 4 GiB of input at a time. Fewer, larger
-#: steps keep kernel launches from dominating.
-CHUNK_ROWS = 1 << 20
+#: Rows per matrix product: 16 Ki rows = 64 MiB of input at a time, so the
+#: scratch (about 1.35 KiB per row) stays near 21 MiB whatever the input's size,
+#: while the steps stay few enough for kernel launches not to dominate.
+CHUNK_ROWS = 1 << 14
 _MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
 _SEED = secrets.randbits(62)
 ALGO = f"gpu-int8mm16-p61x4:{_SEED:016x}"
@@ -99,8 +100,8 @@ def gpu_fingerprint(flat: torch.Tensor) -> Fingerprint:
     """Fingerprint a contiguous CUDA ``uint8`` tensor (any size, 0 included).
 
     Reads the data once on the device; host traffic is 32 bytes. Memory added on
-    the device: about ``CHUNK_ROWS * 16 * 8 * 10`` bytes (1.3 GiB at most, for
-    inputs of 4 GiB or more; proportionally less for smaller ones).
+    the device: about ``1.35 KiB * min(CHUNK_ROWS, rows)`` (21 MiB at most, for
+    inputs of 64 MiB or more; proportionally less for smaller ones).
 
     Raises:
         ValueError: the tensor is not a contiguous 1-D uint8 CUDA tensor.

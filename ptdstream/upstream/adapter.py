@@ -25,6 +25,7 @@ __all__ = [
     "backend_config_argument",
     "cached_sha256",
     "cord_items",
+    "cuda_backend",
     "cuda_weight_collector",
     "emitter_class",
     "emitter_module",
@@ -273,6 +274,19 @@ def cuda_weight_collector():
         ImportError: executorch's CUDA backend is not importable.
     """
     return resolve(_COLLECTOR)
+
+
+def cuda_backend() -> type[Any]:
+    """executorch's ``CudaBackend`` class (``backends/cuda/cuda_backend.py``), whose
+    ``copy_exported_program_for_preprocess`` and ``release_moved_tensors``
+    :mod:`ptdstream.hooks.cuda.sharing` replaces.
+
+    Raises:
+        ImportError: executorch's CUDA backend is not importable (it needs triton).
+    """
+    for name in ("copy_exported_program_for_preprocess", "release_moved_tensors"):
+        resolve("executorch.backends.cuda.cuda_backend", f"CudaBackend.{name}")
+    return resolve("executorch.backends.cuda.cuda_backend", "CudaBackend")
 
 
 def int_mm(a: Any, b: Any) -> Any:

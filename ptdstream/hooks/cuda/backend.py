@@ -36,6 +36,14 @@ checked against the xxh3-128 digest taken when they were spilled.
 Dedup classes are upstream's, except that a CUDA storage and a non-CUDA blob
 with equal bytes are not merged (their digests differ in kind).
 
+Weights shared through lowering (``share_weights``, the default): the
+per-method copies executorch makes before the first method compiles share the
+program's weights (:mod:`ptdstream.hooks.cuda.sharing`), so an AOTI storage is
+often the caller's own weight; it is kept by reference (``shared_nbytes``), as
+a twin is; with the weights on the host, a storage that is the device copy of
+one of them is served from the host tensor (:mod:`ptdstream.hooks.cuda.hosted`,
+``hosted_nbytes``).
+
 CPU-resident AOTI weights keep upstream's path.
 """
 
@@ -52,6 +60,7 @@ from ...errors import StateError
 from ...sources.base import Expectation, Source
 from ...upstream import adapter
 from ...upstream.patching import is_shadowed, shadowed
+from .sharing import host_weight, is_shared, sharing_weights
 from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 
 __all__ = ["CudaWeightStats", "CudaWeightStream", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "StreamState",
@@ -73,7 +82,11 @@ class CudaWeightStats:
     ``twin_nbytes``: bytes of distinct storages served by a parameter the process
     already held (no memory added); ``spilled_nbytes``: bytes of distinct
     storages spilled to a temp file (beyond the device copy budget);
-    ``upstream``: storages left to upstream's path (CPU ones)."""
+    ``upstream``: storages left to upstream's path (CPU ones); ``shared_nbytes``:
+    bytes of distinct storages that are the program's own weights, shared by
+    every method's copy (``share_weights``; no memory added); ``hosted_nbytes``:
+    bytes of distinct CUDA storages served from the shared host weight of the
+    same FQN and bytes (weights on the host; no device memory added)."""
 
     routed: int = 0
     routed_nbytes: int = 0
@@ -81,6 +94,8 @@ class CudaWeightStats:
     twin_nbytes: int = 0
     spilled_nbytes: int = 0
     upstream: int = 0
+    shared_nbytes: int = 0
+    hosted_nbytes: int = 0
 
 
 #: The CUDA caching allocator's granularity (bytes): a copy takes whole blocks.
@@ -119,8 +134,9 @@ class CudaWeightStream:
 
     def __init__(self, trim_host_memory: bool = False, twins: bool = True,
                  device_copy_budget_nbytes: int | None = DEVICE_COPY_BUDGET_NBYTES,
-                 spill_dir: str | None = None) -> None:
+                 spill_dir: str | None = None, share_weights: bool = True) -> None:
         self.trim_host_memory = trim_host_memory
+        self.share_weights = share_weights
         self.twins = twins
         self.device_copy_budget_nbytes = device_copy_budget_nbytes
         self.spill_dir = spill_dir
@@ -183,6 +199,13 @@ class CudaWeightStream:
             patches.enter_context(shadowed(collector.CudaWeightCollector, "materialize", materialize))
             if not self.trim_host_memory:
                 patches.enter_context(shadowed(collector, "trim_host_memory", lambda: None))
+            if self.share_weights:
+                try:
+                    backend = adapter.cuda_backend()
+                except ImportError:  # no CudaBackend class (no triton): no lowering to share for
+                    backend = None
+                if backend is not None:
+                    patches.enter_context(sharing_weights(backend))
             self._patches = patches.pop_all()
         self.state = StreamState.ROUTING
         return self.stats
@@ -257,7 +280,7 @@ class CudaWeightStream:
         if guess is not None and guess.nbytes == nbytes and self._same(guess, flat, fingerprints):
             source = guess  # this FQN's storage of an earlier method, unchanged
         else:
-            source = self._find_or_keep(flat, storage, nbytes, fingerprints, path)
+            source = self._find_or_keep(flat, storage, nbytes, fingerprints, path, is_shared(tensor), fqn)
         if fqn is not None:
             self._by_fqn[fqn] = source
         self._pending[path] = source
@@ -284,18 +307,24 @@ class CudaWeightStream:
     def _same(source, flat, fingerprints: list) -> bool:
         """Whether ``source`` holds ``flat``'s bytes (``fingerprints``: flat's, once computed)."""
         from ...sources.cuda_fingerprint import gpu_fingerprint
+        from .hosted import HostWeightSource
         from .spill import SpilledSource
 
-        if isinstance(source, SpilledSource):
+        if isinstance(source, (SpilledSource, HostWeightSource)):
             if not fingerprints:
                 fingerprints.append(gpu_fingerprint(flat))
             return source.gpu_fingerprint() == fingerprints[0]
-        return same_bytes(source._flat(), flat)
+        held = source._flat()
+        if held.data_ptr() == flat.data_ptr() and held.numel() == flat.numel() and held.device == flat.device:
+            return True  # the same memory (a shared weight handed in again by a later method)
+        return same_bytes(held, flat)
 
-    def _find_or_keep(self, flat, storage, nbytes, fingerprints, path):
-        """A kept source with ``flat``'s bytes, else a new one (twin, device copy or spill)."""
+    def _find_or_keep(self, flat, storage, nbytes, fingerprints, path, shared=False, fqn=None):
+        """A kept source with ``flat``'s bytes, else a new one (shared weight, twin, host weight,
+        device copy or spill)."""
         from ...sources.cuda import CudaTensorSource
         from ...sources.cuda_fingerprint import gpu_fingerprint
+        from .hosted import HostWeightSource, equal_to_host
         from .spill import SpillFile
 
         wanted = probe(flat, self._positions)
@@ -305,17 +334,27 @@ class CudaWeightStream:
         finder = self._finder
         if finder is None and self.twins:
             finder = TwinFinder({storage.data_ptr()}, self._positions)
-        twin = finder.find(flat, wanted) if finder is not None and nbytes else None
+        twin = finder.find(flat, wanted) if finder is not None and nbytes and not shared else None
         label = f"CUDA weight storage ({nbytes} bytes)"
         if not fingerprints:
             fingerprints.append(gpu_fingerprint(flat))
         expectation = Expectation(gpu_fingerprint=fingerprints[0])
         budget = self.device_copy_budget_nbytes
+        host = host_weight(fqn) if fqn is not None and not shared and twin is None else None
         source: Source
-        if twin is not None:
+        if shared:
+            # The program's own weight, shared by every method's copy and never
+            # released while lowering (sharing.py): keep a reference.
+            source = CudaTensorSource(flat, label=label + " shared with the program", expectation=expectation)
+            self.stats.shared_nbytes += nbytes
+        elif twin is not None:
             # A parameter the process holds with these bytes: keep a reference.
             source = CudaTensorSource(twin, label=label + " held by a parameter", expectation=expectation)
             self.stats.twin_nbytes += nbytes
+        elif host is not None and equal_to_host(host, flat):
+            # The device copy of a shared host weight (weights on the host): serve it from there.
+            source = HostWeightSource(host, label + " served from the host weight", fingerprints[0])
+            self.stats.hosted_nbytes += nbytes
         elif budget is None or self.stats.copied_nbytes + _blocks(nbytes) <= budget:
             # Upstream frees (resizes to 0) the AOTI storage once it is written;
             # keep a device-side copy (at device bandwidth) until ptdstream saves it.
@@ -338,13 +377,16 @@ def stream_cuda_weights(
     twins: bool = True,
     device_copy_budget_nbytes: int | None = DEVICE_COPY_BUDGET_NBYTES,
     spill_dir: str | None = None,
+    share_weights: bool = True,
 ) -> Iterator[CudaWeightStats]:
     """While active, executorch's CUDA backend hands weight storages to ptdstream.
 
     Patches names of ``executorch.backends.cuda.cuda_weight_collector``
     (``_write_tensor_storage``, ``CudaWeightCollector.materialize`` (to learn
     which storages are being collected), the ``FileBackedData`` it uses and, unless
-    ``trim_host_memory``, ``trim_host_memory``) and restores them when the last
+    ``trim_host_memory``, ``trim_host_memory``) and, with ``share_weights``,
+    ``CudaBackend.copy_exported_program_for_preprocess`` and
+    ``release_moved_tensors``, and restores them when the last
     context exits (:func:`ptdstream.upstream.patching.shadowed`). Lower one model at a
     time: entering a context while another is active raises.
 
@@ -364,6 +406,14 @@ def stream_cuda_weights(
         spill_dir: folder of the spill file (default: the folder upstream's
             collector writes its own temp files to). It needs room for the
             spilled bytes until the save.
+        share_weights: the per-method copies of the program that executorch's
+            ``CudaBackend`` makes before lowering share its weights, which are
+            never released while lowering
+            (:func:`ptdstream.hooks.cuda.sharing.sharing_weights`): one copy of
+            the weights however many methods, on the GPU or on the host, and the
+            same output; with the weights on the host, each storage that is the
+            device copy of one is served from it (:mod:`.hosted`). ``False``:
+            upstream's copy per method.
 
     Raises:
         ImportError: executorch's CUDA backend is not importable.
@@ -371,7 +421,7 @@ def stream_cuda_weights(
         OSError: at entry, a ``spill_dir`` that cannot hold a spill file; while
             lowering, a spill that failed (names the folder and offset).
     """
-    stream = CudaWeightStream(trim_host_memory, twins, device_copy_budget_nbytes, spill_dir)
+    stream = CudaWeightStream(trim_host_memory, twins, device_copy_budget_nbytes, spill_dir, share_weights)
     stats = stream.open()
     try:
         yield stats
