@@ -117,21 +117,23 @@ class WeightsFrom:
         self._identities = {f: _identity(f) for f in checkpoint.files()}
         self.bound_keys: list[str] = []  #: checkpoint keys bound, in binding order
         self.converted_keys: list[str] = []  #: those bound to a converted copy
+        self._refused: set[str] = set()  # changed files already refused
 
     def _files_of(self, key: str) -> list[str]:
         where = self.checkpoint.entries[key].where
         return [where] if where in self._identities else list(self._identities)
 
-    def check_unchanged(self, keys: list[str], when: str) -> None:
+    def check_unchanged(self, keys: list[str], when: str, again: bool = True) -> None:
         """Refuse a change of a checkpoint file that ``keys`` come from since the
-        context opened it.
+        context opened it (``again=False``: not a change this refused before).
 
         Raises:
             IntegrityError: names the file, both identities, the keys and ``when``.
         """
         files = {f: None for key in keys for f in self._files_of(key)}
-        changed = [f for f in files if _identity(f) != self._identities[f]]
+        changed = [f for f in files if _identity(f) != self._identities[f] and (again or f not in self._refused)]
         if changed:
+            self._refused.update(changed)
             file = changed[0]
             names = [key for key in keys if file in self._files_of(key)]
             raise IntegrityError(
@@ -259,7 +261,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
                     shadowed(module, "emit_program", _checking_emit(module.emit_program)):
                 yield weights
             weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "
-                                    "hold the values from before the change)")
+                                    "hold the values from before the change)", again=False)
         finally:
             if weights is not None:
                 weights._open = False

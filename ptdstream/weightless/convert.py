@@ -105,9 +105,11 @@ class ConvertDir:
             return path, fd
 
     def convert(self, source: Source, stored: torch.dtype, dtype: torch.dtype, shape: tuple[int, ...],
-                dim_order: tuple[int, ...], label: str) -> torch.Tensor:
+                dim_order: tuple[int, ...], label: str, chunk_nbytes: int = CHUNK_NBYTES) -> torch.Tensor:
         """``source``'s bytes (a ``stored`` tensor of ``shape`` in ``dim_order``),
-        converted to ``dtype`` into a new file of the folder, mapped back.
+        converted to ``dtype`` into a new file of the folder, mapped back;
+        read in pieces of ``chunk_nbytes`` (an element split between two pieces
+        is joined).
 
         Returns a tensor of ``dtype`` and ``shape`` (dense, in ``dim_order``)
         over the file's private mapping; its storage is exactly the tensor.
@@ -115,8 +117,9 @@ class ConvertDir:
         Raises:
             OSError: creating or writing the file failed (ENOSPC: names the folder
                 and the offset); the file is removed.
-            IntegrityError: the source gave another number of bytes than it
-                said; the file is removed. Errors of the source pass through.
+            IntegrityError: the source does not hold ``shape``'s bytes (no file
+                made), or gave another number of bytes than it said (the file
+                is removed). Errors of the source pass through.
         """
         import torch
 
@@ -125,9 +128,12 @@ class ConvertDir:
             numel *= s
         size_in = torch.empty((), dtype=stored).element_size()
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if source.nbytes != numel * size_in:
+            raise IntegrityError(f"{label}: {source.describe()} holds {source.nbytes} bytes, a {stored} tensor of "
+                                 f"shape {list(shape)} needs {numel * size_in}; nothing converted")
         path, fd = self._create()
         try:
-            self._write(fd, source, stored, dtype, size_in, nbytes, label)
+            self._write(fd, source, stored, dtype, size_in, nbytes, label, chunk_nbytes)
             if nbytes:
                 flat = torch.frombuffer(mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY), dtype=torch.uint8)
             else:
@@ -140,21 +146,21 @@ class ConvertDir:
         return flat.view(dtype).as_strided(shape, _strides(shape, dim_order))
 
     def _write(self, fd: int, source: Source, stored: torch.dtype, dtype: torch.dtype, size_in: int,
-               nbytes: int, label: str) -> None:
+               nbytes: int, label: str, chunk_nbytes: int) -> None:
         import torch
 
         writeback = WritebackWindows(fd, WINDOW_NBYTES)
         done = read = 0
         carry = b""  # the bytes of an element split between two pieces
         try:
-            for piece in source.pieces(BufferRing(CHUNK_NBYTES, count=1)):
+            for piece in source.pieces(BufferRing(chunk_nbytes, count=1)):
                 view = memoryview(piece).cast("B")
                 read += len(view)
                 if read > source.nbytes:
                     raise IntegrityError(f"{label}: {source.describe()} gave more than the {source.nbytes} "
                                          "bytes it said, when converted")
-                if carry:
-                    view = memoryview(carry + bytes(view))
+                if carry or view.readonly:  # torch.frombuffer wants writable memory
+                    view = memoryview(bytearray(carry) + view)
                 whole = len(view) - len(view) % size_in
                 carry = bytes(view[whole:])
                 if not whole:
@@ -178,9 +184,9 @@ class ConvertDir:
         finally:
             writeback.close()
             drop_pages(fd, 0, done)
-        if read != source.nbytes or carry or done != nbytes:
-            raise IntegrityError(f"{label}: {source.describe()} gave {read} bytes, not {source.nbytes}, "
-                                 "when converted")
+        if read != source.nbytes or done != nbytes:
+            raise IntegrityError(f"{label}: {source.describe()} gave {read} bytes, not the {source.nbytes} it "
+                                 "said, when converted")
 
     def remove(self, path: str) -> None:
         """Remove ``path``, one of :attr:`files` (idempotent on the disk)."""
