@@ -102,6 +102,9 @@ class WeightsFrom:
     """What :func:`weights_from` yields: the checkpoint, and the three steps
     :meth:`model`, :meth:`bind` (or :meth:`export`, both at once).
 
+    ``convert_dir`` (a :class:`~ptdstream.weightless.convert.ConvertDir`) holds
+    the converted copies; ``bound_keys`` and ``converted_keys`` list the
+    checkpoint keys bound so far and those bound to a converted copy.
     Valid only inside its ``with`` block (``StateError`` after).
     """
 

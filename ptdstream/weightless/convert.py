@@ -19,8 +19,9 @@ folder (a fresh :func:`tempfile.mkdtemp` one unless the caller names one);
 created, if nothing else is in it), never anything else; the mappings keep the bytes of a removed file
 until the tensors are dropped.
 
-Host memory per conversion: one piece of the source (the ring, 8 MiB), its
-converted copy (up to 2 pieces, float16 -> float32), plus what the source
+Host memory: one piece of the source (the ring, 8 MiB) and its converted copy
+(up to 2 pieces, bfloat16 -> float32), both allocated once per folder and
+reused by every conversion, plus what the source
 itself holds (a DCP tensor is loaded whole, one at a time: see
 :mod:`ptdstream.sources.checkpoint`); page cache: a few writeback windows.
 """
@@ -89,6 +90,19 @@ class ConvertDir:
             self._own = False
         self.files: list[str] = []
         self._names = itertools.count()
+        # one ring and one output buffer, reused by every conversion (memory
+        # freed and allocated again per piece is not given back at once)
+        self._ring: BufferRing | None = None
+        self._out: torch.Tensor | None = None
+
+    def _buffers(self, chunk_nbytes: int, out_nbytes: int) -> tuple[BufferRing, torch.Tensor]:
+        import torch
+
+        if self._ring is None or self._ring.chunk_nbytes != chunk_nbytes:
+            self._ring = BufferRing(chunk_nbytes, count=1)
+        if self._out is None or self._out.numel() < out_nbytes:
+            self._out = torch.empty(out_nbytes, dtype=torch.uint8)
+        return self._ring, self._out
 
     def _create(self) -> tuple[str, int]:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -149,11 +163,13 @@ class ConvertDir:
                nbytes: int, label: str, chunk_nbytes: int) -> None:
         import torch
 
+        size_out = torch.empty((), dtype=dtype).element_size()
+        ring, out_buffer = self._buffers(chunk_nbytes, (chunk_nbytes // size_in + 1) * size_out)
         writeback = WritebackWindows(fd, WINDOW_NBYTES)
         done = read = 0
         carry = b""  # the bytes of an element split between two pieces
         try:
-            for piece in source.pieces(BufferRing(chunk_nbytes, count=1)):
+            for piece in source.pieces(ring):
                 view = memoryview(piece).cast("B")
                 read += len(view)
                 if read > source.nbytes:
@@ -168,8 +184,10 @@ class ConvertDir:
                 if stored == dtype:
                     out = view[:whole]
                 else:
-                    converted = torch.frombuffer(view[:whole], dtype=stored).to(dtype)
-                    out = memoryview(converted.view(torch.uint8).numpy()).cast("B")
+                    # copy_ casts as .to(dtype) does (the same kernel), into the reused buffer
+                    converted = out_buffer[: whole // size_in * size_out].view(dtype)
+                    converted.copy_(torch.frombuffer(view[:whole], dtype=stored))
+                    out = converted.view(torch.uint8).numpy().data.cast("B")
                 try:
                     pwrite_all(fd, out, done)
                 except OSError as e:
