@@ -31,8 +31,9 @@ A checkpoint tensor stored in another float dtype than the export's (float32,
 float16, bfloat16, to one another), and every tensor of a DCP checkpoint (loaded,
 not mapped), is bound to a copy: converted piece by piece into a temporary file
 of ``convert_dir`` and mapped back (:mod:`ptdstream.weightless.convert`), made
-by :meth:`WeightsFrom.bind` after every check passed; the files are removed when
-the context exits (also after an exception).
+by :meth:`WeightsFrom.bind` after every check passed; each file is removed once
+mapped (the mapping keeps it), what is left when the context exits (also after
+an exception) too.
 
 The checkpoint's files must not change from when the context opens them until
 the save: each file's identity (:class:`~ptdstream.sources.base.FileIdentity`)
@@ -163,10 +164,16 @@ class WeightsFrom:
         or ``{method: ExportedProgram}``, changed in place and returned) to the
         checkpoint's tensor of its FQN (through ``key_map``).
 
-        Checks everything first: nothing is bound if anything is wrong.
+        Checks everything first: nothing is converted or bound if anything is
+        wrong. Then converts what the plan converts (another float dtype, or a
+        DCP checkpoint), then binds.
 
         Raises:
-            BindingError: every missing key, extra key, wrong dtype or shape, at once.
+            BindingError: every missing key, extra key, dtype that is not
+                converted, wrong shape or dim order, at once.
+            IntegrityError: a checkpoint file changed since the context opened
+                it, before or while a key was converted (names file and key).
+            OSError: a converted copy could not be written (names ``convert_dir``).
         """
         self._check_open("bind")
         methods = programs if isinstance(programs, Mapping) else {"forward": programs}
@@ -182,23 +189,16 @@ class WeightsFrom:
         return programs
 
     def _convert(self, dtypes: Mapping[str, Any]) -> dict[str, Any]:
-        """Each key's converted copy (``dtypes``: key -> the export's dtype), all or
-        none: the files of a failed call are removed."""
-        made = len(self.convert_dir.files)
+        """Each key's converted copy (``dtypes``: key -> the export's dtype); a
+        failed call leaves no file (each conversion removes its own) and binds nothing."""
         out: dict[str, Any] = {}
-        try:
-            for key, dtype in dtypes.items():
-                entry = self.checkpoint.entries[key]
-                self.check_unchanged([key], f"before key {key!r} was converted")
-                out[key] = self.convert_dir.convert(
-                    self.checkpoint.source(key), entry.dtype, dtype, entry.shape, entry.dim_order,
-                    f"{entry.where}: key {key!r} ({entry.dtype} -> {dtype})")
-                self.check_unchanged([key], f"while key {key!r} was converted")
-        except BaseException:
-            out.clear()
-            for path in self.convert_dir.files[made:]:
-                self.convert_dir.remove(path)
-            raise
+        for key, dtype in dtypes.items():
+            entry = self.checkpoint.entries[key]
+            self.check_unchanged([key], f"before key {key!r} was converted")
+            out[key] = self.convert_dir.convert(
+                self.checkpoint.source(key), entry.dtype, dtype, entry.shape, entry.dim_order,
+                f"{entry.where}: key {key!r} ({entry.dtype} -> {dtype})")
+            self.check_unchanged([key], f"while key {key!r} was converted")
         return out
 
     def export(self, model: Any, args: tuple, **kwargs: Any) -> Any:
@@ -237,8 +237,8 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
     ``key_map``: ``{fqn: checkpoint key}`` for names that differ.
     ``allow_extra``: ignore checkpoint keys no constant uses. ``convert_dir``:
     the folder converted copies are written to (tensors stored in another
-    float dtype, every DCP tensor; files 0600, removed at exit); default: a
-    new temporary folder, removed at exit.
+    float dtype, every DCP tensor; files 0600, each removed once mapped back);
+    default: a new temporary folder, removed at exit.
     Host memory: the checkpoint's metadata and, while saving, the ring; weights
     are read in pieces from the mapping (or the converted copy) and paged out;
     a DCP tensor is loaded whole while it is converted, one at a time. See the

@@ -14,10 +14,12 @@ order: every later stage reads it as it reads a mapped checkpoint (the
 emitter's and XNNPACK's references page it out piece by piece).
 
 Files: created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 in the
-folder (a fresh :func:`tempfile.mkdtemp` one unless the caller names one);
-:meth:`ConvertDir.close` removes the files it created (and the folder it
-created, if nothing else is in it), never anything else; the mappings keep the bytes of a removed file
-until the tensors are dropped.
+folder (a fresh :func:`tempfile.mkdtemp` one unless the caller names one), and
+removed as soon as they are mapped back: the mapping keeps the bytes (and the
+disk space) until the tensor is dropped, and no file is left behind even if
+the process is killed then (a kill while one is written leaves that one).
+:meth:`ConvertDir.close` removes what is left of the files it created (and the
+folder it created, if nothing else is in it), never anything else.
 
 Host memory: one piece of the source (the ring, 8 MiB) and its converted copy
 (up to 2 pieces, bfloat16 -> float32), both allocated once per folder and
@@ -126,7 +128,8 @@ class ConvertDir:
         is joined).
 
         Returns a tensor of ``dtype`` and ``shape`` (dense, in ``dim_order``)
-        over the file's private mapping; its storage is exactly the tensor.
+        over the file's private mapping (the file removed already); its
+        storage is exactly the tensor.
 
         Raises:
             OSError: creating or writing the file failed (ENOSPC: names the folder
@@ -156,7 +159,8 @@ class ConvertDir:
             os.close(fd)
             self.remove(path)
             raise
-        os.close(fd)  # the mapping keeps the file
+        os.close(fd)
+        self.remove(path)  # the mapping keeps the bytes
         return flat.view(dtype).as_strided(shape, _strides(shape, dim_order))
 
     def _write(self, fd: int, source: Source, stored: torch.dtype, dtype: torch.dtype, size_in: int,

@@ -76,9 +76,7 @@ def test_checkpoint_in_another_dtype_saves_the_converted_real_exports_bytes(tmp_
         bound = program.state_dict["l1.weight"]
         assert bound.dtype == exported
         assert torch.equal(bound, weights.checkpoint.tensor("l1.weight").to(exported))
-        made = sorted(os.listdir(tmp_path / "conv"))
-        assert len(made) == 4 and all(n.startswith(".ptdstream-convert-") for n in made)
-        assert all(stat.S_IMODE(os.stat(tmp_path / "conv" / n).st_mode) == 0o600 for n in made)
+        assert os.listdir(tmp_path / "conv") == []  # each copy removed once mapped: the mapping keeps it
         manager = _lower(program)
         constants = adapter.manager_parts(manager).external_constant_buffer
         assert all(getattr(c, "file_mapped", False) for c in constants)  # references to the mapped copies
@@ -100,7 +98,7 @@ def test_dcp_checkpoint_saves_the_real_exports_bytes(tmp_path):
         assert program.state_dict["head.weight"] is program.state_dict["embed.weight"]  # tied: bound once
         assert sorted(weights.converted_keys) == ["embed.weight", "mix.bias", "mix.weight"]
         folder = weights.convert_dir.folder
-        assert len(os.listdir(folder)) == 3
+        assert os.path.isdir(folder) and os.listdir(folder) == []
         _save(_lower(program), tmp_path / "weightless")
     assert not os.path.exists(folder)  # the default folder goes with its files
     assert read_folder(str(tmp_path / "weightless")) == read_folder(str(tmp_path / "real"))
@@ -154,9 +152,29 @@ def test_conversion_across_piece_boundaries_is_torchs_to(tmp_path):
     assert back.stride() == (1, 10)  # the checkpoint's dim order
     assert bytes(back.t().contiguous().view(torch.uint8).numpy()) == bytes(
         values.to(torch.bfloat16).to(torch.float32).view(torch.uint8).numpy())
-    assert len(os.listdir(tmp_path)) == 3
+    assert os.listdir(tmp_path) == []  # removed once mapped
     folder.close()
-    assert os.listdir(tmp_path) == []
+    assert os.path.isdir(tmp_path)  # a folder given is kept
+
+
+def test_copies_are_created_exclusive_0600_and_removed_once_mapped(tmp_path, monkeypatch):
+    made = []
+    real_open = os.open
+
+    def spy(path, flags, mode=0o777, **kwargs):
+        fd = real_open(path, flags, mode, **kwargs)
+        if str(path).startswith(str(tmp_path)):
+            made.append((os.path.basename(path), flags, mode, stat.S_IMODE(os.fstat(fd).st_mode)))
+        return fd
+
+    monkeypatch.setattr(os, "open", spy)
+    folder = ConvertDir(tmp_path)
+    got = folder.convert(MemorySource(b"\x80\x3f" * 4), torch.bfloat16, torch.float32, (4,), (0,), "t")
+    assert torch.equal(got, torch.ones(4))
+    [(name, flags, mode, on_disk)] = made
+    assert name.startswith(".ptdstream-convert-0-")
+    assert flags & os.O_CREAT and flags & os.O_EXCL and flags & os.O_NOFOLLOW and mode == on_disk == 0o600
+    assert os.listdir(tmp_path) == [] and folder.files == []
 
 
 def test_short_source_leaves_no_file(tmp_path):
@@ -193,7 +211,6 @@ def test_temp_files_are_removed_after_an_exception_in_the_block(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with weights_from(ckpt, convert_dir=tmp_path / "conv") as weights:
             program = weights.export(weights.model(Mlp), example_inputs(Mlp()))
-            assert len(os.listdir(tmp_path / "conv")) == 5
             raise KeyboardInterrupt
     assert os.listdir(tmp_path / "conv") == ["mine"]  # only what it made is removed
     assert torch.equal(program.state_dict["l2.bias"], state["l2.bias"].float())  # the mapping keeps the bytes
@@ -223,7 +240,7 @@ def test_checkpoint_changed_between_bind_and_emission_is_refused_by_key(tmp_path
             "'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias'; a checkpoint must not change") in message
 
 
-def test_checkpoint_changed_after_emission_is_refused(tmp_path):
+def test_converted_checkpoint_changed_after_emission_is_reported_at_exit(tmp_path):
     state = {k: v.to(torch.bfloat16) for k, v in state_of(_seeded(Mlp)).items()}
     ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
     with pytest.raises(IntegrityError) as caught:
@@ -231,6 +248,7 @@ def test_checkpoint_changed_after_emission_is_refused(tmp_path):
             manager = _lower(weights.export(weights.model(Mlp), example_inputs(Mlp())))
             _scribble(ckpt)
             _save(manager, tmp_path / "out")  # the copies hold the values as they were converted
+    assert sorted(os.listdir(tmp_path / "out")) == [PTD, "model.pte"]
     assert f"checkpoint file {ckpt}: changed after weights_from opened it" in str(caught.value)
     assert ("before weights_from exited (its converted copies hold the values from before the change): 4 bound "
             "key(s) come from it: 'l1.weight'") in str(caught.value)
