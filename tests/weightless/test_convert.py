@@ -115,16 +115,14 @@ def _xnnpack_tagged(program, inputs):
         p, partitioner=[XnnpackPartitioner()]).to_executorch(ExecutorchBackendConfig())
 
 
-@pytest.mark.parametrize("kind", ["bf16-safetensors", "dcp"])
-def test_xnnpack_tagged_weights_from_converted_copies_save_the_real_exports_bytes(tmp_path, kind):
-    stored = torch.bfloat16 if kind == "bf16-safetensors" else torch.float32
-    state = {k: v.to(stored) for k, v in state_of(_seeded(Mlp)).items()}
+def test_xnnpack_tagged_weights_from_converted_copies_save_the_real_exports_bytes(tmp_path):
+    state = {k: v.to(torch.bfloat16) for k, v in state_of(_seeded(Mlp)).items()}
     inputs = example_inputs(Mlp())
     program, lower = _xnnpack_tagged(torch.export.export(_with_weights(Mlp, state, torch.float32), inputs,
                                                          strict=False), inputs)
     _save(lower(program), tmp_path / "real")
-    ckpt = save_checkpoint("dcp" if kind == "dcp" else "safetensors", state, tmp_path / "ckpt")
-    with weights_from(ckpt, format="dcp" if kind == "dcp" else "auto") as weights:
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
         fake, lower = _xnnpack_tagged(torch.export.export(weights.model(Mlp), inputs, strict=False), inputs)
         weights.bind(fake)
         assert len(weights.converted_keys) == 4
