@@ -219,8 +219,10 @@ class ConvertDir:
         self.files.remove(path)
 
     def close(self) -> None:
-        """Remove every file made here (and the folder, if this made it); idempotent.
-        Tensors mapped from them stay valid (the mappings keep the bytes)."""
+        """Remove every file made here (and the folder, if this made it) and free
+        the buffers; idempotent. Tensors mapped from the files stay valid (the
+        mappings keep the bytes)."""
+        self._ring = self._out = None
         for path in list(self.files):
             self.remove(path)
         if self._own:
