@@ -223,17 +223,19 @@ def _scribble(path) -> None:
         f.write(b"\x01\x02\x03\x04")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["mapped", "converted"])
-def test_checkpoint_changed_between_bind_and_emission_is_refused_by_key(tmp_path, dtype):
+@pytest.mark.parametrize("kind", ["mapped", "converted", "dcp"])
+def test_checkpoint_changed_between_bind_and_emission_is_refused_by_key(tmp_path, kind):
+    dtype = torch.bfloat16 if kind == "converted" else torch.float32
     state = {k: v.to(dtype) for k, v in state_of(_seeded(Mlp)).items()}
-    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
-    with weights_from(ckpt) as weights:
+    ckpt = save_checkpoint("dcp" if kind == "dcp" else "safetensors", state, tmp_path / "ckpt")
+    changed = os.path.join(ckpt, "__0_0.distcp") if kind == "dcp" else ckpt
+    with weights_from(ckpt, format="dcp" if kind == "dcp" else "auto") as weights:
         program = weights.export(weights.model(Mlp), example_inputs(Mlp()))
-        _scribble(ckpt)
+        _scribble(changed)
         with pytest.raises(IntegrityError) as caught:
             _lower(program)
     message = str(caught.value)
-    assert message.startswith(f"checkpoint file {ckpt}: changed after weights_from opened it")
+    assert message.startswith(f"checkpoint file {changed}: changed after weights_from opened it")
     assert ("before to_executorch emitted the program (nothing emitted): 4 bound key(s) come from it: "
             "'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias'; a checkpoint must not change") in message
 
