@@ -22,6 +22,12 @@ a fresh Python process:
   from ``weights.model(factory)`` (storage-less parameters), ``weights.export``,
   lowered, emitted and saved with ``ptdstream.save`` inside the block.
 
+With ``--checkpoint-dtype bfloat16`` (or ``float16``) the checkpoint is stored
+in that dtype and the export stays fp32: weightless converts each tensor piece
+by piece into a temporary file (``weights_from``'s converted route); the
+real-weight variants hold the checkpoint's values ``.to(float32)`` (``mapped``
+converts the loaded tensors whole, as a user would).
+
 With ``--xnnpack`` every variant lowers to XNNPACK with the weights tagged to a
 ``.ptd`` (``program.module()``, ``delegate_external_constants_pass_unlifted``,
 re-exported; weightless binds that second program), the real-weight ptdstream
@@ -64,8 +70,19 @@ def prepare(args) -> dict:
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    save_file({k: v.contiguous() for k, v in factory(args.layers).state_dict().items()}, args.checkpoint)
+    dtype = getattr(torch, args.checkpoint_dtype)
+    save_file({k: v.to(dtype).contiguous() for k, v in factory(args.layers).state_dict().items()}, args.checkpoint)
     return {}
+
+
+def round_trip(model, args) -> None:
+    """The model's fp32 weights as the checkpoint holds them, ``.to(checkpoint dtype).to(float32)``, in place."""
+    import torch
+
+    if args.checkpoint_dtype != "float32":
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(getattr(torch, args.checkpoint_dtype)))
 
 
 def lower(program, example, args, by_reference: bool):
@@ -130,10 +147,11 @@ def child(args) -> dict:
         if args.variant == "mapped":
             with torch.device("meta"):
                 model = factory(args.layers)
-            model.load_state_dict(load_file(args.checkpoint), assign=True)
+            model.load_state_dict({k: v.float() for k, v in load_file(args.checkpoint).items()}, assign=True)
         else:
             torch.manual_seed(0)
             model = factory(args.layers)
+            round_trip(model, args)
         program = torch.export.export(model.eval(), example, strict=args.strict)
         program, partitioner, config, (lowering, emitting, to_edge) = lower(
             program, example, args, args.variant != "upstream")
@@ -162,7 +180,7 @@ def run_child(args, variant: str) -> dict:
     result = os.path.join(args.out, "result.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--layers", str(args.layers),
            "--out", args.out, "--result", result, "--checkpoint", args.checkpoint]
-    cmd += ["--strict"] * args.strict + ["--xnnpack"] * args.xnnpack
+    cmd += ["--strict"] * args.strict + ["--xnnpack"] * args.xnnpack + ["--checkpoint-dtype", args.checkpoint_dtype]
     print(f"[{time.strftime('%H:%M:%S')}] {variant}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     os.sync()
@@ -201,6 +219,8 @@ def main() -> int:
     p.add_argument("--strict", action="store_true", help="torch.export(strict=True) (dynamo) in every variant")
     p.add_argument("--xnnpack", action="store_true",
                    help="XNNPACK with the weights tagged to a .ptd (delegate_external_constants_pass_unlifted)")
+    p.add_argument("--checkpoint-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the checkpoint's dtype (the export is fp32: weightless converts per piece)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)

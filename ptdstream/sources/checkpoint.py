@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import FormatError, IntegrityError
+from ..errors import FormatError, IntegrityError, MissingKeyError, StateError
 from .base import BufferRing, Expectation, FileIdentity, Source
 from .fingerprint import Fingerprint, StreamingDigest
 from .safetensors_header import check_safetensors_header
@@ -89,6 +89,35 @@ class Checkpoint:
         """A :class:`~ptdstream.sources.Source` over the bytes of ``key``, in the
         tensor's memory order (``nbytes`` bytes)."""
         raise NotImplementedError
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """``key``'s tensor as a view of the checkpoint's file mapping (safetensors,
+        ``torch.save``): its dtype, shape and strides as in :attr:`entries`, nothing
+        read until it is used; one view per key, the same object each call; valid
+        while the mapping lives (the view keeps it after :meth:`close`).
+
+        Raises:
+            MissingKeyError: the checkpoint has no tensor ``key`` (names the key
+                and the checkpoint).
+            FormatError: a kind whose tensors are loaded, not mapped (DCP): read
+                it with :meth:`source`.
+            StateError: called after :meth:`close`.
+        """
+        if key not in self.entries:
+            raise MissingKeyError(f"{self.path}: no tensor {key!r} in this {self.kind} checkpoint "
+                                  f"({len(self.entries)} tensors); check the key (or key_map)")
+        mapped = self._mapped()
+        if mapped is None:
+            raise FormatError(f"{self.path}: key {key!r}: a {self.kind} checkpoint is loaded, not "
+                              "memory-mapped: it has no mapped view; read its bytes with source(key)")
+        if key not in mapped:
+            raise StateError(f"{self.path}: key {key!r}: tensor() called after the checkpoint was closed: "
+                             "call it while the checkpoint is open")
+        return mapped[key]
+
+    def _mapped(self) -> dict[str, torch.Tensor] | None:
+        """The mapped views by key, or None for a kind that loads its tensors."""
+        return None
 
     def files(self) -> list[str]:
         """The files it reads: ``path`` itself, or every regular file directly in
@@ -216,6 +245,9 @@ class SafetensorsCheckpoint(Checkpoint):
     def files(self) -> list[str]:
         return [*([self.path] if self.path.endswith(".json") else []), *self._opened]
 
+    def _mapped(self) -> dict[str, torch.Tensor]:
+        return self._tensors
+
     def source(self, key: str) -> Source:
         where = self.entries[key].where
         return _mapped_source(self._tensors[key], f"{where}: key {key!r}", self._opened[where])
@@ -300,6 +332,9 @@ class TorchCheckpoint(Checkpoint):
         # other byte order: then only the mapping has the bytes to write.
         return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", self._opened,
                               read_file=self._native)
+
+    def _mapped(self) -> dict[str, torch.Tensor]:
+        return self._tensors
 
     def close(self) -> None:
         self._tensors = {}

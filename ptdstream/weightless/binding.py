@@ -11,10 +11,12 @@ once to one checkpoint tensor.
 
 All checks are made before any program is changed, and every problem is
 reported at once (:class:`BindingError`): a group with no checkpoint key, a
-checkpoint key no group uses, a dtype, shape or dim order that differs. The
-dtype must be equal: a checkpoint stored in another dtype than the export's is
-refused, not converted. A constant that ``constant_prop_pass`` folded from
-storage-less weights has no checkpoint key and is named as such: its values
+checkpoint key no group uses, a dtype, shape or dim order that differs. A
+dtype that differs is converted when both are float32, float16 or bfloat16
+(:func:`~ptdstream.weightless.convert.convertible`; the plan's ``converted``
+names those keys and their export dtype), and refused otherwise. A constant
+that ``constant_prop_pass`` folded from storage-less weights has no checkpoint
+key and is named as such: its values
 need the weights' (a pass run after binding computes them from the mapped
 checkpoint and holds the folded constants in memory).
 """
@@ -22,10 +24,11 @@ checkpoint and holds the folded constants in memory).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointMismatchError, PtdstreamError
+from .convert import CONVERTIBLE, convertible
 from .storage_less import is_storage_less
 
 #: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
@@ -66,6 +69,8 @@ class BindingPlan:
     ``"state_dict"`` or ``"constants"``)."""
 
     groups: Mapping[str, tuple[tuple[str, str, str], ...]]
+    #: checkpoint key -> the export's dtype, for each key stored in another float dtype
+    converted: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _places(programs: Mapping[str, Any]) -> dict[int, list[tuple[str, str, str, Any]]]:
@@ -94,13 +99,14 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
 
     Raises:
         BindingError: every missing key, extra key (unless ``allow_extra``),
-            dtype, shape or dim-order mismatch, all at once.
+            dtype that is not converted, shape or dim-order mismatch, all at once.
     """
     key_map = dict(key_map or {})
     entries = checkpoint.entries
     problems: list[str] = []
     groups: dict[str, tuple[tuple[str, str, str], ...]] = {}
     used: set[str] = set()
+    converted: dict[str, Any] = {}
     for places in _places(programs).values():
         keys = [key_map.get(fqn, fqn) for _, _, fqn, _ in places]
         held = [k for k in dict.fromkeys(keys) if k in entries]
@@ -117,9 +123,9 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
         for key in held:
             entry = entries[key]
             where = f"{names} <- key {key!r} ({entry.where})"
-            if entry.dtype != tensor.dtype:
+            if entry.dtype != tensor.dtype and not convertible(entry.dtype, tensor.dtype):
                 problems.append(f"dtype: {where}: the checkpoint holds {entry.dtype}, the export needs "
-                                f"{tensor.dtype}")
+                                f"{tensor.dtype} (only {', '.join(CONVERTIBLE)} are converted, to one another)")
             if tuple(entry.shape) != tuple(tensor.shape):
                 problems.append(f"shape: {where}: the checkpoint holds {list(entry.shape)}, the export needs "
                                 f"{list(tensor.shape)}")
@@ -127,6 +133,8 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
                 problems.append(f"dim order: {where}: the checkpoint holds {list(entry.dim_order)}, the export "
                                 f"needs {list(_dim_order(tensor))}")
         groups[held[0]] = tuple((m, t, fqn) for m, t, fqn, _ in places)
+        if entries[held[0]].dtype != tensor.dtype:
+            converted[held[0]] = tensor.dtype
     if not allow_extra:
         for key, entry in entries.items():
             if key not in used and checkpoint.aliases.get(key, key) not in used:
@@ -134,7 +142,7 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
                                 "storage-less constant of the export (pass allow_extra=True to ignore it)")
     if problems:
         raise BindingError(checkpoint.path, problems)
-    return BindingPlan(groups)
+    return BindingPlan(groups, converted)
 
 
 def _dim_order(tensor: Any) -> tuple[int, ...]:
@@ -145,7 +153,7 @@ def _dim_order(tensor: Any) -> tuple[int, ...]:
 def bind_programs(programs: Mapping[str, Any], checkpoint: Any, plan: BindingPlan,
                   tensor_of: Any) -> list[Any]:
     """Replace each planned place by the checkpoint's tensor (``tensor_of(key)``:
-    memory-mapped, nothing read), one tensor object per group; parameters stay
+    memory-mapped, or a converted copy mapped from a file), one tensor object per group; parameters stay
     ``torch.nn.Parameter`` with their ``requires_grad``. Returns the tensors placed."""
     import torch
 

@@ -27,6 +27,23 @@ on ``program.module()``, re-exported, then bound) works the same way: inside the
 context XNNPACK keeps unchanged weights by reference and its per-partition copy
 shares the bound tensors (:mod:`ptdstream.weightless.delegates`).
 
+A checkpoint tensor stored in another float dtype than the export's (float32,
+float16, bfloat16, to one another), and every tensor of a DCP checkpoint (loaded,
+not mapped), is bound to a copy: converted piece by piece into a temporary file
+of ``convert_dir`` and mapped back (:mod:`ptdstream.weightless.convert`), made
+by :meth:`WeightsFrom.bind` after every check passed; each file is removed once
+mapped (the mapping keeps it), what is left when the context exits (also after
+an exception) too.
+
+The checkpoint's files must not change from when the context opens them until
+the save: each file's identity (:class:`~ptdstream.sources.base.FileIdentity`)
+is taken when the context opens and checked when a tensor is converted (before
+and after), before emission (``to_executorch`` refuses, naming the keys bound
+from a changed file: nothing emitted, nothing written) and, for converted keys,
+when the context exits normally (``IntegrityError``; a file saved in the block
+then holds the values the checkpoint had when they were converted). Mapped
+tensors changed after emission are refused by the save (the emitter's digest).
+
 What needs the weights' values while exporting is not done per weight:
 ``constant_prop_pass`` run before :meth:`WeightsFrom.bind` leaves folded
 constants that :meth:`~WeightsFrom.bind` refuses by name; run after it, it
@@ -34,9 +51,8 @@ computes them from the mapped checkpoint (the same bytes, but the folded
 constants are held in memory). Quantization (torchao) is not supported (not tried
 on storage-less weights); XNNPACK's packing of transformed weights (4-bit, NHWC or swapped convolutions)
 reads them from the mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
-or a Hugging Face sharded folder) and weights-only ``torch.save``; DCP is
-refused (its tensors are loaded, not mapped). The checkpoint's dtype must be the
-export's (not converted).
+or a Hugging Face sharded folder), weights-only ``torch.save`` (both mapped) and
+DCP (``format="dcp"``, converted: one tensor loaded at a time).
 
 Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
 ``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`)
@@ -53,15 +69,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..errors import FormatError, StateError
+from ..errors import IntegrityError, StateError
 from ..hooks.emitter import constants_by_reference
+from ..sources.base import FileIdentity
 from ..sources.checkpoint import Checkpoint, open_checkpoint
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .binding import UnboundConstantError, bind_programs, plan_binding, unbound_constants
+from .convert import ConvertDir
 from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .storage_less import storage_less_model
 
@@ -70,20 +89,64 @@ __all__ = ["WeightsFrom", "weights_from"]
 #: Checkpoint kinds whose tensors are memory-mapped views (bound without a read).
 MAPPED_KINDS = ("safetensors", "torch")
 
+_local = threading.local()  # the WeightsFrom contexts open in this thread (``stack``)
+
+
+def _identity(path: str) -> FileIdentity | None:
+    try:
+        return FileIdentity.of(os.stat(path))
+    except FileNotFoundError:
+        return None
+
 
 class WeightsFrom:
     """What :func:`weights_from` yields: the checkpoint, and the three steps
     :meth:`model`, :meth:`bind` (or :meth:`export`, both at once).
 
+    ``convert_dir`` (a :class:`~ptdstream.weightless.convert.ConvertDir`) holds
+    the converted copies; ``bound_keys`` and ``converted_keys`` list the
+    checkpoint keys bound so far and those bound to a converted copy.
     Valid only inside its ``with`` block (``StateError`` after).
     """
 
-    def __init__(self, checkpoint: Checkpoint, key_map: Mapping[str, str] | None, allow_extra: bool) -> None:
+    def __init__(self, checkpoint: Checkpoint, key_map: Mapping[str, str] | None, allow_extra: bool,
+                 convert_dir: ConvertDir) -> None:
         self.checkpoint = checkpoint
         self.key_map = dict(key_map or {})
         self.allow_extra = allow_extra
+        self.convert_dir = convert_dir
         self._open = True
         self._bound: list[Any] = []  # every tensor bound (kept alive: XNNPACK's copy shares them by id)
+        #: each checkpoint file -> its identity when the context opened it
+        self._identities = {f: _identity(f) for f in checkpoint.files()}
+        self.bound_keys: list[str] = []  #: checkpoint keys bound, in binding order
+        self.converted_keys: list[str] = []  #: those bound to a converted copy
+        self._refused: set[str] = set()  # changed files already refused
+
+    def _files_of(self, key: str) -> list[str]:
+        where = self.checkpoint.entries[key].where
+        return [where] if where in self._identities else list(self._identities)
+
+    def check_unchanged(self, keys: list[str], when: str, again: bool = True) -> None:
+        """Refuse a change of a checkpoint file that ``keys`` come from since the
+        context opened it (``again=False``: not a change this refused before).
+
+        Raises:
+            IntegrityError: names the file, both identities, the keys and ``when``.
+        """
+        files = {f: None for key in keys for f in self._files_of(key)}
+        changed = [f for f in files if _identity(f) != self._identities[f] and (again or f not in self._refused)]
+        if changed:
+            self._refused.update(changed)
+            file = changed[0]
+            names = [key for key in keys if file in self._files_of(key)]
+            raise IntegrityError(
+                f"checkpoint file {file}: changed after weights_from opened it (device, inode, size, modification "
+                f"and change time {tuple(self._identities[file] or ())} then, {tuple(_identity(file) or ())} now), "
+                f"{when}: {len(names)} bound key(s) come from it: {', '.join(repr(k) for k in names[:20])}"
+                + (f" (and {len(changed) - 1} more changed file(s): {', '.join(changed[1:4])})"
+                   if len(changed) > 1 else "")
+                + "; a checkpoint must not change until the save: export again from an unchanged checkpoint")
 
     def _check_open(self, what: str) -> None:
         if not self._open:
@@ -101,16 +164,42 @@ class WeightsFrom:
         or ``{method: ExportedProgram}``, changed in place and returned) to the
         checkpoint's tensor of its FQN (through ``key_map``).
 
-        Checks everything first: nothing is bound if anything is wrong.
+        Checks everything first: nothing is converted or bound if anything is
+        wrong. Then converts what the plan converts (another float dtype, or a
+        DCP checkpoint), then binds.
 
         Raises:
-            BindingError: every missing key, extra key, wrong dtype or shape, at once.
+            BindingError: every missing key, extra key, dtype that is not
+                converted, wrong shape or dim order, at once.
+            IntegrityError: a checkpoint file changed since the context opened
+                it, before or while a key was converted (names file and key).
+            OSError: a converted copy could not be written (names ``convert_dir``).
         """
         self._check_open("bind")
         methods = programs if isinstance(programs, Mapping) else {"forward": programs}
         plan = plan_binding(methods, self.checkpoint, self.key_map, self.allow_extra)
-        add_bound(self._bound, bind_programs(methods, self.checkpoint, plan, self._mapped_tensor))
+        mapped = self.checkpoint.kind in MAPPED_KINDS
+        converted = self._convert({key: plan.converted.get(key, self.checkpoint.entries[key].dtype)
+                                   for key in plan.groups if not mapped or key in plan.converted})
+        add_bound(self._bound, bind_programs(methods, self.checkpoint, plan,
+                                             lambda key: converted[key] if key in converted
+                                             else self.checkpoint.tensor(key)))
+        self.bound_keys.extend(plan.groups)
+        self.converted_keys.extend(converted)
         return programs
+
+    def _convert(self, dtypes: Mapping[str, Any]) -> dict[str, Any]:
+        """Each key's converted copy (``dtypes``: key -> the export's dtype); a
+        failed call leaves no file (each conversion removes its own) and binds nothing."""
+        out: dict[str, Any] = {}
+        for key, dtype in dtypes.items():
+            entry = self.checkpoint.entries[key]
+            self.check_unchanged([key], f"before key {key!r} was converted")
+            out[key] = self.convert_dir.convert(
+                self.checkpoint.source(key), entry.dtype, dtype, entry.shape, entry.dim_order,
+                f"{entry.where}: key {key!r} ({entry.dtype} -> {dtype})")
+            self.check_unchanged([key], f"while key {key!r} was converted")
+        return out
 
     def export(self, model: Any, args: tuple, **kwargs: Any) -> Any:
         """``bind(torch.export.export(model, args, **kwargs))``."""
@@ -118,13 +207,10 @@ class WeightsFrom:
 
         return self.bind(torch.export.export(model, args, **kwargs))
 
-    def _mapped_tensor(self, key: str) -> Any:
-        # The checkpoint's own mapped view of the key (Checkpoint keeps one per key).
-        return self.checkpoint._tensors[key]  # type: ignore[attr-defined]  # both MAPPED_KINDS keep _tensors
-
 
 def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
-    """``emit_program`` that first refuses storage-less constants by name."""
+    """``emit_program`` that first refuses storage-less constants by name, and
+    (the contexts open in this thread) a checkpoint file changed since it was opened."""
 
     @functools.wraps(real)
     def emit_program(methods, *args, **kwargs):
@@ -132,6 +218,8 @@ def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
         left = unbound_constants(programs)
         if left:
             raise UnboundConstantError(left, "to_executorch")
+        for weights in getattr(_local, "stack", ()):
+            weights.check_unchanged(weights.bound_keys, "before to_executorch emitted the program (nothing emitted)")
         return real(methods, *args, **kwargs)
 
     return emit_program
@@ -139,31 +227,47 @@ def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] | None = None, *,
-                 format: str = "auto", allow_extra: bool = False) -> Iterator[WeightsFrom]:
+                 format: str = "auto", allow_extra: bool = False,
+                 convert_dir: str | os.PathLike[str] | None = None) -> Iterator[WeightsFrom]:
     """Export with storage-less parameters, bound at the end to ``checkpoint``'s tensors.
 
-    ``checkpoint``: a ``.safetensors`` file, a Hugging Face folder or index, or a
-    weights-only ``torch.save`` file (:func:`ptdstream.sources.checkpoint.open_checkpoint`,
-    ``format`` as there). ``key_map``: ``{fqn: checkpoint key}`` for names that
-    differ. ``allow_extra``: ignore checkpoint keys no constant uses.
+    ``checkpoint``: a ``.safetensors`` file, a Hugging Face folder or index, a
+    weights-only ``torch.save`` file, or (``format="dcp"``) a DCP folder
+    (:func:`ptdstream.sources.checkpoint.open_checkpoint`, ``format`` as there).
+    ``key_map``: ``{fqn: checkpoint key}`` for names that differ.
+    ``allow_extra``: ignore checkpoint keys no constant uses. ``convert_dir``:
+    the folder converted copies are written to (tensors stored in another
+    float dtype, every DCP tensor; files 0600, each removed once mapped back);
+    default: a new temporary folder, removed at exit.
     Host memory: the checkpoint's metadata and, while saving, the ring; weights
-    are read in pieces from the mapping and paged out. See the module docstring
-    for the whole route and what it refuses.
+    are read in pieces from the mapping (or the converted copy) and paged out;
+    a DCP tensor is loaded whole while it is converted, one at a time. See the
+    module docstring for the whole route and what it refuses.
 
     Raises:
-        FormatError: a DCP checkpoint (not mapped), or one that cannot be read.
+        FormatError: a checkpoint that cannot be read.
         FileNotFoundError: nothing at ``checkpoint``.
+        NotADirectoryError: ``convert_dir`` is not an existing folder.
+        IntegrityError: at exit, a checkpoint file that converted keys come from
+            changed since the context opened it (not raised over another error).
     """
     opened = open_checkpoint(os.fspath(checkpoint), format)
     with opened:
-        if opened.kind not in MAPPED_KINDS:
-            raise FormatError(f"{opened.path}: a {opened.kind} checkpoint is loaded, not memory-mapped: "
-                              f"weights_from takes {' or '.join(MAPPED_KINDS)} checkpoints")
         module = adapter.program_module()
-        weights = WeightsFrom(opened, key_map, allow_extra)
+        convert = ConvertDir(convert_dir)
+        stack = _local.__dict__.setdefault("stack", [])
+        weights: WeightsFrom | None = None
         try:
+            weights = WeightsFrom(opened, key_map, allow_extra, convert)
+            stack.append(weights)
             with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
                     shadowed(module, "emit_program", _checking_emit(module.emit_program)):
                 yield weights
+            weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "
+                                    "hold the values from before the change)", again=False)
         finally:
-            weights._open = False
+            if weights is not None:
+                weights._open = False
+                if weights in stack:
+                    stack.remove(weights)
+            convert.close()

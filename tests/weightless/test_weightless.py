@@ -14,7 +14,7 @@ from _checkpoints import save_checkpoint, state_of
 from conftest import Mlp, TiedLM, example_inputs, read_folder
 
 import ptdstream
-from ptdstream.errors import CheckpointMismatchError, FormatError, StateError
+from ptdstream.errors import CheckpointMismatchError, StateError
 from ptdstream.upstream import adapter
 from ptdstream.upstream.patching import is_shadowed
 from ptdstream.weightless import (
@@ -170,7 +170,7 @@ def test_every_checkpoint_mismatch_is_reported_at_once(tmp_path):
 
     state = state_of(_seeded(Mlp))
     del state["l2.bias"]  # missing
-    state["l1.weight"] = state["l1.weight"].to(torch.float16)  # wrong dtype
+    state["l1.weight"] = state["l1.weight"].to(torch.int32)  # a dtype that is not converted
     state["l1.bias"] = torch.zeros(31)  # wrong shape
     state["stray"] = torch.zeros(3)  # extra
     path = tmp_path / "ckpt.safetensors"
@@ -183,8 +183,8 @@ def test_every_checkpoint_mismatch_is_reported_at_once(tmp_path):
             weights.bind(program)
     assert isinstance(caught.value, CheckpointMismatchError)
     assert caught.value.problems == [
-        f"dtype: 'l1.weight' <- key 'l1.weight' ({path}): the checkpoint holds torch.float16, "
-        "the export needs torch.float32",
+        f"dtype: 'l1.weight' <- key 'l1.weight' ({path}): the checkpoint holds torch.int32, "
+        "the export needs torch.float32 (only float32, float16, bfloat16 are converted, to one another)",
         f"shape: 'l1.bias' <- key 'l1.bias' ({path}): the checkpoint holds [31], the export needs [32]",
         "missing: 'l2.bias' needs checkpoint key 'l2.bias', which the checkpoint does not hold",
         f"extra: checkpoint key 'stray' (torch.float32 [3], {path}) is no storage-less constant of the export "
@@ -232,13 +232,6 @@ def test_meta_non_persistent_buffer_is_refused_by_name(tmp_path):
             meta = Rotary()
         with pytest.raises(MetaBufferError, match=r"1 non-persistent buffer\(s\) on the meta device.*'inv_freq'"):
             weights.model(meta)
-
-
-def test_dcp_checkpoint_is_refused(tmp_path):
-    ckpt = save_checkpoint("dcp", state_of(_seeded(Mlp)), tmp_path / "ckpt")
-    with pytest.raises(FormatError, match=r"a dcp checkpoint is loaded, not memory-mapped"):
-        with weights_from(ckpt, format="dcp"):
-            pass
 
 
 def test_use_after_the_block_is_refused(tmp_path):
