@@ -35,6 +35,7 @@ from .common import (
     EXIT_OK,
     EXIT_USAGE,
     EXPECTED_ERRORS,
+    STDIN_NAME,
     Parser,
     UsageError,
     exit_for,
@@ -171,7 +172,7 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     code, message = exit_for(error, getattr(args, "command", None), outputs)
     spool = getattr(args, "stdin_spool", None)
     if spool:
-        message = message.replace(spool, "- (stdin)")
+        message = message.replace(spool, STDIN_NAME)
     print_error(message)
     if args is not None and getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:

@@ -19,7 +19,7 @@ from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, 
 
 __all__ = ["EPILOG", "EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "EXPECTED_ERRORS", "Parser",
            "UsageError", "add_command", "binary_stdout", "exit_for", "parse_nbytes", "print_error",
-           "print_json", "print_report", "progress_wanted", "quiet_third_party", "silence_stdout",
+           "STDIN_NAME", "print_json", "print_report", "progress_wanted", "quiet_third_party", "silence_stdout",
            "spool_stdin"]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -216,12 +216,37 @@ def print_error(message: str) -> None:
     print(" ".join(str(message).split()) or "error", file=sys.stderr)
 
 
+#: How reports and errors name standard input (a ``-`` input, read from its temp copy).
+STDIN_NAME = "- (stdin)"
+
+
+class _StdinNamed:
+    """A text stream that writes ``spool`` (the temp copy of stdin, and its JSON spelling) as
+    :data:`STDIN_NAME`. A report's JSON names a path in one whole string, never split."""
+
+    def __init__(self, stream, spool: str) -> None:
+        import json
+
+        self._stream = stream
+        self._names = [(spool, STDIN_NAME), (json.dumps(spool)[1:-1], json.dumps(STDIN_NAME)[1:-1])]
+
+    def write(self, text: str) -> int:
+        for old, new in self._names:
+            text = text.replace(old, new)
+        return self._stream.write(text)
+
+
 def print_report(args: argparse.Namespace, report: Any, stream=None) -> None:
-    """A report's JSON with ``--json``, else its summary (stdout by default), unless ``--quiet``."""
+    """A report's JSON with ``--json``, else its summary (stdout by default), unless ``--quiet``.
+    A ``-`` input is named :data:`STDIN_NAME`, not by its temp copy."""
+    out = stream or sys.stdout
+    spool = getattr(args, "stdin_spool", None)
+    if spool:
+        out = _StdinNamed(out, spool)
     if getattr(args, "json", False):
-        report.write_json(stream or sys.stdout)  # streamed: never the whole text at once
+        report.write_json(out)  # streamed: never the whole text at once
     elif not getattr(args, "quiet", False):
-        print(report.summary(), file=stream or sys.stdout)
+        out.write(report.summary() + "\n")
 
 
 def print_json(args: argparse.Namespace, value: Any, stream=None) -> None:
