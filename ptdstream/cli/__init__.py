@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 
+from ..errors import CheckpointMismatchError
 from ..system.files import check_regular_inputs, refuse_overwrite, refuse_stdout_input, stdout_input
 from . import (
     cmd_demo,
@@ -87,14 +88,19 @@ def main(argv: list[str] | None = None) -> int:
         if args is None:
             return EXIT_USAGE
         _end_startup()  # before any file is touched: Ctrl-C raises KeyboardInterrupt, clean-up runs
-        if args.imports_torch and not args.verbose:
-            quiet_third_party()
         with contextlib.ExitStack() as stack:
             _read_stdin(args, stack)
             check_regular_inputs(args.inputs(args))
             if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
                 refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
             refuse_stdout_input(args.inputs(args))  # every command writes to stdout
+            if args.imports_torch:  # every answer that needs no torch comes before its import (seconds)
+                _require_inputs(args.inputs(args))
+                args.check(args)
+                if not args.verbose:
+                    quiet_third_party()
+            else:
+                args.check(args)
             return int(args.run(args) or 0)
     except SystemExit as e:  # --help / --version print and exit
         return int(e.code or 0)
@@ -135,6 +141,19 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | None:
     return args
 
 
+def _require_inputs(paths) -> None:
+    """Refuse a missing input before a command imports torch.
+
+    Raises:
+        FileNotFoundError: naming the first missing path.
+    """
+    import errno
+
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+
 def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     """Replace a ``-`` input by a temp copy of stdin (removed when ``stack`` closes).
 
@@ -173,7 +192,7 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     spool = getattr(args, "stdin_spool", None)
     if spool:
         message = message.replace(spool, STDIN_NAME)
-    print_error(message)
+    print_error(message, per_line=isinstance(error, CheckpointMismatchError))  # its problems, one per line
     if args is not None and getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
             print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
