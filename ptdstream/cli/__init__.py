@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             check_regular_inputs(args.inputs(args))
             if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
                 refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
-            refuse_stdout_input(args.inputs(args))  # every command writes to stdout
+            refuse_stdout_input(args.inputs(args), hint=_stdout_hint(args))  # every command writes to stdout
             if args.imports_torch:  # every answer that needs no torch comes before its import (seconds)
                 _require_inputs(args.inputs(args))
                 args.check(args)
@@ -141,6 +141,17 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | None:
     return args
 
 
+def _stdout_hint(args: argparse.Namespace) -> str:
+    """What to do instead of writing to a stdout that is an input: a command whose data
+    goes to stdout (an output named None: ``-o -`` or its default) can write a file with
+    ``-o``; the others print only their report there."""
+    try:
+        to_stdout = None in list(args.outputs(args))
+    except Exception:  # noqa: BLE001 - the outputs themselves are wrong: the command reports that
+        to_stdout = False
+    return "redirect stdout to another file" + (" or give -o OUT" if to_stdout else "")
+
+
 def _require_inputs(paths) -> None:
     """Refuse a missing input before a command imports torch.
 
@@ -167,7 +178,7 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
             continue
         if values.count("-") > 1:
             raise UsageError(f"ptdstream {args.command}: stdin (-) can be read once")
-        refuse_stdout_input(["-"])  # before the copy: afterwards the input is the copy
+        refuse_stdout_input(["-"], hint=_stdout_hint(args))  # before the copy: afterwards the input is the copy
         path = spool_stdin()
         args.stdin_spool = path  # errors name it as "-", not as the temp copy
         stack.callback(shutil.rmtree, os.path.dirname(path), True)
