@@ -24,7 +24,8 @@ __all__ = ["INTEGRITY_HINT", "register", "run"]
 #: The libraries ``--kernels`` takes, for ``--help``.
 _LIBRARIES_HELP = ("portable (the runtime's own operators and the portable kernels), optimized (linked into "
                    "executorch's Python runtime), quantized (import executorch.kernels.quantized), llm (LLM custom "
-                   "ops, llama::custom_sdpa, llama::update_cache...: import executorch.extension.llm.custom_ops.custom_ops)")
+                   "ops, llama::custom_sdpa, llama::update_cache...: import "
+                   "executorch.extension.llm.custom_ops.custom_ops)")
 
 #: Printed on stderr after a structure-only verify (not with -q).
 INTEGRITY_HINT = ("ptdstream verify: structure checked, not the bytes (a changed weight or delegate byte passes, as "

@@ -48,7 +48,8 @@ def register(subparsers) -> None:
         imports_torch=True, check=check)
     p.add_argument("program", help="the .pte (only its metadata is read)")
     p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")
-    p.add_argument("-o", "--out", "--output", dest="out", required=True, help="folder for the .ptd files (created with its parents if missing)")
+    p.add_argument("-o", "--out", "--output", dest="out", required=True,
+                   help="folder for the .ptd files (created with its parents if missing)")
     p.add_argument("--like", action="append", default=[], metavar="PTD",
                    help="a .ptd of the original export: gives each key's tag (file) and the key order; repeat")
     p.add_argument("--tag", help="tag of every key without --like (default _default_external_constant)")

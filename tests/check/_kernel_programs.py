@@ -20,7 +20,7 @@ import sys
 
 
 def export(folder: str) -> dict[str, str]:
-    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401 - registers torch.ops.llama
+    import executorch.extension.llm.custom_ops.custom_ops  # registers torch.ops.llama
     import executorch.kernels.quantized  # noqa: F401 - registers quantized_decomposed's out variants
     import torch
     from executorch.exir import to_edge_transform_and_lower
