@@ -47,6 +47,9 @@ def check_folders(args: argparse.Namespace) -> str | None:
             return (f"ptdstream demo: --reference {args.reference} is the output folder; give another folder "
                     "(executorch's files would replace ptdstream's)")
         folders.append(("--reference", args.reference))
+    for option, folder in folders:  # every refusal that needs no folder made comes first
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            return f"ptdstream demo: {option} {folder} exists and is not a folder"
     for option, folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)
