@@ -94,13 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
                 refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
             refuse_stdout_input(args.inputs(args), hint=_stdout_hint(args))  # every command writes to stdout
+            args.check(args)  # the command's own arguments
             if args.imports_torch:  # every answer that needs no torch comes before its import (seconds)
                 _require_inputs(args.inputs(args))
-                args.check(args)
                 if not args.verbose:
                     quiet_third_party()
-            else:
-                args.check(args)
             return int(args.run(args) or 0)
     except SystemExit as e:  # --help / --version print and exit
         return int(e.code or 0)
