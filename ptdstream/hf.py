@@ -11,15 +11,18 @@ reference in the emitter and in XNNPACK's lowering:
 * :func:`main`: the ``optimum-cli`` command, as
   ``python -m ptdstream.hf export executorch -m DIR --task text-generation --recipe xnnpack -o OUT``.
 
-:func:`saving_with_ptdstream` is the context both run in. Nothing here
+Both print the files they wrote on stderr at the end (:class:`ExportReport`;
+``export(..., quiet=True)`` does not) and silence the FutureWarnings and
+coremltools' import warnings of the export. :func:`saving_with_ptdstream` is
+the context both run in. Nothing here
 downloads: pass a local folder, and set ``HF_HUB_OFFLINE=1``.
 """
 
 import sys
 
-from .hooks.optimum import export, main, saving_with_ptdstream
+from .hooks.optimum import ExportReport, export, main, saving_with_ptdstream
 
-__all__ = ["export", "main", "saving_with_ptdstream"]
+__all__ = ["ExportReport", "export", "main", "saving_with_ptdstream"]
 
 if __name__ == "__main__":
     sys.exit(main())

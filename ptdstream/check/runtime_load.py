@@ -16,7 +16,7 @@ from ..format.reader import Artifact
 from .runtime_method import check_method
 from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program, default_planned_limit
 
-__all__ = ["runtime_load_checks"]
+__all__ = ["called_operators", "runtime_load_checks"]
 
 
 def _read(path: str, nbytes: int) -> bytes:
@@ -68,3 +68,34 @@ def runtime_load_checks(pte_path: str, pte_art: Artifact, ptds: Sequence[tuple[s
             return out
         out.append((f"runtime: method {name!r}", True, "loads" + note))
     return out
+
+
+def called_operators(pte_path: str, pte_art: Artifact) -> list[str]:
+    """The operator names (``name.overload``) the KernelCalls of every method call, each once,
+    in the order first called: what ``Method::init`` resolves. For a program whose
+    :func:`runtime_load_checks` passed (its indices are checked there).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    from ..format.program_fb.InstructionArguments import InstructionArguments as IA
+    from ..format.program_fb.KernelCall import KernelCall
+
+    root = program_root(_read(pte_path, pte_art.flatbuffer_end))
+    seen: dict[str, None] = {}
+    for p in range(root.ExecutionPlanLength()):
+        plan = root.ExecutionPlan(p)
+        for c in range(plan.ChainsLength()):
+            chain = plan.Chains(c)
+            for i in range(chain.InstructionsLength()):
+                ins = chain.Instructions(i)
+                if ins.InstrArgsType() != IA.KernelCall:
+                    continue
+                call = KernelCall()
+                call.Init(ins.InstrArgs().Bytes, ins.InstrArgs().Pos)
+                op = plan.Operators(call.OpIndex())
+                name = op.Name().split(b"\0", 1)[0]
+                raw = op.Overload()
+                full = name + (b"." + raw.split(b"\0", 1)[0] if raw is not None and len(raw) > 0 else b"")
+                seen[full.decode("utf-8", "surrogateescape")] = None  # as Method::resolve_operator spells it
+    return list(seen)

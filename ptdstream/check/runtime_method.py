@@ -13,6 +13,7 @@ from collections.abc import Sequence, Set
 from ..format.fb_roots import union_tensor
 from ..format.program_fb.InstructionArguments import InstructionArguments as IA
 from ..format.program_fb.KernelTypes import KernelTypes as KT
+from .kernels import unregistered_hint
 from .runtime_rules import (
     OPERATOR_NAME_LIMIT,
     TENSOR_DIMENSION_LIMIT,
@@ -335,7 +336,8 @@ def _check_operator(plan, op_index: int, what: str, operators) -> None:
     full = name + (b"." + overload if op.Overload() is not None and len(op.Overload()) > 0 else b"")
     need(len(full) < OPERATOR_NAME_LIMIT, rule, f"{what}: operator name {full[:40]!r}... is {len(full)} bytes")
     text = full.decode("utf-8", "surrogateescape")
-    need(operators is None or text in operators, rule, f"{what}: operator {text!r} is not registered")
+    if operators is not None and text not in operators:
+        raise RuleError(rule, f"{what}: operator {text!r} is not registered: {unregistered_hint(text)}")
 
 
 def _vector_bytes(table, slot: int) -> bytes:

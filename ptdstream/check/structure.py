@@ -21,7 +21,8 @@ from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identi
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from . import runtime_registry
-from .runtime_load import runtime_load_checks
+from .kernels import needs_line, operators_of, parse_libraries
+from .runtime_load import called_operators, runtime_load_checks
 from .runtime_rules import runtime_key
 
 __all__ = ["StructureReport", "check_structure"]
@@ -44,6 +45,8 @@ class StructureReport(Report):
     pte_path: str
     ptd_paths: tuple[str, ...]
     checks: tuple[Check, ...]
+    #: The shipped kernel libraries the program's operators are in (``check.kernels``), when checked.
+    needs_kernels: tuple[str, ...] = ()
 
     derived = ("ok",)
 
@@ -105,17 +108,23 @@ def _names(keys: Sequence[str], limit: int = 5) -> str:
 def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
                     operators: Set[str] | None = runtime_registry.OPERATORS,
                     backends: Set[str] | None = runtime_registry.BACKENDS,
-                    max_planned_nbytes: int | None = None) -> StructureReport:
+                    max_planned_nbytes: int | None = None,
+                    kernels: str | Sequence[str] | None = None) -> StructureReport:
     """Check a .pte and its .ptd files the way the runtime would load them.
 
     When every file check passes, the runtime's own load rules follow
     (:mod:`ptdstream.check.runtime_load`): what ``Program::load`` and ``Method::init``
     check, so an OK report means ``executorch.runtime`` loads the program and every
     method with these .ptd files. ``operators``/``backends`` are the operator names
-    (``name.overload``) and backend ids the runtime has registered; the defaults are those of
-    executorch's Python runtime (:mod:`ptdstream.check.runtime_registry`), None skips that
-    check (a runtime built with other kernels). ``max_planned_nbytes`` caps the planned
-    buffers the runtime allocates at load (default: physical memory).
+    (``name.overload``) and backend ids the runtime has registered; the defaults are every
+    kernel library shipped with the pinned executorch (:mod:`ptdstream.check.kernels`:
+    portable, optimized, quantized, llm custom ops) and the backends of its Python runtime;
+    None skips that check (a runtime built with other kernels). ``kernels`` (library ids,
+    ``"portable,llm"`` or a sequence) replaces ``operators`` by those libraries' operators.
+    When the operators are checked and the program loads, a ``needs kernels`` check names the
+    libraries it needs (``needs kernels: portable, llm custom ops``; ``needs_kernels``).
+    ``max_planned_nbytes`` caps the planned buffers the runtime allocates at load
+    (default: physical memory).
 
     Per file: kind and identifier, header, flatbuffer parse, segments within the
     file, constant offsets within the constant segment, named keys resolving to
@@ -127,7 +136,10 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
 
     Raises:
         OSError: a file cannot be opened or read (an invalid file is a failed check).
+        LayoutError: ``kernels`` names a library executorch does not ship (the message lists them).
     """
+    if kernels is not None:
+        operators = operators_of(parse_libraries(kernels))
     pte_path = os.fspath(pte_path)
     ptd_paths = tuple(os.fspath(p) for p in ptd_paths)
     checks: list[Check] = []
@@ -156,6 +168,10 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
             results = runtime_load_checks(pte_path, pte, [(a.path, a) for a in ptds], operators, backends,
                                           max_planned_nbytes)
             checks.extend(Check(pte_path, name, ok, detail) for name, ok, detail in results)
+            if operators is not None and all(ok for _, ok, _ in results):
+                needed, line = needs_line(called_operators(pte_path, pte))
+                checks.append(Check(pte_path, "needs kernels", True, line))
+                return StructureReport(pte_path, ptd_paths, tuple(checks), needed)
     return StructureReport(pte_path, ptd_paths, tuple(checks))
 
 

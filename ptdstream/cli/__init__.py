@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 
+from ..errors import CheckpointMismatchError
 from ..system.files import check_regular_inputs, refuse_overwrite, refuse_stdout_input, stdout_input
 from . import (
     cmd_demo,
@@ -35,6 +36,7 @@ from .common import (
     EXIT_OK,
     EXIT_USAGE,
     EXPECTED_ERRORS,
+    STDIN_NAME,
     Parser,
     UsageError,
     exit_for,
@@ -86,14 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         if args is None:
             return EXIT_USAGE
         _end_startup()  # before any file is touched: Ctrl-C raises KeyboardInterrupt, clean-up runs
-        if args.imports_torch and not args.verbose:
-            quiet_third_party()
         with contextlib.ExitStack() as stack:
             _read_stdin(args, stack)
             check_regular_inputs(args.inputs(args))
             if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
                 refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
-            refuse_stdout_input(args.inputs(args))  # every command writes to stdout
+            refuse_stdout_input(args.inputs(args), hint=_stdout_hint(args))  # every command writes to stdout
+            args.check(args)  # the command's own arguments
+            if args.imports_torch:  # every answer that needs no torch comes before its import (seconds)
+                _require_inputs(args.inputs(args))
+                if not args.verbose:
+                    quiet_third_party()
             return int(args.run(args) or 0)
     except SystemExit as e:  # --help / --version print and exit
         return int(e.code or 0)
@@ -134,6 +139,30 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | None:
     return args
 
 
+def _stdout_hint(args: argparse.Namespace) -> str:
+    """What to do instead of writing to a stdout that is an input: a command whose data
+    goes to stdout (an output named None: ``-o -`` or its default) can write a file with
+    ``-o``; the others print only their report there."""
+    try:
+        to_stdout = None in list(args.outputs(args))
+    except Exception:  # noqa: BLE001 - the outputs themselves are wrong: the command reports that
+        to_stdout = False
+    return "redirect stdout to another file" + (" or give -o OUT" if to_stdout else "")
+
+
+def _require_inputs(paths) -> None:
+    """Refuse a missing input before a command imports torch.
+
+    Raises:
+        FileNotFoundError: naming the first missing path.
+    """
+    import errno
+
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+
 def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     """Replace a ``-`` input by a temp copy of stdin (removed when ``stack`` closes).
 
@@ -147,7 +176,7 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
             continue
         if values.count("-") > 1:
             raise UsageError(f"ptdstream {args.command}: stdin (-) can be read once")
-        refuse_stdout_input(["-"])  # before the copy: afterwards the input is the copy
+        refuse_stdout_input(["-"], hint=_stdout_hint(args))  # before the copy: afterwards the input is the copy
         path = spool_stdin()
         args.stdin_spool = path  # errors name it as "-", not as the temp copy
         stack.callback(shutil.rmtree, os.path.dirname(path), True)
@@ -171,8 +200,8 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     code, message = exit_for(error, getattr(args, "command", None), outputs)
     spool = getattr(args, "stdin_spool", None)
     if spool:
-        message = message.replace(spool, "- (stdin)")
-    print_error(message)
+        message = message.replace(spool, STDIN_NAME)
+    print_error(message, per_line=isinstance(error, CheckpointMismatchError))  # its problems, one per line
     if args is not None and getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
             print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))

@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import TYPE_CHECKING
 
-from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_report, progress_wanted
+from ..check.kernels import parse_libraries
+from ..errors import LayoutError
+from .common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    STDIN_NAME,
+    UsageError,
+    add_command,
+    print_error,
+    print_report,
+    progress_wanted,
+)
 
-__all__ = ["register", "run"]
+__all__ = ["INTEGRITY_HINT", "register", "run"]
+
+#: The libraries ``--kernels`` takes, for ``--help``.
+_LIBRARIES_HELP = ("portable (the runtime's own operators and the portable kernels), optimized (linked into "
+                   "executorch's Python runtime), quantized (import executorch.kernels.quantized), llm (LLM custom "
+                   "ops, llama::custom_sdpa, llama::update_cache...: import "
+                   "executorch.extension.llm.custom_ops.custom_ops)")
+
+#: Printed on stderr after a structure-only verify (not with -q).
+INTEGRITY_HINT = ("ptdstream verify: structure checked, not the bytes (a changed weight or delegate byte passes, as "
+                  "it loads in the runtime); --against REF or --manifest M proves the bytes")
+
+
+def _libraries(text: str) -> tuple[str, ...]:
+    try:
+        return parse_libraries(text)
+    except LayoutError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 if TYPE_CHECKING:  # imported in _check, by the check it runs
     from ..check.compare import CompareReport
@@ -21,21 +50,33 @@ def register(subparsers) -> None:
         subparsers, "verify",
         help="compare with a reference, or check the structure of a .pte and its .ptd files",
         description="With --against: compare FILE with REF byte for byte (streamed) and name the first "
-                    "difference. Without: check FILE (a .pte) and the .ptd files after it the way the "
-                    "runtime loads them, including that every external tensor is in a given .ptd.",
+                    "difference. With --manifest: check each FILE against the piece digests of a manifest. "
+                    "Without either: check FILE (a .pte) and the .ptd files after it the way the runtime "
+                    "loads them, including that every external tensor is in a given .ptd and that every "
+                    "operator is in a kernel library shipped with executorch (--kernels restricts them; the "
+                    "report names the libraries the program needs).\n\n"
+                    "Structure is not integrity: the structure checks are what the runtime checks when it "
+                    "loads the program, so a changed byte inside a weight or a delegate blob still passes "
+                    "them (the runtime would run it too). --against REF or --manifest M prove the bytes.",
         examples=[("ptdstream verify out/model.pte --against ref/model.pte", "byte identity with a reference"),
                   ("ptdstream verify model.pte model.ptd", "what the runtime checks when it loads them"),
                   ("ptdstream verify model.pte model.ptd --json", "the same, as JSON"),
                   ("ptdstream verify copy/model.pte copy/model.ptd --manifest model.manifest",
                    "a copy against a manifest, at disk speed"),
+                  ("ptdstream verify model.pte --kernels portable,optimized", "refuse operators of other "
+                   "kernel libraries"),
                   ("cat model.pte | ptdstream verify -", "a program from stdin")],
-        exit_codes="exit codes: 0 valid or identical, 1 invalid, different or an unrecovered set in the folder, "
-                   "2 usage error or unreadable input",
+        exit_codes=f"kernel libraries (--kernels): {_LIBRARIES_HELP}\n"
+                   "exit codes: 0 valid or identical, 1 invalid, different, an operator outside --kernels or an "
+                   "unrecovered set in the folder, 2 usage error or unreadable input",
         run=run, progress=True, stdin=("files", "against"),
         inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p])
     v.add_argument("files", nargs="+", metavar="FILE", help="OUT (with --against), or OUT.pte [DATA.ptd ...]")
     v.add_argument("--against", metavar="REF", help="reference file to compare the single FILE with")
     v.add_argument("--manifest", metavar="M", help="check each FILE against manifest M (piece digests)")
+    v.add_argument("--kernels", metavar="LIB[,LIB...]", type=_libraries,
+                   help="the kernel libraries the runtime has (default: every one shipped with executorch); "
+                        "an operator outside them fails the check, naming its library")
 
 
 def unrecovered_sets(files):
@@ -62,6 +103,9 @@ def run(args) -> int:
 
 def _check(args) -> int:
     report: ManifestReport | CompareReport | StructureReport
+    if args.kernels is not None and (args.manifest is not None or args.against is not None):
+        raise UsageError("ptdstream verify: --kernels is for the structure check, not with --against or --manifest "
+                         "(see ptdstream verify --help)")
     if args.manifest is not None:
         if args.against is not None:
             raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")
@@ -78,6 +122,28 @@ def _check(args) -> int:
     else:
         from ..check.structure import check_structure
 
-        report = check_structure(args.files[0], args.files[1:])
+        report = check_structure(args.files[0], args.files[1:], kernels=args.kernels)
     print_report(args, report)
+    if not report.ok and args.quiet:
+        print_error(_failure_line(report, args))
+    if args.against is None and args.manifest is None and not args.quiet:
+        print_error(INTEGRITY_HINT)
     return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def _failure_line(report, args) -> str:
+    """The one line ``-q`` prints for a failed check: the first problem and how many there are."""
+    from ..check.structure import StructureReport
+
+    if isinstance(report, StructureReport):
+        first, n = report.problems[0], len(report.problems)
+        line = f"INVALID {first.path}: {first.name}: {first.detail}"
+    elif args.manifest is not None:
+        bad = [c for c in report.checks if not c.ok]
+        first, n = bad[0], len(bad)
+        line = first.summary()
+    else:
+        line, n = report.summary(), 1
+    more = f" (and {n - 1} more failed check{'s' * (n != 2)})" if n > 1 else ""
+    spool = getattr(args, "stdin_spool", None)
+    return f"ptdstream verify: {line.replace(spool, STDIN_NAME) if spool else line}{more}"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
 
 from ..sources.checkpoint import FORMATS
 from ..system.files import files_of
 from .common import EXIT_OK, UsageError, add_command, print_report, progress_wanted
 
-__all__ = ["register", "run"]
+__all__ = ["check", "register", "run"]
 
 
 def _mapping(text: str):
@@ -42,10 +45,11 @@ def register(subparsers) -> None:
                    "2 usage error or unreadable input",
         progress=True,
         run=run, inputs=lambda a: [a.program, *a.like, *files_of(a.checkpoint), *files_of(a.old_checkpoint)],
-        imports_torch=True)
+        imports_torch=True, check=check)
     p.add_argument("program", help="the .pte (only its metadata is read)")
     p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")
-    p.add_argument("-o", "--out", "--output", dest="out", required=True, help="existing folder for the .ptd files")
+    p.add_argument("-o", "--out", "--output", dest="out", required=True,
+                   help="folder for the .ptd files (created with its parents if missing)")
     p.add_argument("--like", action="append", default=[], metavar="PTD",
                    help="a .ptd of the original export: gives each key's tag (file) and the key order; repeat")
     p.add_argument("--tag", help="tag of every key without --like (default _default_external_constant)")
@@ -62,15 +66,46 @@ def register(subparsers) -> None:
     p.add_argument("--segment-alignment", type=int, default=128, help="bytes (default %(default)s)")
 
 
-def run(args) -> int:
-    if args.segment_alignment <= 0:  # before torch is imported (and before the modulo by it)
+def check(args) -> None:
+    """The arguments, before torch is imported.
+
+    Raises:
+        UsageError: a non-positive ``--segment-alignment``, or ``-o`` that is not a folder.
+    """
+    if args.segment_alignment <= 0:  # before the modulo by it
         raise UsageError(f"ptdstream weights: --segment-alignment must be a positive number of bytes, "
                          f"got {args.segment_alignment}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"ptdstream weights: -o {args.out} exists and is not a folder; give a folder")
+
+
+def run(args) -> int:
     from ..weights import write_ptd
 
-    report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
-                       key_map=dict(args.map) or None, allow_extra=args.allow_extra,
-                       segment_alignment=args.segment_alignment, progress=progress_wanted(args),
-                       old_checkpoint=args.old_checkpoint, format=args.format, old_format=args.old_format)
+    with _folder(args.out):
+        report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
+                           key_map=dict(args.map) or None, allow_extra=args.allow_extra,
+                           segment_alignment=args.segment_alignment, progress=progress_wanted(args),
+                           old_checkpoint=args.old_checkpoint, format=args.format, old_format=args.old_format)
     print_report(args, report)
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _folder(path: str) -> Iterator[None]:
+    """Create ``path`` and its missing parents (as ``optimum-cli --output_dir``); if the
+    body raises, remove the folders created here again when they are still empty."""
+    created = []
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    for f in reversed(created):
+        os.mkdir(f)
+    try:
+        yield
+    except BaseException:
+        for f in created:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                os.rmdir(f)
+        raise

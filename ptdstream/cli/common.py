@@ -19,7 +19,7 @@ from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, 
 
 __all__ = ["EPILOG", "EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "EXPECTED_ERRORS", "Parser",
            "UsageError", "add_command", "binary_stdout", "exit_for", "parse_nbytes", "print_error",
-           "print_json", "print_report", "progress_wanted", "quiet_third_party", "silence_stdout",
+           "STDIN_NAME", "print_json", "print_report", "progress_wanted", "quiet_third_party", "silence_stdout",
            "spool_stdin"]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -70,7 +70,8 @@ def add_command(subparsers, name: str, *, help: str, description: str,
                 inputs: Callable[[argparse.Namespace], Sequence[str]] = lambda a: (),
                 outputs: Callable[[argparse.Namespace], Sequence[str | None]] | None = None,
                 stdin: Sequence[str] = (), reports: bool = True, progress: bool = False,
-                imports_torch: bool = False, exit_codes: str = EXIT_LINE) -> argparse.ArgumentParser:
+                imports_torch: bool = False, exit_codes: str = EXIT_LINE,
+                check: Callable[[argparse.Namespace], None] = lambda a: None) -> argparse.ArgumentParser:
     """Register subcommand ``name`` with the options every command shares; return
     its parser for the command's own arguments.
 
@@ -88,14 +89,17 @@ def add_command(subparsers, name: str, *, help: str, description: str,
             errors as ``{"ok": false, "error": ..., "exit_code": ...}`` on stdout.
         progress: ``--progress``/``--no-progress`` (default: a bar when stderr is a
             terminal, never in logs).
-        imports_torch: ``main`` silences the import noise of torch/executorch.
+        imports_torch: ``main`` silences the import noise of torch/executorch, after it
+            refused a missing input.
+        check: ``check(args)`` raises :class:`UsageError` for arguments that cannot be run,
+            before ``run`` (and before torch is imported): a usage error answers at once.
     """
     width = max(len(cmd) for cmd, _ in examples) + 3
     epilog = "examples:\n" + "\n".join(f"  {cmd:<{width}}{what}" for cmd, what in examples)
     parser = subparsers.add_parser(name, help=help, description=description, epilog=f"{epilog}\n\n{exit_codes}",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.set_defaults(run=run, inputs=inputs, outputs=outputs or (lambda a: ()), force=False, json=False,
-                        progress=None, stdin=tuple(stdin), imports_torch=imports_torch)
+                        progress=None, stdin=tuple(stdin), imports_torch=imports_torch, check=check)
     if reports:
         parser.add_argument("--json", action="store_true", help="print the report (or the error) as JSON on stdout")
     if progress:
@@ -211,17 +215,48 @@ def _output_of(path: str, outputs: Sequence[str | None]) -> str | None:
     return None
 
 
-def print_error(message: str) -> None:
-    """One line on stderr (whitespace, newlines included, collapsed)."""
-    print(" ".join(str(message).split()) or "error", file=sys.stderr)
+def print_error(message: str, *, per_line: bool = False) -> None:
+    """One line on stderr (whitespace, newlines included, collapsed); with ``per_line``,
+    each line of ``message`` on its own (a list of problems), the later ones indented."""
+    if not per_line:
+        print(" ".join(str(message).split()) or "error", file=sys.stderr)
+        return
+    lines = [" ".join(line.split()) for line in str(message).splitlines()]
+    lines = [line for line in lines if line] or ["error"]
+    print("\n".join([lines[0], *("  " + line for line in lines[1:])]), file=sys.stderr)
+
+
+#: How reports and errors name standard input (a ``-`` input, read from its temp copy).
+STDIN_NAME = "- (stdin)"
+
+
+class _StdinNamed:
+    """A text stream that writes ``spool`` (the temp copy of stdin, and its JSON spelling) as
+    :data:`STDIN_NAME`. A report's JSON names a path in one whole string, never split."""
+
+    def __init__(self, stream, spool: str) -> None:
+        import json
+
+        self._stream = stream
+        self._names = [(spool, STDIN_NAME), (json.dumps(spool)[1:-1], json.dumps(STDIN_NAME)[1:-1])]
+
+    def write(self, text: str) -> int:
+        for old, new in self._names:
+            text = text.replace(old, new)
+        return self._stream.write(text)
 
 
 def print_report(args: argparse.Namespace, report: Any, stream=None) -> None:
-    """A report's JSON with ``--json``, else its summary (stdout by default), unless ``--quiet``."""
+    """A report's JSON with ``--json``, else its summary (stdout by default), unless ``--quiet``.
+    A ``-`` input is named :data:`STDIN_NAME`, not by its temp copy."""
+    out = stream or sys.stdout
+    spool = getattr(args, "stdin_spool", None)
+    if spool:
+        out = _StdinNamed(out, spool)
     if getattr(args, "json", False):
-        report.write_json(stream or sys.stdout)  # streamed: never the whole text at once
+        report.write_json(out)  # streamed: never the whole text at once
     elif not getattr(args, "quiet", False):
-        print(report.summary(), file=stream or sys.stdout)
+        out.write(report.summary() + "\n")
 
 
 def print_json(args: argparse.Namespace, value: Any, stream=None) -> None:

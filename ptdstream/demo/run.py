@@ -43,12 +43,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-from . import DATA_TAG, METHODS
+from . import DATA_TAG, METHODS, check_folders
 from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_embedding
 from .rss import PeakRssSampler
 
 __all__ = ["ATOL", "PeakRssSampler", "RuntimeCheck", "Stages", "TiedEmbedding", "backend_config",
-           "build_demo", "export_programs", "format_summary", "lower", "main", "run_demo"]
+           "build_demo", "export_programs", "format_summary", "lower", "main", "run_demo", "write_reference"]
 
 if TYPE_CHECKING:  # imported where they are used: torch and the writer load only when the demo runs
     from ..check.compare import CompareReport
@@ -149,6 +149,7 @@ class DemoResult:
     files: tuple[CompareReport, ...]  # the .pte first
     tied: TiedEmbedding
     runtime: RuntimeCheck | None  # None with --no-run
+    reference: tuple[str, ...] = ()  # executorch's own files (--reference), the program first
 
     @property
     def identical(self) -> bool:
@@ -161,17 +162,19 @@ class DemoResult:
 
 
 def run_demo(out: str, *, no_run: bool = False, progress: bool = False,
-             log: TextIO | None = None) -> DemoResult:
+             log: TextIO | None = None, reference: str | None = None) -> DemoResult:
     """Build, save into ``out`` (created if missing), verify and optionally run.
 
     Writes ``out/model.pte`` and ``out/model.ptd`` (replacing them atomically if
-    present); nothing else is left in ``out``. Each stage is announced on ``log``
-    (with its time) as it happens; ``progress`` shows a bar while saving.
+    present); nothing else is left in ``out``. With ``reference``, executorch's own
+    serializer writes the same program into ``reference`` too (:func:`write_reference`).
+    Each stage is announced on ``log`` (with its time) as it happens; ``progress``
+    shows a bar while saving.
     """
     from ..check.compare import verify_against_manager
     from ..save import save
 
-    stages = Stages(log, 4 if no_run else 5)
+    stages = Stages(log, (4 if no_run else 5) + (reference is not None))
     build = build_demo(stages=stages)
     out = os.path.abspath(out)  # one style of path in every line the demo prints
     os.makedirs(out, exist_ok=True)
@@ -180,13 +183,45 @@ def run_demo(out: str, *, no_run: bool = False, progress: bool = False,
         report = save(build.manager, pte_path, progress=progress)
     with stages.stage("verify byte identity against executorch's serializer (streamed from the manager)"):
         files = tuple(verify_against_manager(build.manager, pte_path))
+    written: list[str] = []
+    if reference is not None:
+        reference = os.path.abspath(reference)
+        with stages.stage(f"write executorch's own files into {reference} (reference)"):
+            written = write_reference(build.manager, reference)
     ptd_path = os.path.join(out, DATA_TAG + ".ptd")
     tied = find_tied_embedding(ptd_path, build.model.tok_embeddings.weight)
     runtime = None
     if not no_run:
         with stages.stage("run both methods with the ExecuTorch runtime and compare with eager PyTorch"):
             runtime = check_runtime(build.model, pte_path, ptd_path)
-    return DemoResult(build, report, rss.added_nbytes, rss.method, files, tied, runtime)
+    return DemoResult(build, report, rss.added_nbytes, rss.method, files, tied, runtime, tuple(written))
+
+
+def write_reference(manager, folder: str) -> list[str]:
+    """Write ``manager``'s files with executorch's own serializer into ``folder`` (created if
+    missing): ``model.pte`` (``manager.write_to_file``) and ``model.ptd``
+    (``manager.write_tensor_data_to_file``); the paths, program first.
+
+    Both are written into a fresh temp folder inside ``folder`` and renamed over any
+    previous ones; on an error the temp folder is removed and ``folder`` is as it was
+    (but for a file renamed before the failure). Memory: upstream's serializer holds
+    each file whole.
+    """
+    import shutil
+    import tempfile
+
+    os.makedirs(folder, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".ptdstream-reference-", dir=folder)
+    try:
+        with open(os.path.join(scratch, "model.pte"), "wb") as f:
+            manager.write_to_file(f)
+        manager.write_tensor_data_to_file(scratch)
+        names = ["model.pte", *sorted(n for n in os.listdir(scratch) if n != "model.pte")]
+        for name in names[1:] + names[:1]:  # the data first, the program that names it last
+            os.replace(os.path.join(scratch, name), os.path.join(folder, name))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return [os.path.join(folder, n) for n in names]
 
 
 def _mib(nbytes: int) -> str:
@@ -219,6 +254,8 @@ def format_summary(result: DemoResult) -> str:
     ]
     for f in result.files:
         lines.append(f"byte identity vs executorch serializer (streamed from the manager): {f.summary()}")
+    if result.reference:
+        lines.append("reference (executorch's own serializer): " + ", ".join(result.reference))
     if result.runtime is None:
         lines.append("runtime check: skipped (--no-run)")
     else:
@@ -242,22 +279,16 @@ def main(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     unless ``no_run``, the runtime's outputs match eager PyTorch; 1 otherwise.
     """
     stream = stream if stream is not None else sys.stdout
-    try:  # before minutes of export, not after
-        os.makedirs(args.out, exist_ok=True)
-        if not os.access(args.out, os.W_OK):
-            raise PermissionError(13, "folder is not writable", args.out)
-    except (FileExistsError, NotADirectoryError):
-        print(f"ptdstream demo: --out {args.out} exists and is not a folder", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"ptdstream demo: cannot create the output folder {args.out}: {e.strerror}", file=sys.stderr)
+    refused = check_folders(args)  # before minutes of export, not after
+    if refused is not None:
+        print(refused, file=sys.stderr)
         return 2
     quiet = getattr(args, "quiet", False)
     progress = getattr(args, "progress", None)
     if progress is None:
         progress = sys.stderr.isatty()
     result = run_demo(args.out, no_run=args.no_run, progress=bool(progress) and not quiet,
-                      log=None if quiet else sys.stderr)
+                      log=None if quiet else sys.stderr, reference=getattr(args, "reference", None))
     if not quiet or result.exit_code:
         print(format_summary(result), file=stream if not quiet else sys.stderr)
     return result.exit_code

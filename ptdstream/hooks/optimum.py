@@ -29,14 +29,90 @@ Needs ``pip install "ptdstream[hf]"`` (optimum-executorch 1.1.0, transformers
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
+import time
+import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
+from ..reports import Report
 from .emitter import constants_by_reference
 from .install import installed
 from .xnnpack import xnnpack_constants_by_reference
 
-__all__ = ["export", "main", "saving_with_ptdstream"]
+__all__ = ["ExportReport", "export", "main", "quiet_export", "saving_with_ptdstream"]
+
+#: Loggers whose import-time warnings an export prints and a user cannot act on
+#: (coremltools: untested torch and scikit-learn versions, its missing native library).
+_NOISY_LOGGERS = ("coremltools",)
+
+
+@dataclass(frozen=True)
+class ExportReport(Report):
+    """The ``.pte``/``.ptd`` files an export wrote (or replaced) in ``output_dir``:
+    ``(path, nbytes)`` each, the program(s) first, and the export's wall time in seconds."""
+
+    output_dir: str
+    files: tuple[tuple[str, int], ...]
+    seconds: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.files)
+
+    derived = ("nbytes",)
+
+    def summary(self) -> str:
+        """One line per file, then the total."""
+        lines = [f"  {path}  {nbytes:,} bytes" for path, nbytes in self.files]
+        return "\n".join([f"saved by ptdstream in {self.output_dir}:", *lines,
+                          f"{len(self.files)} file{'s' * (len(self.files) != 1)}, {self.nbytes:,} bytes; "
+                          f"export and save {self.seconds:.1f} s"])
+
+
+def _artifacts(folder: str) -> dict[str, tuple[int, int, int]]:
+    """``{name: (inode, mtime_ns, size)}`` of the .pte/.ptd files directly in ``folder``."""
+    try:
+        with os.scandir(folder) as entries:
+            return {e.name: (e.inode(), e.stat().st_mtime_ns, e.stat().st_size) for e in entries
+                    if e.name.endswith((".pte", ".ptd")) and e.is_file(follow_symlinks=False)}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+
+
+@contextlib.contextmanager
+def _reporting(output_dir: str, report: list[ExportReport]) -> Iterator[None]:
+    """Append to ``report`` the files the body wrote or replaced in ``output_dir``."""
+    before, start = _artifacts(output_dir), time.perf_counter()
+    yield
+    after = _artifacts(output_dir)
+    names = sorted((n for n, st in after.items() if before.get(n) != st), key=lambda n: (n.endswith(".ptd"), n))
+    report.append(ExportReport(output_dir, tuple((os.path.join(output_dir, n), after[n][2]) for n in names),
+                               time.perf_counter() - start))
+
+
+@contextlib.contextmanager
+def quiet_export() -> Iterator[None]:
+    """Inside: ``FutureWarning`` s (torch and executorch deprecations raised from
+    optimum's and executorch's code) are not shown, and coremltools' import-time
+    warnings are not logged; both are put back on leaving. Not thread-safe (Python's
+    warnings filters are process-wide). ``PTDSTREAM_DEBUG=1`` keeps everything."""
+    if os.environ.get("PTDSTREAM_DEBUG"):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels, strict=True):
+                logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -59,7 +135,7 @@ def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:
 
 
 def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
-           by_reference: bool = True, **options) -> dict[str, object]:
+           by_reference: bool = True, quiet: bool = False, **options) -> dict[str, object]:
     """``optimum.exporters.executorch.main_export`` with ptdstream saving.
 
     Args:
@@ -75,9 +151,15 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
         by_reference: also keep constants by reference in the emitter and in
             XNNPACK's lowering (saves one host copy of every constant they take
             unchanged; the files are the same bytes).
+        quiet: print no save report. Otherwise, when the export returns, the files it
+            wrote are printed on stderr (:class:`ExportReport`: each path and size, the
+            time).
         **options: optimum's own task options, passed on unchanged:
             ``qlinear="8da4w"``, ``qembedding="8w"``, ``use_custom_sdpa=True``,
             ``use_custom_kv_cache=True``, ``max_seq_len=...``, ``dtype=...``.
+
+    FutureWarnings and coremltools' import warnings are silenced for the call
+    (:func:`quiet_export`).
 
     Returns:
         ``{name: ExecutorchProgramManager}`` as ``main_export`` returns it.
@@ -88,8 +170,12 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
     """
     from optimum.exporters.executorch import main_export
 
-    with saving_with_ptdstream(by_reference):
-        return main_export(model_dir, task=task, recipe=recipe, output_dir=output_dir, **options)
+    report: list[ExportReport] = []
+    with quiet_export(), saving_with_ptdstream(by_reference), _reporting(os.fspath(output_dir), report):
+        managers = main_export(model_dir, task=task, recipe=recipe, output_dir=output_dir, **options)
+    if not quiet:
+        print(report[0].summary(), file=sys.stderr)
+    return managers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,20 +183,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``python -m ptdstream.hooks.optimum export executorch -m DIR --task
     fill-mask --recipe xnnpack -o OUT [--qlinear 8da4w] [--use_custom_sdpa]``.
-    Constants are kept by reference during the export. Returns 0; optimum's
-    own errors propagate (its parser exits 2 on bad arguments).
+    Constants are kept by reference during the export, FutureWarnings and
+    coremltools' import warnings silenced (:func:`quiet_export`), and the files
+    written into ``-o``/``--output_dir`` are printed on stderr at the end
+    (:class:`ExportReport`). Returns 0; optimum's own errors propagate (its parser
+    exits 2 on bad arguments).
     """
     from optimum.commands.optimum_cli import main as optimum_cli_main
 
     args = list(sys.argv[1:] if argv is None else argv)
     saved = sys.argv
     sys.argv = ["optimum-cli", *args]
+    output_dir = _output_dir(args)
+    report: list[ExportReport] = []
     try:
-        with saving_with_ptdstream(by_reference=True):
+        with quiet_export(), saving_with_ptdstream(by_reference=True), contextlib.ExitStack() as stack:
+            if output_dir is not None:
+                stack.enter_context(_reporting(output_dir, report))
             optimum_cli_main()
     finally:
         sys.argv = saved
+    if report:
+        print(report[0].summary(), file=sys.stderr)
     return 0
+
+
+def _output_dir(args: Sequence[str]) -> str | None:
+    """The value of optimum-cli's ``-o``/``--output_dir`` in ``args``, if given."""
+    for i, arg in enumerate(args):
+        if arg in ("-o", "--output_dir") and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--output_dir="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 if __name__ == "__main__":

@@ -182,9 +182,10 @@ def stdout_input(inputs: Iterable[str | None], fd: int = 1) -> str | None:
     return None
 
 
-def refuse_stdout_input(inputs: Iterable[str | None], fd: int = 1) -> None:
+def refuse_stdout_input(inputs: Iterable[str | None], fd: int = 1,
+                        hint: str = "redirect stdout to another file or give -o OUT") -> None:
     """Refuse, before anything is written, a standard output that is one of the
-    inputs (:func:`stdout_input`).
+    inputs (:func:`stdout_input`); ``hint`` ends the message (what to do instead).
 
     Raises:
         OverwriteError: naming the input.
@@ -195,6 +196,5 @@ def refuse_stdout_input(inputs: Iterable[str | None], fd: int = 1) -> None:
     path = stdout_input(inputs, fd)
     if path is not None:
         raise OverwriteError(
-            f"standard output is the input {path}: writing to it would change the input; "
-            "redirect stdout to another file or give -o OUT"
+            f"standard output is the input {path}: writing to it would change the input; {hint}"
         )

@@ -13,6 +13,7 @@ import pytest
 from _models_rv import assert_only, patched, truncated, write_reference
 
 from ptdstream.cli import main
+from ptdstream.cli.cmd_verify import INTEGRITY_HINT
 
 EXT_PTD = "_default_external_constant.ptd"
 
@@ -53,7 +54,7 @@ def test_verify_against_reports_first_difference_and_exits_1(tmp_path, capsys):
 def test_verify_structure_exit_codes(tmp_path, capsys):
     files = write_reference("external", tmp_path)
     rc, stdout, err = _run(capsys, "verify", files["model.pte"], files[EXT_PTD])
-    assert (rc, err) == (0, "") and stdout.endswith("OK: structure valid\n")
+    assert (rc, err) == (0, INTEGRITY_HINT + "\n") and stdout.endswith("OK: structure valid\n")
     rc, stdout, _ = _run(capsys, "verify", files["model.pte"], "--json")
     data = json.loads(stdout)
     assert rc == 1 and data["ok"] is False

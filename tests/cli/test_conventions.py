@@ -57,7 +57,7 @@ def test_stdin_input_for_inspect_and_verify(files):
     inspected = ptdstream("inspect", "-", "--json", input_bytes=data)
     assert inspected.returncode == 0
     found = json.loads(inspected.stdout)["files"][0]
-    assert found["file_nbytes"] == len(data) and os.path.basename(found["path"]) == "stdin"
+    assert found["file_nbytes"] == len(data) and found["path"] == "- (stdin)"  # as errors name it
     verified = ptdstream("verify", "-", "--against", files / "model.pte", input_bytes=data)
     assert verified.returncode == 0 and b"identical" in verified.stdout
     junk = ptdstream("inspect", "-", input_bytes=b"junkjunkjunkjunk")

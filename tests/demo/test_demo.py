@@ -122,6 +122,33 @@ def test_run_demo_files_equal_upstream_writers_and_tied_embedding_stored_once(
     assert result.rss_added_nbytes >= 0
 
 
+def test_reference_writes_upstreams_own_files_beside_the_output(cached_build, tmp_path, capsys):
+    out, ref, upstream = tmp_path / "out", tmp_path / "ref", tmp_path / "upstream"
+    (ref).mkdir()
+    (ref / "model.pte").write_bytes(b"an older reference")
+    args = argparse.Namespace(out=str(out), no_run=True, reference=str(ref))
+    assert demo.main(args) == 0
+    captured = capsys.readouterr()
+    assert f"reference (executorch's own serializer): {ref / 'model.pte'}, {ref / 'model.ptd'}" in captured.out
+    assert f"write executorch's own files into {ref} (reference): done in " in captured.err
+    upstream.mkdir()
+    with open(upstream / "model.pte", "wb") as f:
+        cached_build.manager.write_to_file(f)
+    cached_build.manager.write_tensor_data_to_file(str(upstream))
+    assert sorted(os.listdir(ref)) == ["model.ptd", "model.pte"]  # replaced; no temp folder left
+    for name in ("model.pte", "model.ptd"):
+        assert (ref / name).read_bytes() == (upstream / name).read_bytes() == (out / name).read_bytes()
+
+
+def test_reference_that_is_the_output_folder_is_refused_before_the_export(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(demo, "build_demo", lambda **k: pytest.fail("exported before the folders were checked"))
+    args = argparse.Namespace(out=str(tmp_path / "out"), no_run=True, reference=str(tmp_path / "out" / "."))
+    assert demo.main(args) == 2
+    assert capsys.readouterr().err == (f"ptdstream demo: --reference {tmp_path / 'out' / '.'} is the output folder; "
+                                       "give another folder (executorch's files would replace ptdstream's)\n")
+    assert os.listdir(tmp_path) == []
+
+
 def test_changed_byte_is_reported_with_its_offset_and_fails_the_demo(cached_build, tmp_path):
     result = demo.run_demo(str(tmp_path), no_run=True, progress=False)
     ptd = tmp_path / "model.ptd"
@@ -166,9 +193,10 @@ def test_add_arguments_defaults_and_module_help():
 
     parser = add_arguments(argparse.ArgumentParser())
     args = parser.parse_args([])
-    assert (args.out, args.no_run) == ("./ptdstream-demo", False)
+    assert (args.out, args.no_run, args.reference) == ("./ptdstream-demo", False, None)
+    assert parser.parse_args(["--reference", "ref"]).reference == "ref"
     assert parser.parse_args(["--out", "x", "--no-run"]).no_run is True
     proc = subprocess.run(
         [sys.executable, "-m", "ptdstream.demo", "--help"], capture_output=True, text=True, timeout=60
     )
-    assert proc.returncode == 0 and "--no-run" in proc.stdout
+    assert proc.returncode == 0 and "--no-run" in proc.stdout and "--reference DIR" in proc.stdout
