@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ptdstream import StreamingNamedDataStore
-from ptdstream.errors import ArgumentTypeError
 from ptdstream.check.inspection import inspect_files
+from ptdstream.errors import ArgumentTypeError
 from ptdstream.save import write_data_files
 
 
