@@ -42,6 +42,7 @@ if _sys.argv and (_sys.argv[0] == "-m" or _sys.argv[0].rpartition("/")[2].lower(
 import importlib
 
 from .errors import (
+    ArgumentTypeError,
     CheckpointMismatchError,
     FormatError,
     IntegrityError,
@@ -51,7 +52,7 @@ from .errors import (
     PtdstreamError,
     StateError,
 )
-from .save import SaveReport, save, write_data_files
+from .save import DataFilesReport, SaveReport, save, write_data_files
 
 #: Public names loaded on first use (``import ptdstream`` stays fast): name -> module.
 _LAZY = {
@@ -91,9 +92,11 @@ def __dir__():
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "BufferRing",
     "ChunkedFileSink",
     "CheckpointMismatchError",
+    "DataFilesReport",
     "FilePlan",
     "FileRangeSource",
     "Fingerprint",

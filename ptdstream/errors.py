@@ -11,7 +11,7 @@ with different data is a plain ``ValueError`` with upstream's exact text
 
 from __future__ import annotations
 
-__all__ = ["CheckpointMismatchError", "FormatError", "IntegrityError", "LayoutError",
+__all__ = ["ArgumentTypeError", "CheckpointMismatchError", "FormatError", "IntegrityError", "LayoutError",
            "MissingKeyError", "OverwriteError", "PtdstreamError", "StateError"]
 
 
@@ -33,6 +33,12 @@ class IntegrityError(PtdstreamError):
     """A source changed between plan and write (size, first bytes or digest), a
     source could not be read in full, or a tensor's storage was freed. Nothing is
     published when this is raised."""
+
+
+class ArgumentTypeError(PtdstreamError, TypeError):
+    """An argument of a type the function does not take (a ``progress`` that is
+    neither a bool, None nor a callable); the message names the argument, the
+    value given and what is accepted. Raised before any work starts."""
 
 
 class StateError(PtdstreamError, RuntimeError):

@@ -1,4 +1,12 @@
-"""Progress reporting for long operations: a tqdm bar or a caller's callback."""
+"""Progress reporting for long operations: a tqdm bar or a caller's callback.
+
+One contract for every public function that writes or reads at length
+(``save``, ``write_data_files``, ``write_ptd``, ``pack``, ``unpack``,
+``compare_files``, ``ptdstream.distributed.write_data_files``): ``progress`` is
+``True`` (a tqdm bar on stderr), ``False`` or ``None`` (nothing), or a callable
+called with the bytes of each piece as it is done (its return value ignored).
+Anything else is refused before any work starts.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,24 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["progress_callback"]
+from .errors import ArgumentTypeError
+
+__all__ = ["check_progress", "progress_callback"]
+
+
+def check_progress(progress: Any) -> None:
+    """Refuse a ``progress`` argument outside the contract.
+
+    Raises:
+        ArgumentTypeError: (a ``TypeError``) ``progress`` is not ``True``,
+            ``False``, ``None`` or a callable; names the value given.
+    """
+    if progress is True or progress is False or progress is None or callable(progress):
+        return
+    raise ArgumentTypeError(
+        f"progress={progress!r} ({type(progress).__name__}): pass True for a bar on stderr, "
+        "False or None for none, or a callable taking the bytes of each piece"
+    )
 
 
 def progress_callback(
@@ -14,9 +39,14 @@ def progress_callback(
 ) -> Callable[[int], object]:
     """A function to call with the bytes done after each piece.
 
-    ``progress`` is ``True`` (a tqdm bar on stderr, closed when ``stack`` closes),
-    a callable (returned as is) or anything false (a function that does nothing).
+    ``progress`` is ``True`` (a tqdm bar on stderr of ``total_nbytes`` bytes,
+    closed when ``stack`` closes), a callable (returned as is), or ``False`` /
+    ``None`` (a function that does nothing).
+
+    Raises:
+        ArgumentTypeError: any other ``progress`` (:func:`check_progress`).
     """
+    check_progress(progress)
     if progress is True:
         from tqdm import tqdm
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # The planning and writing stages are imported when a save runs, not with this
 # module: ``import ptdstream`` (and every CLI command) stays fast.
 
-__all__ = ["SaveReport", "save", "write_data_files"]
+__all__ = ["DataFilesReport", "SaveReport", "save", "write_data_files"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,25 @@ class SaveReport(Report):
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class DataFilesReport(SaveReport):
+    """What ``write_data_files`` did: a :class:`SaveReport` of the .ptd files
+    (``manifest_path`` is None, ``options`` holds the segment alignment used).
+
+    Iterating it, ``len()`` and indexing give ``files`` (the list of
+    ``FileReport`` that ``write_data_files`` returned before it returned a report).
+    """
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index):
+        return self.files[index]
+
+
 def save(
     manager,
     path: str,
@@ -95,7 +113,7 @@ def save(
         chunk_nbytes: piece size in bytes (8 MiB).
         window_nbytes: bytes between page-cache drops (64 MiB).
         progress: ``True`` for a tqdm bar on stderr, a callable taking the bytes
-            of each piece, or ``False``.
+            of each piece, or ``False`` / ``None`` (:mod:`ptdstream.progress`).
         direct: write with O_DIRECT (no page cache; falls back to buffered
             writes where the file system refuses it). Default: buffered writes,
             each window sent to disk by a writeback thread and dropped from the
@@ -109,13 +127,15 @@ def save(
 
     Raises:
         ValueError, LayoutError: bad path, tag or parameters (nothing written).
+        ArgumentTypeError: a ``progress`` outside the contract (nothing written).
         IntegrityError: a source changed or vanished (nothing published).
         OSError: a write, fsync or rename failed (nothing published).
     """
     from .manager import plan_manager
-    from .progress import progress_callback
+    from .progress import check_progress, progress_callback
     from .write.set_writer import write_save_plan
 
+    check_progress(progress)
     start = time.perf_counter()
     plan = plan_manager(manager, path, config=config, data_dir=data_dir)
     plan_seconds = time.perf_counter() - start
@@ -156,27 +176,57 @@ def write_data_files(
     segment_alignment: int = 128,
     chunk_nbytes: int = CHUNK_NBYTES,
     window_nbytes: int = WINDOW_NBYTES,
-    progress: Callable[[int], None] | None = None,
+    progress: Any = False,
     direct: bool = False,
-) -> list[FileReport]:
+) -> DataFilesReport:
     """Write each external tag of ``store`` as ``folder/<tag>.ptd`` (embedding API).
 
     For exporters that build a :class:`StreamingNamedDataStore` themselves: the
     files equal what ``FlatTensorSerializer`` gives for the same store. All files
-    are synced before any is published; on error none is.
+    are synced before any is published; on error none is. ``folder`` must exist.
+
+    Args:
+        store: the named data; only its external tags are written.
+        folder: the existing folder of the .ptd files.
+        segment_alignment: bytes (the ``FlatTensorSerializer``'s, 128).
+        chunk_nbytes, window_nbytes, direct: as :func:`save`.
+        progress: as :func:`save`: ``True`` for a tqdm bar on stderr, a callable
+            taking the bytes of each piece, or ``False`` / ``None``.
+
+    Returns:
+        A :class:`DataFilesReport` (files, bytes, seconds, GB/s, dedup savings;
+        ``summary()``, ``to_json()``).
 
     Raises:
         LayoutError: a tag that would leave ``folder``.
+        ArgumentTypeError: a ``progress`` outside the contract (nothing written).
         IntegrityError, OSError: as :func:`save` (nothing published).
     """
     from .format.plan import SavePlan
     from .format.ptd import plan_data_files
     from .format.pte import PteOptions
+    from .progress import check_progress, progress_callback
     from .write.set_writer import write_save_plan
 
+    check_progress(progress)
+    start = time.perf_counter()
     out = store.get_named_data_store_output()
     files = plan_data_files(out.buffers, out.external_data, folder,
                             segment_alignment=segment_alignment, fingerprints=out.fingerprints)
     plan = SavePlan(files, None, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
-    return write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
-                           progress=progress, direct=direct)
+    plan_seconds = time.perf_counter() - start
+    with contextlib.ExitStack() as stack:
+        callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
+        reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
+                                  progress=callback, direct=direct)
+    seconds = time.perf_counter() - start
+    nbytes = sum(r.nbytes for r in reports)
+    return DataFilesReport(
+        files=tuple(reports),
+        nbytes=nbytes,
+        seconds=seconds,
+        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        dedup_saved_nbytes=plan.dedup_saved_nbytes,
+        plan_seconds=plan_seconds,
+        options=plan.options,
+    )

@@ -50,6 +50,7 @@ from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from .errors import CheckpointMismatchError
 from .reports import Report
 from .sources.checkpoint import Checkpoint, open_checkpoint
+from .weights_check import KeyMap, check_keys, mapper, tags_and_order
 
 __all__ = ["DEFAULT_TAG", "WeightsReport", "read_program_weights", "write_ptd"]
 
@@ -57,8 +58,6 @@ __all__ = ["DEFAULT_TAG", "WeightsReport", "read_program_weights", "write_ptd"]
 DEFAULT_TAG = "_default_external_constant"
 #: ``FlatTensorConfig.segment_alignment`` (``extension/flat_tensor/serialize/serialize.py``).
 DEFAULT_SEGMENT_ALIGNMENT = 128
-
-KeyMap = Mapping[str, str] | Callable[[str], str | None] | None
 
 
 @dataclass(frozen=True)
@@ -118,117 +117,6 @@ def _changed_classes(keys, before: Mapping[str, int], after: Mapping[str, int]) 
     return tuple(changed)
 
 
-def _mapper(key_map: KeyMap) -> Callable[[str], str | None]:
-    if key_map is None:
-        return lambda k: k
-    if callable(key_map):
-        return key_map
-    pairs = list(key_map.items())
-
-    def rename(key: str) -> str | None:
-        for old, new in pairs:
-            if key.startswith(old):
-                return new + key[len(old):]
-        return key
-
-    return rename
-
-
-def _tags_and_order(program: ProgramWeights, like: Sequence[str], tag,
-                    problems: list[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """``{tag: [key, ...]}`` in upstream's order, and the keys of ``like`` files
-    that are no program FQN (a delegate's named data), in file order."""
-    from .format.reader import read_artifact
-
-    if like:
-        out: dict[str, list[str]] = {}
-        owner: dict[str, str] = {}
-        foreign: list[str] = []
-        for ptd in like:
-            art = read_artifact(os.fspath(ptd))
-            if art.kind != "ptd":
-                problems.append(f"like: {ptd} is a .pte, not a .ptd")
-                continue
-            name = os.path.basename(os.fspath(ptd))
-            tag_of_file = name[: -len(".ptd")] if name.endswith(".ptd") else name
-            keys = out.setdefault(tag_of_file, [])
-            for entry in art.named:
-                if entry.key in owner:
-                    problems.append(f"like: key {entry.key!r} is in both {owner[entry.key]} and {ptd}")
-                    continue
-                owner[entry.key] = str(ptd)
-                if entry.key not in program.keys:
-                    foreign.append(entry.key)
-                keys.append(entry.key)
-        for fqn in program.keys:
-            if fqn not in owner:
-                problems.append(f"key {fqn!r} of {program.path} is in none of the like= files")
-        return out, foreign
-    if tag is None:
-        tag = DEFAULT_TAG
-    out = {}
-    for fqn in program.keys:
-        t = tag if isinstance(tag, str) else (tag(fqn) if callable(tag) else tag.get(fqn))
-        if not isinstance(t, str):
-            problems.append(f"key {fqn!r}: no tag for it (tag= gave {t!r})")
-            continue
-        out.setdefault(t, []).append(fqn)
-    return out, []
-
-
-def _describe_layout(layout) -> str:
-    from executorch.exir.scalar_type import ScalarType
-
-    try:
-        name = ScalarType(int(layout.scalar_type)).name
-    except ValueError:
-        name = f"ScalarType {int(layout.scalar_type)}"
-    return f"{name}{list(layout.sizes)} dim order {list(layout.dim_order)}"
-
-
-def _check(program: ProgramWeights, ckpt: Checkpoint, key_map: KeyMap, allow_extra: bool,
-           problems: list[str], also_used=frozenset()) -> dict[str, str]:
-    """``{fqn: checkpoint key}``; every problem appended to ``problems``."""
-    from executorch.exir.scalar_type import ScalarType
-    from executorch.exir.tensor import scalar_type_enum
-
-    lookup = _mapper(key_map)
-    chosen: dict[str, str] = {}
-    for fqn, layout in program.keys.items():
-        key = lookup(fqn)
-        if key is None or key not in ckpt.entries:
-            via = "" if key == fqn else f" (looked up as {key!r})"
-            problems.append(f"missing: {fqn!r}{via} ({_describe_layout(layout)}) is not in {ckpt.path}")
-            continue
-        chosen[fqn] = key
-        entry = ckpt.entries[key]
-        named = f"{fqn!r}" if key == fqn else f"{fqn!r} (checkpoint key {key!r})"
-        try:
-            scalar = int(scalar_type_enum(entry.dtype))
-        except Exception:  # noqa: BLE001 - a dtype executorch has no ScalarType for is a mismatch below
-            scalar = None
-        if scalar != int(layout.scalar_type):
-            have = ScalarType(scalar).name if scalar is not None else str(entry.dtype)
-            problems.append(f"dtype: {named} is {have} ({entry.dtype}) in the checkpoint, the program expects "
-                            f"{_describe_layout(layout).split('[')[0]}")
-        if list(entry.shape) != [int(s) for s in layout.sizes]:
-            problems.append(f"shape: {named} is {list(entry.shape)} in the checkpoint, the program expects "
-                            f"{[int(s) for s in layout.sizes]}")
-        elif list(entry.dim_order) != [int(d) for d in layout.dim_order]:
-            problems.append(f"dim order: {named} is {list(entry.dim_order)} in the checkpoint, the program "
-                            f"expects {[int(d) for d in layout.dim_order]}")
-    used = set(chosen.values()) | set(also_used)
-    # A key whose tensor is the very memory of a used key's (tied weights saved twice) is no extra.
-    used_roots = {ckpt.aliases[k] for k in used if k in ckpt.aliases}
-    extra = [k for k in ckpt.entries if k not in used and not (k in ckpt.aliases and ckpt.aliases[k] in used_roots)]
-    if extra and not allow_extra:
-        shown = ", ".join(repr(k) for k in extra[:50])
-        more = f" and {len(extra) - 50} more" if len(extra) > 50 else ""
-        problems.append(f"extra: {len(extra)} checkpoint key(s) are not weights of the program: {shown}{more} "
-                        "(allow_extra=True / --allow-extra to ignore them)")
-    return chosen
-
-
 @dataclass(frozen=True)
 class WeightsReport(Report):
     """What :func:`write_ptd` wrote: ``files`` (``FileReport``, one per tag), bytes in
@@ -263,7 +151,8 @@ class WeightsReport(Report):
 
 def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Sequence[str] = (),
                    tag=None, key_map: KeyMap = None, allow_extra: bool = False,
-                   segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT, old_checkpoint: Checkpoint | None = None):
+                   segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT, old_checkpoint: Checkpoint | None = None,
+                   keep: Sequence[str] = ()):
     """Check ``checkpoint`` against ``program`` and plan every ``.ptd`` (nothing written).
 
     Returns ``(SavePlan, keys, pte_classes_changed)``: the plan of the ``.ptd``
@@ -275,6 +164,7 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     from .format.plan import FileRole, PlannedFile, SavePlan
     from .format.ptd import plan_data_files, ptd_file_name
     from .format.pte import PteOptions
+    from .sources import FileRangeSource
     from .store import StreamingNamedDataStore
 
     weights = program if isinstance(program, ProgramWeights) else read_program_weights(program)
@@ -288,7 +178,13 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
                 + (", or for XNNPACK: like= the old .ptd files and old_checkpoint= the exported weights)"
                    if backend == xnn.XNNPACK_ID else ")")
             )
-    order, foreign = _tags_and_order(weights, like, tag, problems)
+    order, foreign, located = tags_and_order(weights, like, DEFAULT_TAG if tag is None else tag, problems)
+    kept = set(keep)
+    for key in keep:
+        if key not in located:
+            problems.append(f"keep: {key!r} is in none of the like= files" if like else
+                            f"keep: {key!r} needs the old .ptd files that hold it (like= / --like)")
+    foreign = [key for key in foreign if key not in kept]
     matches: dict[str, tuple[str, str]] = {}
     if foreign and not xnnpack:
         for key in foreign:
@@ -296,15 +192,15 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
                             "of a delegate or backend (XNNPACK names what it packs by the SHA-256 of the packed "
                             "bytes), which a checkpoint alone cannot recreate")
     elif foreign:
-        matches = xnn.match_keys(foreign, old_checkpoint, checkpoint, problems, _mapper(key_map))
+        matches = xnn.match_keys(foreign, old_checkpoint, checkpoint, problems, mapper(key_map))
     for t in order:
         try:
             ptd_file_name(t)  # a tag must name a file in out_dir
         except ValueError as e:
             problems.append(str(e))
-    chosen = _check(weights, checkpoint, key_map, allow_extra, problems,
-                    also_used={name for name, _ in matches.values()})
-    places = xnn.find_once(weights.path, list(matches), problems) if matches else {}
+    chosen = check_keys(weights, checkpoint, key_map, allow_extra, problems,
+                        also_used={name for name, _ in matches.values()}, keep=kept, located=located)
+    places = xnn.find_all(weights.path, list(matches), problems) if matches else {}
     if problems:
         raise CheckpointMismatchError(weights.path, checkpoint.path, problems)
     store = StreamingNamedDataStore()
@@ -314,6 +210,12 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
                 name, new_key = matches[key]
                 store.add_named_data(new_key, checkpoint.source(name), alignment=xnn.XNNPACK_ALIGNMENT,
                                      external_tag=t)
+            elif key in kept:  # the exported bytes, from the old .ptd
+                path, offset, nbytes = located[key]
+                layout = weights.keys.get(key)
+                store.add_named_data(key, FileRangeSource(path, offset, nbytes), external_tag=t,
+                                     alignment=1 if layout is not None else xnn.XNNPACK_ALIGNMENT,
+                                     tensor_layout=layout)
             else:
                 store.add_named_data(key, checkpoint.source(chosen[key]), external_tag=t,
                                      tensor_layout=weights.keys[key])
@@ -325,11 +227,11 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     program_file = None
     if matches:
         name = os.path.basename(weights.path)
-        replacements = {places[k]: (k, new_key) for k, (_, new_key) in matches.items()}
+        replacements = {at: (k, new_key) for k, (_, new_key) in matches.items() for at in places[k]}
         program_file = PlannedFile(os.path.join(out_dir, name), FileRole.PROGRAM,
                                    xnn.rewritten_program_plan(weights.path, replacements, name))
     plan = SavePlan(files, program_file, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
-    return plan, len(chosen), changed
+    return plan, len(chosen) + len(kept), changed
 
 
 def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
@@ -338,7 +240,7 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
               segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT,
               chunk_nbytes: int = CHUNK_NBYTES, window_nbytes: int = WINDOW_NBYTES,
               progress: Any = False, old_checkpoint: None | str | Checkpoint = None,
-              format: str = "auto", old_format: str = "auto") -> WeightsReport:
+              format: str = "auto", old_format: str = "auto", keep: Sequence[str] = ()) -> WeightsReport:
     """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors
     (and, for XNNPACK with ``old_checkpoint``, the new ``.pte``).
 
@@ -366,7 +268,8 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
             (otherwise each is reported).
         segment_alignment: bytes; the ``FlatTensorSerializer``'s (128 by default).
         chunk_nbytes: piece size in bytes; window_nbytes: bytes between page drops.
-        progress: ``True`` for a tqdm bar, a callable taking byte counts, or False.
+        progress: ``True`` for a tqdm bar, a callable taking byte counts, or
+            ``False`` / ``None`` (:mod:`ptdstream.progress`).
         old_checkpoint: for a program with XNNPACK delegates and tagged external
             weights (with ``like``): the weights it was exported with, with the
             key names of ``checkpoint`` or the program's FQNs (``key_map`` then
@@ -383,6 +286,11 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
             torch.distributed.checkpoint folder, whose metadata is a pickle
             that runs code when read, so name it only for a trusted checkpoint
             (it is never detected).
+        keep: keys (FQNs, or XNNPACK keys) whose exported bytes are copied
+            unchanged from the ``like`` file holding them, not taken from
+            ``checkpoint``: buffers no checkpoint saves, such as non-persistent
+            ones (causal masks). A missing key that a ``like`` file holds is
+            reported with this option named.
 
     Memory: about two pieces plus metadata for safetensors and ``torch.save``
     checkpoints (mapped, paged out as read); DCP adds the tensor being written.
@@ -398,14 +306,16 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
             a ``like`` file, a file of ``checkpoint`` or ``old_checkpoint``; same
             device and inode, links included), naming both; nothing written.
         ValueError: ``segment_alignment <= 0`` (upstream's text).
+        ArgumentTypeError: a ``progress`` outside the contract (nothing read).
         IntegrityError, OSError: a read or write failed (nothing published).
     """
     from .format.layout import check_alignment
-    from .progress import progress_callback
+    from .progress import check_progress, progress_callback
     from .system.files import refuse_overwrite
     from .write.set_writer import write_save_plan
 
     start = time.perf_counter()
+    check_progress(progress)
     check_alignment(segment_alignment, "segment_alignment")  # before a checkpoint is opened
     out_dir = os.fspath(out_dir)
     if not os.path.isdir(out_dir):
@@ -423,7 +333,7 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
     try:
         plan, nkeys, changed = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
                                               allow_extra=allow_extra, segment_alignment=segment_alignment,
-                                              old_checkpoint=old)
+                                              old_checkpoint=old, keep=keep)
         inputs = [program.path if isinstance(program, ProgramWeights) else program, *like, *ckpt.files(),
                   *(old.files() if old is not None else ())]
         refuse_overwrite(inputs, [f.path for f in plan.files], force=True)  # only an output that is an input

@@ -14,10 +14,12 @@ stored as ``scale_<sha256>``.
 So a key whose bytes are exactly one tensor of the old checkpoint was stored
 untransformed, and the re-export with new weights stores the new tensor's bytes
 under its own SHA-256: the new ``.pte`` is the old one with each such key
-replaced (same length, found exactly once), the ``.ptd`` holds the new bytes
-under the new keys in the same order. Any other key (transformed bytes, a
-scale, a key found more or less than once, old tensors equal where new ones
-differ) is refused by name.
+replaced (same length) at every place it occurs: a weight shared by several
+methods (prefill and decode) is named once in each method's delegate blob, and
+the re-export names the new key in each. The ``.ptd`` holds the new bytes under
+the new keys in the same order. Any other key (transformed bytes, a scale, a
+key the ``.pte`` never names, old tensors equal where new ones differ) is
+refused by name.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable
 
 from .sources import BufferRing, FileRangeSource
 
-__all__ = ["XNNPACK_ALIGNMENT", "XNNPACK_ID", "delegates_all_xnnpack", "find_once", "match_keys",
+__all__ = ["XNNPACK_ALIGNMENT", "XNNPACK_ID", "delegates_all_xnnpack", "find_all", "match_keys",
            "rewritten_program_plan"]
 
 XNNPACK_ID = "XnnpackBackend"
@@ -73,7 +75,8 @@ def match_keys(xnn_keys: list[str], old, new, problems: list[str],
         if not names:
             problems.append(f"XNNPACK key {xkey!r}: no tensor of {old.path} has these bytes: XNNPACK "
                             "transformed them (quantized, 4-bit packed, NHWC or swapped conv weight, cast to "
-                            "fp32); re-export")
+                            "fp32); re-export (or, for a constant that is no trained weight, such as a "
+                            f"non-persistent buffer: keep=[{xkey!r}] / --keep {xkey} keeps its exported bytes)")
             continue
         renamed = {n: n if n in new.entries or lookup is None else (lookup(n) or n) for n in names}
         missing = [n for n in names if renamed[n] not in new.entries]
@@ -102,9 +105,11 @@ def match_keys(xnn_keys: list[str], old, new, problems: list[str],
     return out
 
 
-def find_once(path: str, keys: list[str], problems: list[str]) -> dict[str, int]:
-    """``{key: file offset}`` of each key's one ASCII occurrence in the file at ``path``
-    (read in 8 MiB pieces); a key found 0 or 2+ times is a problem."""
+def find_all(path: str, keys: list[str], problems: list[str]) -> dict[str, list[int]]:
+    """``{key: [file offset, ...]}`` of every ASCII occurrence of each key in the file
+    at ``path`` (read in 8 MiB pieces), ascending; a key found nowhere is a problem.
+    A 64-character SHA-256 hex digest occurs in a ``.pte`` only where a delegate
+    blob names it (once per method that uses the weight)."""
     positions: dict[str, set] = {k: set() for k in keys}
     needles = [(k, k.encode()) for k in keys]
     overlap = max((len(k) for k in keys), default=1) - 1
@@ -125,10 +130,11 @@ def find_once(path: str, keys: list[str], problems: list[str]) -> dict[str, int]
             tail = window[-overlap:] if overlap else b""
     out = {}
     for key, places in positions.items():
-        if len(places) != 1:
-            problems.append(f"XNNPACK key {key!r} appears {len(places)} times in {path}, not once; re-export")
+        if not places:
+            problems.append(f"XNNPACK key {key!r} of the like= files is nowhere in {path}: that .ptd is not "
+                            "from this program's export; pass the .ptd files written with it")
         else:
-            out[key] = places.pop()
+            out[key] = sorted(places)
     return out
 
 

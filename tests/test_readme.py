@@ -1,4 +1,4 @@
-"""README.md runs: every Python and shell block, against the demo's model.
+"""README.md and every docs/*.md run: every Python and shell block, against the demo's model.
 
 A module fixture builds the demo (``ptdstream.demo``: export, XNNPACK lowering),
 saves it into ``out/`` with ptdstream and into ``ref/`` with executorch's own
@@ -6,7 +6,11 @@ writer, in a temp folder that every block then runs in. Python blocks run in
 one namespace holding what a user of the snippet has at hand (``edge``,
 ``config``, ``programs``, ``partitioners``, ``manager``, ``weight_tensor``, an
 open file ``f``, a folder ``outdir``); shell blocks run with bash, ``ptdstream``
-being this interpreter's command. Blocks that set up a machine (``tools/setup.sh``,
+being this interpreter's command. A new file under docs/ is covered as it lands;
+the files run in order (README.md first), each block in the order it appears,
+and each file starts from the folder and namespace as the fixture made them (what
+one file's blocks write never reaches another's).
+Blocks that set up a machine (``tools/setup.sh``,
 the test suite itself) and blocks that need a GPU are left out, by rule, below.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,16 +27,25 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_blocks() -> list[tuple[int, str, str]]:
-    """``(line, language, code)`` of each fenced ``python``/``sh`` block."""
-    text = README.read_text()
+def doc_files() -> list[Path]:
+    """README.md, then every Markdown file under docs/ (sorted)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def doc_blocks(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, language, code)`` of each fenced ``python``/``sh`` block of ``path``,
+    indented ones (inside a list item) included, their indentation removed."""
+    text = path.read_text()
     blocks = []
-    for m in re.finditer(r"^```(\w+)\n(.*?)^```", text, re.S | re.M):
-        if m.group(1) in ("python", "sh"):
-            blocks.append((text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2)))
+    for m in re.finditer(r"^( *)```(\w+)\n(.*?)^\1```", text, re.S | re.M):
+        if m.group(2) in ("python", "sh"):
+            indent = len(m.group(1))
+            code = "".join(line[indent:] if line[:indent].isspace() else line
+                           for line in m.group(3).splitlines(keepends=True))
+            blocks.append((text.count("\n", 0, m.start()) + 1, m.group(2), code))
     return blocks
 
 
@@ -64,7 +78,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [(f"{path.relative_to(ROOT)}:{line}", language, code)
+          for path in doc_files() for line, language, code in doc_blocks(path)]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +139,9 @@ def workdir(tmp_path_factory):
         ExecutorchBackendConfig=ExecutorchBackendConfig, to_edge_transform_and_lower=to_edge_transform_and_lower,
         state_dict=dict(model.state_dict()),
     )
-    yield root, namespace
+    pristine = tmp_path_factory.mktemp("readme-pristine")
+    shutil.copytree(root, pristine, dirs_exist_ok=True, symlinks=True)
+    yield root, namespace, pristine
     dist.destroy_process_group()
 
 
@@ -138,18 +155,46 @@ def _shell(code: str) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("line,language,code", BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
-def test_readme_block_runs(workdir, line, language, code, monkeypatch):
+_current: dict[str, object] = {}
+
+
+def _state_of(doc: str, root: Path, base: dict, pristine: Path) -> dict:
+    """The namespace for a block of ``doc``; at a file's first block, ``root`` is
+    made again from ``pristine`` and the namespace again from ``base``."""
+    if _current.get("doc") != doc:
+        for entry in root.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        shutil.copytree(pristine, root, dirs_exist_ok=True, symlinks=True)
+        _current.update(doc=doc, namespace=dict(base))
+    return _current["namespace"]  # type: ignore[return-value]  # set just above
+
+
+def test_docs_blocks_found():
+    """Every docs file's blocks are collected: the README's first block is the demo
+    command, and a block indented in a list item is found with its indentation removed."""
+    assert BLOCKS[0][0].startswith("README.md:") and BLOCKS[0][2] == "bash tools/setup.sh && .venv/bin/ptdstream demo\n"
+    sources = {where.split(":")[0] for where, _, _ in BLOCKS}
+    assert {"README.md", "docs/api.md", "docs/weights.md", "docs/troubleshooting.md"} <= sources
+    indented = [code for where, _, code in BLOCKS if where.startswith("docs/troubleshooting.md:")]
+    assert "ptdstream recover out/\n" in indented[0]
+
+
+@pytest.mark.parametrize("where,language,code", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_doc_block_runs(workdir, where, language, code, monkeypatch):
     reason = _skip_reason(language, code)
     if reason:
         pytest.skip(reason)
-    root, namespace = workdir
+    root, base, pristine = workdir
+    namespace = _state_of(where.rsplit(":", 1)[0], root, base, pristine)
     monkeypatch.chdir(root)
     if language == "python":
         import ptdstream
 
         try:
-            exec(compile(code, f"README.md:{line}", "exec"), namespace)
+            exec(compile(code, where, "exec"), namespace)
         finally:
             ptdstream.uninstall()  # a block may install(): later tests need upstream's own writers
         return
@@ -157,5 +202,5 @@ def test_readme_block_runs(workdir, line, language, code, monkeypatch):
                PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", _shell(code)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (f"README.md:{line} exited {proc.returncode}\n"
+    assert proc.returncode == 0, (f"{where} exited {proc.returncode}\n"
                                   f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

@@ -25,7 +25,7 @@ LAYERS = {
     "store": 2,
     "write": 3,
     "manager": 4, "check": 4, "pack": 4,
-    "save": 5, "weights": 5, "weights_xnnpack": 5, "distributed": 5,
+    "save": 5, "weights": 5, "weights_check": 5, "weights_xnnpack": 5, "distributed": 5,
     "hooks": 6,
     "weightless": 7,
     "cli": 7, "demo": 7, "hf": 7, "__main__": 7, "_entry": 7,

@@ -148,7 +148,9 @@ def test_xnnpack_transformed_weights_are_refused_by_key(tmp_path):
     assert len(transformed) == 1
     assert info.value.problems == [
         f"XNNPACK key {transformed[0]!r}: no tensor of {old} has these bytes: XNNPACK transformed them "
-        "(quantized, 4-bit packed, NHWC or swapped conv weight, cast to fp32); re-export",
+        "(quantized, 4-bit packed, NHWC or swapped conv weight, cast to fp32); re-export (or, for a constant "
+        f"that is no trained weight, such as a non-persistent buffer: keep=[{transformed[0]!r}] / --keep "
+        f"{transformed[0]} keeps its exported bytes)",
         "extra: 1 checkpoint key(s) are not weights of the program: 'conv.weight' "
         "(allow_extra=True / --allow-extra to ignore them)",
     ]
@@ -156,3 +158,106 @@ def test_xnnpack_transformed_weights_are_refused_by_key(tmp_path):
 
 def _raw_bytes(t) -> bytes:
     return t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+
+
+@pytest.fixture(scope="module")
+def demo_exports(tmp_path_factory):
+    """The demo's two-method XNNPACK program (a smaller TinyLM: one layer, dim 32),
+    exported with its weights (``old/``) and re-exported with every parameter
+    moved by 0.01 (``ref/``), and both weights saved as a Hugging Face checkpoint
+    is (``save_model``: the tied embedding once, no non-persistent causal mask)."""
+    from safetensors.torch import save_model
+
+    import ptdstream
+    from ptdstream.demo import run as demo
+    from ptdstream.demo.model import TinyLMConfig, build_tiny_lm
+
+    root = tmp_path_factory.mktemp("demo-weights")
+    model = build_tiny_lm(TinyLMConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_seq_len=16))
+
+    def export_into(folder: str) -> None:
+        os.makedirs(root / folder)
+        manager = demo.lower(demo.export_programs(model)).to_executorch(demo.backend_config())
+        ptdstream.save(manager, str(root / folder / "model.pte"))
+
+    export_into("old")
+    save_model(model, str(root / "old.safetensors"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    export_into("ref")
+    save_model(model, str(root / "new.safetensors"))
+    return root
+
+
+MASK = "layers.0.causal_mask"
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_a_weight_shared_by_two_methods_gives_the_reexport(demo_exports, tmp_path):
+    """Each XNNPACK key is named by both methods' delegate blobs: it is matched once
+    and replaced in both; the causal mask no checkpoint saves is kept from the old
+    .ptd: the .pte and .ptd are the re-export's bytes."""
+    root = demo_exports
+    old_pte = (root / "old" / "model.pte").read_bytes()
+    xnn_keys = [e.key for e in __import__("ptdstream.format.reader", fromlist=["x"]).read_artifact(
+        str(root / "old" / "model.ptd")).named if len(e.key) == 64]
+    assert xnn_keys and all(old_pte.count(k.encode()) == 2 for k in xnn_keys)  # once per method
+    report = write_ptd(str(root / "old" / "model.pte"), str(root / "new.safetensors"), str(tmp_path),
+                       like=[str(root / "old" / "model.ptd")], old_checkpoint=str(root / "old.safetensors"),
+                       keep=[MASK])
+    assert _files(tmp_path) == _files(root / "ref")
+    assert report.files[-1].path == str(tmp_path / "model.pte")
+
+
+@pytest.mark.slow
+def test_the_cli_keeps_a_buffer_and_maps_a_tied_weight(demo_exports, tmp_path):
+    """A checkpoint naming the tied embedding by its other name: --map names it,
+    --keep keeps the mask; the re-export's bytes."""
+    from safetensors.torch import load_file, save_file
+
+    from ptdstream.cli import main
+
+    root = demo_exports
+    state = load_file(str(root / "new.safetensors"))
+    state["tok_embeddings.weight"] = state.pop("output.weight")
+    save_file(state, str(tmp_path / "renamed.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["weights", str(root / "old" / "model.pte"), "--from", str(tmp_path / "renamed.safetensors"),
+                 "--old", str(root / "old.safetensors"), "--like", str(root / "old" / "model.ptd"),
+                 "-o", str(out), "--keep", MASK, "--map", "output.weight=tok_embeddings.weight"]) == 0
+    assert _files(out) == _files(root / "ref")
+
+
+@pytest.mark.slow
+def test_a_missing_buffer_and_a_renamed_tied_weight_name_their_options(demo_exports, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    root = demo_exports
+    state = load_file(str(root / "new.safetensors"))
+    state["tok_embeddings.weight"] = state.pop("output.weight")
+    ckpt = str(tmp_path / "renamed.safetensors")
+    save_file(state, ckpt)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.ptd").write_bytes(b"previous")
+    like = str(root / "old" / "model.ptd")
+    with pytest.raises(CheckpointMismatchError) as info:
+        write_ptd(str(root / "old" / "model.pte"), ckpt, str(out), like=[like],
+                  old_checkpoint=str(root / "old.safetensors"), keep=["nope"])
+    problems = info.value.problems
+    assert "keep: 'nope' is in none of the like= files" in problems
+    assert (f"missing: '{MASK}' (FLOAT[16, 16] dim order [0, 1]) is not in {ckpt}; {like} holds it (a buffer no "
+            f"checkpoint saves, such as a non-persistent one?): keep=['{MASK}'] / --keep {MASK} copies its "
+            "exported bytes unchanged") in problems
+    assert (f"missing: 'output.weight' (FLOAT[64, 32] dim order [0, 1]) is not in {ckpt}; its checkpoint key "
+            "'tok_embeddings.weight' has its dtype and shape (a tied weight saved under its other name?): "
+            "key_map={'output.weight': 'tok_embeddings.weight'} / --map output.weight=tok_embeddings.weight"
+            ) in problems
+    assert not any("appears" in p for p in problems)
+    assert _files(out) == {"model.ptd": b"previous"}

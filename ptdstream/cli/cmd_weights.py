@@ -63,6 +63,9 @@ def register(subparsers) -> None:
                         "whose metadata is a pickle that runs code, only for a checkpoint you trust)")
     p.add_argument("--old-format", default="auto", choices=FORMATS, help="how to read --old (as --format)")
     p.add_argument("--allow-extra", action="store_true", help="ignore checkpoint keys the program does not use")
+    p.add_argument("--keep", action="append", default=[], metavar="KEY",
+                   help="copy KEY's exported bytes unchanged from the --like file holding it (a buffer no "
+                        "checkpoint saves, such as a non-persistent causal mask); repeat")
     p.add_argument("--segment-alignment", type=int, default=128, help="bytes (default %(default)s)")
 
 
@@ -86,7 +89,8 @@ def run(args) -> int:
         report = write_ptd(args.program, args.checkpoint, args.out, like=args.like, tag=args.tag,
                            key_map=dict(args.map) or None, allow_extra=args.allow_extra,
                            segment_alignment=args.segment_alignment, progress=progress_wanted(args),
-                           old_checkpoint=args.old_checkpoint, format=args.format, old_format=args.old_format)
+                           old_checkpoint=args.old_checkpoint, format=args.format, old_format=args.old_format,
+                           keep=args.keep)
     print_report(args, report)
     return EXIT_OK
 

@@ -33,6 +33,7 @@ and so on (DTensor keys are on every rank, so their order is rank 0's).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import zlib
@@ -42,6 +43,8 @@ from typing import Any
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import IntegrityError, LayoutError
+from ..progress import check_progress, progress_callback
+from ..reports import Report
 from ..sources import BufferRing, Source, as_source
 from ..sources.fingerprint import StreamingDigest, check_expected
 from .collective import Collective, DistributedIntegrityError, DistributedWriteError
@@ -61,7 +64,7 @@ __all__ = ["DistributedIntegrityError", "DistributedReport", "DistributedWriteEr
 
 
 @dataclass(frozen=True)
-class DistributedReport:
+class DistributedReport(Report):
     """What :func:`write_data_files` did: ``files`` ``[(path, bytes)]`` published,
     bytes this rank wrote, wall seconds, bytes saved by dedup."""
 
@@ -69,6 +72,12 @@ class DistributedReport:
     rank_nbytes: int
     seconds: float
     dedup_saved_nbytes: int
+
+    def summary(self) -> str:
+        lines = [f"{path}  {nbytes:,} bytes" for path, nbytes in self.files]
+        lines.append(f"{self.rank_nbytes:,} bytes written by this rank in {self.seconds:.2f} s; "
+                     f"dedup saved {self.dedup_saved_nbytes:,} bytes")
+        return "\n".join(lines)
 
 
 def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alignment: int, rank: int):
@@ -195,10 +204,11 @@ def _candidate_digest(source: Source, offset: int, ring: BufferRing):
     return part
 
 
-def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
+def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int, progress: Callable[[int], object]) -> int:
     """pwrite this rank's pieces into the temp files, window by window to disk and
     out of the page cache (:class:`~ptdstream.system.writeback.WritebackWindows`),
-    digesting each piece as written; fsync; drop their pages.
+    digesting each piece as written, ``progress(bytes)`` after each; fsync; drop
+    their pages.
 
     Raises:
         IntegrityError: a piece whose first bytes, size or digest differ from
@@ -235,6 +245,7 @@ def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int) -> int:
                     digest.update(piece)  # the bytes as written (or later)
                     position += n
                     written += n
+                    progress(n)
                 if digest.nbytes != source.nbytes:
                     raise IntegrityError(f"{where}{source.describe()} gave {digest.nbytes} bytes, "
                                          f"{source.nbytes} planned; nothing was published")
@@ -273,15 +284,17 @@ class _RankWrite:
     failure removes rank 0's temp files."""
 
     def __init__(self, tensors, folder: str, tag_of, alignment: int, rank: int, segment_alignment: int,
-                 chunk_nbytes: int) -> None:
+                 chunk_nbytes: int, progress: Any) -> None:
         self.tensors, self.folder, self.tag_of, self.alignment = tensors, folder, tag_of, alignment
         self.rank, self.segment_alignment, self.chunk_nbytes = rank, segment_alignment, chunk_nbytes
+        self.progress = progress
         self.local: dict[str, tuple[Source, Any, bytes]] = {}
         self.sinks: list[Any] = []
         self.files: list[Any] = []
         self.published = False
 
     def describe(self) -> list[PieceInfo]:
+        check_progress(self.progress)
         if not os.path.isdir(self.folder):
             raise FileNotFoundError(f"{self.folder}: output folder does not exist (rank {self.rank})")
         infos, self.local = _local_pieces(self.tensors, self.tag_of, self.alignment, self.rank)
@@ -304,7 +317,10 @@ class _RankWrite:
         return wire_plan(self.files, self.sinks), dedup
 
     def write(self, wire) -> int:
-        written = _write_pieces(wire, self.local, self.offsets, self.rank, self.chunk_nbytes)
+        mine = sum(self.local[key][0].nbytes for _, _, _, writes in wire for key, _, _ in writes if key in self.local)
+        with contextlib.ExitStack() as stack:
+            update = progress_callback(stack, self.progress, mine, f"rank {self.rank}: writing its pieces")
+            written = _write_pieces(wire, self.local, self.offsets, self.rank, self.chunk_nbytes, update)
         if self.rank == 0:
             for (_, plan), sink in zip(self.files, self.sinks, strict=True):
                 sink.write(plan.extents[0].data)  # the head: header + FlatTensor flatbuffer + padding
@@ -333,6 +349,7 @@ def write_data_files(
     group=None,
     segment_alignment: int = 128,
     chunk_nbytes: int = CHUNK_NBYTES,
+    progress: Any = False,
 ) -> DistributedReport:
     """Write ``folder/<tag>.ptd`` from the tensors of every rank; call it on every
     rank of ``group`` (default: the default process group) with its own tensors.
@@ -356,6 +373,10 @@ def write_data_files(
         alignment: bytes, of every entry (upstream's ``add_named_data`` alignment).
         segment_alignment: bytes (the ``FlatTensorSerializer``'s, 128).
         chunk_nbytes: piece size in bytes for reading and writing.
+        progress: as :func:`ptdstream.save`, for the bytes this rank writes:
+            ``True`` for a tqdm bar on its stderr, a callable taking the bytes of
+            each piece, or ``False`` / ``None``; any other value fails the first
+            step on every rank (its ``ArgumentTypeError`` named per rank).
 
     Returns:
         A :class:`DistributedReport` on every rank.
@@ -374,7 +395,7 @@ def write_data_files(
     steps = Collective(group)
     folder = os.path.abspath(os.fspath(folder))
     tag_of = external_tag if callable(external_tag) else (lambda key: external_tag)
-    save = _RankWrite(tensors, folder, tag_of, alignment, steps.rank, segment_alignment, chunk_nbytes)
+    save = _RankWrite(tensors, folder, tag_of, alignment, steps.rank, segment_alignment, chunk_nbytes, progress)
     try:
         all_infos = steps.all_gather("describe the pieces", save.describe)
         all_partials = steps.all_gather("fingerprint the dedup candidates", lambda: save.fingerprint(all_infos))
