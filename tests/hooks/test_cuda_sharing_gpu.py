@@ -31,7 +31,6 @@ def _lower(model, share: bool | None, methods=_METHODS):
     from executorch.backends.cuda.cuda_backend import CudaBackend
     from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-    from executorch.exir.backend.compile_spec_schema import CompileSpec
 
     from ptdstream.hooks.cuda.backend import stream_cuda_weights
 
@@ -101,12 +100,12 @@ def test_methods_share_one_copy_of_the_weights_and_keep_upstreams_bytes(tmp_path
 
 
 def test_weights_on_the_host_are_served_from_there_with_upstreams_bytes(tmp_path):
+    import dataclasses
+    import gc
+
     from conftest import read_folder, reference_files
 
     import ptdstream
-
-    import dataclasses
-    import gc
 
     model = _model("cpu")
     weights_nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
