@@ -481,7 +481,9 @@ def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extr
     cmd += ["--direct", str(int(args.direct)), "--device-copy-budget-gib", str(args.device_copy_budget_gib)]
     cmd += ["--no-twins"] if args.no_twins else []
     cmd += ["--weights-on", weights_on, "--share", str(args.share), "--max-autotune", str(args.max_autotune),
-            "--host-headroom-gib", str(args.host_headroom_gib), "--check-outputs", str(args.check_outputs),
+            "--host-headroom-gib", str(args.host_headroom_gib),
+            "--check-outputs", str(int(bool(args.check_outputs) and (args.check_outputs_upto is None
+                                                                   or len(batches) <= args.check_outputs_upto))),
             "--second-save", str(args.second_save)]
     print(f"[{time.strftime('%H:%M:%S')}] {variant} ({extra['nbytes'] / GiB:.2f} GiB, weights on {weights_on}, "
           f"{len(batches)} methods)", file=sys.stderr, flush=True)
@@ -517,10 +519,8 @@ def measure(args, gib: float, done: list[dict] | None = None) -> list[dict]:
         for count in counts:
             batches = list(range(1, count + 1)) if args.methods else args.batches
             run = {"weights_on": weights_on, "batches": batches}
-            up = (run_child(args, "upstream", weights_on, batches, **shape)
-                  if "upstream" in args.variants else None)
-            ours = (run_child(args, "ptdstream", weights_on, batches, **shape)
-                    if "ptdstream" in args.variants else None)
+            got = {v: run_child(args, v, weights_on, batches, **shape) for v in args.variants}  # in their order
+            up, ours = got.get("upstream"), got.get("ptdstream")
             results.append({"gib": gib, "dim": dim, "nbytes": nbytes, "raw_s": raw, "raw_direct": raw_direct,
                             "upstream": up, "ptdstream": ours, **run})
             results[-1]["outputs_compare"] = compare_outputs(results[-1])
@@ -795,7 +795,8 @@ def main() -> int:
                    help="method counts to run, each with batches 1..N (overrides --batches), e.g. 3 10")
     p.add_argument("--weights-on", nargs="+", choices=["cuda", "cpu"], default=["cuda"],
                    help="where the model's weights are while exporting and lowering (each placement is run)")
-    p.add_argument("--variants", nargs="+", choices=["upstream", "ptdstream"], default=["upstream", "ptdstream"])
+    p.add_argument("--variants", nargs="+", choices=["upstream", "ptdstream"], default=["upstream", "ptdstream"],
+                   help="exports to run, in this order, per size, placement and method count")
     p.add_argument("--skip-raw", action="store_true", help="leave the raw writes out (no disk-speed targets)")
     p.add_argument("--share", type=int, choices=[0, 1], default=1,
                    help="stream_cuda_weights(share_weights=...): one copy of the weights through lowering")
@@ -809,6 +810,8 @@ def main() -> int:
                         "copy that would leave less than this much MemAvailable")
     p.add_argument("--check-outputs", type=int, choices=[0, 1], default=1,
                    help="run each method's .so through torch's AOTI loader and compare with upstream's")
+    p.add_argument("--check-outputs-upto", type=int, metavar="N",
+                   help="run the AOTI output check only at method counts up to N (default: every count)")
     p.add_argument("--second-save", type=int, choices=[0, 1], default=1,
                    help="ptdstream saves the manager again in the other write mode")
     p.add_argument("--child", choices=["raw", "raw_direct", "upstream", "ptdstream"], help=argparse.SUPPRESS)
