@@ -45,7 +45,11 @@ AOTI loader (constants bound by FQN from the model) on fixed inputs, and
 ptdstream's outputs are compared with upstream's, bitwise. The ``.ptd`` of each
 method count is compared with ptdstream's and upstream's at the fewest.
 ``--max-autotune 0`` adds the ``max_autotune=OFF`` compile spec to both
-variants (much faster compiles; the same for both).
+variants; on executorch 1.5.1 every compile of this model then fails
+(``missing fallback kernels: aoti_torch_cuda_addmm_out``: Inductor's extern
+addmm, which 1.5.1's AOTI shim lacks), so the default keeps autotuning on.
+``--report JSON`` prints the table of a results file (``--json``'s, or the
+``.runs.partial`` written after each run) without a GPU.
 
 ``--skip-upstream`` leaves upstream's export out (3 minutes at 2 GiB with 10
 methods, over 5 at 16 GiB). GPU peak (``max_memory_allocated``) is reported for
@@ -187,19 +191,22 @@ class _Stages:
 
         def preprocess_multimethod(cls, programs, specs):
             stages.copy_stage = {"seconds": time.perf_counter() - stages._t0, **stages._gpu(),
-                                 "rss_peak": stages.rss.peak["VmRSS"], "copies": len(stages.copies)}
+                                 "rss_peak": stages.rss.peak["VmRSS"], "rss": status_kib("VmRSS") * 1024,
+                                 "copies": len(stages.copies)}
             return multi_real(programs, specs)
 
         def preprocess_one(cls, program, specs, collector):
             torch = stages.torch
             name = backend.method_name_from_compile_specs(specs)
             stages.where = f"compile {name} (method {len(stages.compiles) + 1})"
-            record = {"method": name, "gpu_start": torch.cuda.memory_allocated()}
+            record = {"method": name, "gpu_start": torch.cuda.memory_allocated(),
+                      "rss_start": status_kib("VmRSS") * 1024}
             stages._gpu()
             torch.cuda.reset_peak_memory_stats()
             with stages.rss.window(record):
                 result = one_real(program, specs, collector)
                 record.update(stages._gpu())
+            record["rss_end"] = status_kib("VmRSS") * 1024
             stages.compiles.append(record)
             meta = bytes(result.processed_bytes)
             n = struct.unpack_from("<I", meta, 10)[0]  # after b"ETCUDAFQN3": the .so key
@@ -305,11 +312,12 @@ def child_export(args) -> dict:
     current = {}
 
     def materialize(self, weights, *a, **kw):
-        record = {"storages": len(weights), "write_s": 0.0}
+        record = {"storages": len(weights), "write_s": 0.0, "rss_start": status_kib("VmRSS") * 1024}
         current["record"] = record
         with rss.window(record):
             out = real_materialize(self, weights, *a, **kw)
             torch.cuda.synchronize()
+        record["rss_end"] = status_kib("VmRSS") * 1024
         res["materialize"].append(record)
         return out
 
@@ -327,12 +335,21 @@ def child_export(args) -> dict:
         # One-time host memory of ptdstream's CUDA path, also shown apart: loading
         # the GPU fingerprint's kernels (cuBLAS int8) and the pinned ring. Both
         # count in "host RSS over the model" (measured from rss_model).
+        from ptdstream.hooks.cuda.twins import probe, same_bytes
         from ptdstream.sources.cuda import PinnedRing
-        from ptdstream.sources.cuda_fingerprint import gpu_fingerprint
+        from ptdstream.sources.cuda_fingerprint import CHUNK_ROWS, ROW_NBYTES, gpu_fingerprint
 
         r0 = status_kib("VmRSS") * 1024
-        gpu_fingerprint(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
+        # At the shapes of real weights: whole 64 MiB steps, a tail, a storage under 17 rows
+        # (a bias), and the probe and exact comparison the routing runs on each storage.
+        warm = torch.zeros(CHUNK_ROWS * ROW_NBYTES + 2 * args.dim + 8, dtype=torch.uint8, device="cuda")
+        for flat in (warm, warm[: 2 * args.dim]):
+            gpu_fingerprint(flat)
+            probe(flat, {})
+            same_bytes(flat.clone(), flat)
+        del warm, flat
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         r1 = status_kib("VmRSS") * 1024
         PinnedRing.get(torch.device("cuda", torch.cuda.current_device()), 8 * MiB, 4)
         r2 = status_kib("VmRSS") * 1024
@@ -361,9 +378,11 @@ def child_export(args) -> dict:
         stages.where = "to_executorch"
         emit = {"gpu_start": torch.cuda.memory_allocated()}
         torch.cuda.reset_peak_memory_stats()
+        emit["rss_start"] = status_kib("VmRSS") * 1024
         with rss.window(emit):
             manager = edge.to_executorch()
         emit.update(stages._gpu())
+        emit["rss_end"] = status_kib("VmRSS") * 1024
         res["emit"] = emit
     except Exception as e:  # a run to its failure point: OOM (device or host) ends it here
         if not _is_oom(e):
@@ -397,6 +416,7 @@ def child_export(args) -> dict:
     os.makedirs(out, exist_ok=True)
     save = {}
     save_start = time.perf_counter()
+    save["rss_start"] = status_kib("VmRSS") * 1024
     with rss.window(save):
         if args.variant == "ptdstream":
             from ptdstream.timeline import record_stages
@@ -411,6 +431,7 @@ def child_export(args) -> dict:
             manager.write_tensor_data_to_file(out)
             res["save_as_is_s"] = time.perf_counter() - save_start
             fsync_files(out)
+    save["rss_end"] = status_kib("VmRSS") * 1024
     res["save"] = save
     res["saved_nbytes"] = sum(os.path.getsize(p) for p in files_under(out))
     res["peak_rss"] = max(rss.peak["VmRSS"], status_kib("VmHWM") * 1024)
@@ -460,7 +481,9 @@ def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extr
     cmd += ["--direct", str(int(args.direct)), "--device-copy-budget-gib", str(args.device_copy_budget_gib)]
     cmd += ["--no-twins"] if args.no_twins else []
     cmd += ["--weights-on", weights_on, "--share", str(args.share), "--max-autotune", str(args.max_autotune),
-            "--host-headroom-gib", str(args.host_headroom_gib), "--check-outputs", str(args.check_outputs),
+            "--host-headroom-gib", str(args.host_headroom_gib),
+            "--check-outputs", str(int(bool(args.check_outputs) and (args.check_outputs_upto is None
+                                                                   or len(batches) <= args.check_outputs_upto))),
             "--second-save", str(args.second_save)]
     print(f"[{time.strftime('%H:%M:%S')}] {variant} ({extra['nbytes'] / GiB:.2f} GiB, weights on {weights_on}, "
           f"{len(batches)} methods)", file=sys.stderr, flush=True)
@@ -480,8 +503,10 @@ def width_for(gib: float, layers: int) -> int:
     return max(64, round((gib * GiB / layers / 2) ** 0.5 / 64) * 64)
 
 
-def measure(args, gib: float) -> list[dict]:
-    """One result per (weights placement, method count) at ``gib``; the raw writes once."""
+def measure(args, gib: float, done: list[dict] | None = None) -> list[dict]:
+    """One result per (weights placement, method count) at ``gib``; the raw writes once.
+    With ``--json``, ``done`` (the results of earlier sizes) and those so far are written
+    to ``<json>.runs.partial`` after each run (``--report`` renders them)."""
     dim = width_for(gib, args.layers)
     nbytes = args.layers * (dim * dim + dim) * 2
     shape = {"layers": args.layers, "dim": dim, "nbytes": nbytes}
@@ -494,12 +519,14 @@ def measure(args, gib: float) -> list[dict]:
         for count in counts:
             batches = list(range(1, count + 1)) if args.methods else args.batches
             run = {"weights_on": weights_on, "batches": batches}
-            up = (run_child(args, "upstream", weights_on, batches, **shape)
-                  if "upstream" in args.variants else None)
-            ours = (run_child(args, "ptdstream", weights_on, batches, **shape)
-                    if "ptdstream" in args.variants else None)
+            got = {v: run_child(args, v, weights_on, batches, **shape) for v in args.variants}  # in their order
+            up, ours = got.get("upstream"), got.get("ptdstream")
             results.append({"gib": gib, "dim": dim, "nbytes": nbytes, "raw_s": raw, "raw_direct": raw_direct,
                             "upstream": up, "ptdstream": ours, **run})
+            results[-1]["outputs_compare"] = compare_outputs(results[-1])
+            if args.json:
+                with open(f"{args.json}.runs.partial", "w") as f:
+                    json.dump([*(done or []), *results], f, indent=2)
     if not args.skip_raw:
         raw.append(run_child(args, "raw", **shape)["seconds"])
     return results
@@ -540,6 +567,44 @@ def _workspace(r: dict) -> int:
     return max((c["gpu_peak"] - c["gpu_start"] for c in r["stages"]["compiles"]), default=0)
 
 
+def _grown(rec: dict | None) -> int:
+    """Current host RSS at a stage's end minus at its start (bytes; 0 when not recorded)."""
+    return rec["rss_end"] - rec["rss_start"] if rec and "rss_end" in rec else 0
+
+
+def rss_breakdown(r: dict) -> dict:
+    """Host RSS over the model (bytes), by where it grew and stayed: ``one_time`` (before
+    lowering: ptdstream's fingerprint kernels and pinned ring), ``copies`` (the up-front
+    per-method copies), ``compile`` (every method's compile, its collect excluded: Inductor,
+    triton, autotuning, AOTI; ``compile_first`` the first method's), ``collect`` (the
+    collector's ``materialize``), ``emit`` (``to_executorch``), ``save``; ``transient`` what
+    the peak stood above all of those; ``own``: what ptdstream's routing itself adds
+    (one-time, collects, save; upstream's collect and save for upstream)."""
+    base, before = r["rss_model"], r.get("rss_before_lowering", r["rss_model"])
+    st = r["stages"]
+    cs = st.get("copy_stage") or {}
+    copies = (cs["rss"] if "rss" in cs else st["copies"][-1]["rss"] if st["copies"] else before) - before
+    collects = [_grown(m) for m in r["materialize"]]
+    compiles = [_grown(c) for c in st["compiles"]]
+    compile_ = sum(compiles) - sum(collects[:len(compiles)])
+    first = compiles[0] - collects[0] if compiles and collects else 0
+    out = {"one_time": before - base, "copies": copies, "compile": compile_, "compile_first": first,
+           "collect": sum(collects), "emit": _grown(r.get("emit")), "save": _grown(r.get("save"))}
+    kept = sum(v for k, v in out.items() if k != "compile_first")
+    out["transient"] = r["peak_rss"] - base - kept
+    out["own"] = out["one_time"] + out["collect"] + max(out["save"], 0)
+    return out
+
+
+def rss_line(r: dict) -> str:
+    b = rss_breakdown(r)
+    return ("    host RSS over the model by stage (grown and kept, MiB): one-time before lowering "
+            f"{b['one_time'] / MiB:.0f}, copies {b['copies'] / MiB:.0f}, compiles without their collect "
+            f"{b['compile'] / MiB:.0f} (first {b['compile_first'] / MiB:.0f}), collects {b['collect'] / MiB:.0f}, "
+            f"to_executorch {b['emit'] / MiB:.0f}, save {b['save'] / MiB:.0f}, peak above those "
+            f"{b['transient'] / MiB:.0f}; the writer's own (one-time + collects + save) {b['own'] / MiB:.0f}")
+
+
 def stage_lines(r: dict) -> list[str]:
     st, base = r["stages"], r["rss_model"]
     cs = st.get("copy_stage") or {}
@@ -564,6 +629,8 @@ def stage_lines(r: dict) -> list[str]:
     if "save" in r:
         lines.append(f"    save: {r['save']['seconds']:.2f} s, GPU peak {_gib(r['gpu_peak_save_nbytes'])} GiB, "
                      f"RSS+ {r['save']['rss_added'] / MiB:.0f} MiB")
+    if "peak_rss" in r:
+        lines.append(rss_line(r))
     return lines
 
 
@@ -593,6 +660,20 @@ def variant_line(name: str, r: dict | None, raw_s: float) -> list[str]:
 
 def _ptd(r: dict | None) -> dict:
     return {n: tuple(v) for n, v in (r or {}).get("files", {}).items() if n.endswith(".ptd")}
+
+
+def upstream_ptd(res: dict, results: list[dict]) -> tuple[dict, str]:
+    """Upstream's ``.ptd`` files for ``res`` and where from: its own run, else (upstream
+    failed or was not run) upstream's at the fewest methods of the same size and placement
+    (the same weights), else ``{}``."""
+    if _ptd(res["upstream"]):
+        return _ptd(res["upstream"]), ""
+    same = [r for r in results if r["gib"] == res["gib"] and r["weights_on"] == res["weights_on"]
+            and _ptd(r["upstream"])]
+    if not same:
+        return {}, ""
+    ref = min(same, key=lambda r: len(r["batches"]))
+    return _ptd(ref["upstream"]), f" (upstream's at {len(ref['batches'])} methods)"
 
 
 def table(results: list[dict], layers: int) -> str:
@@ -631,21 +712,26 @@ def table(results: list[dict], layers: int) -> str:
         lines += timeline_lines(ours["timeline"])
         same_pte = tuple(ours["files"]["model.pte"]) == tuple(ours["reference_pte"])
         same_other = other is None or other["files"] == ours["files"]
-        same_ptd = None if not up or "failed" in up else bool(_ptd(ours)) and _ptd(ours) == _ptd(up)
+        up_ptd, up_from = upstream_ptd(res, results)
+        same_ptd = None if not up_ptd else bool(_ptd(ours)) and _ptd(ours) == up_ptd
         outputs = res.get("outputs_compare", {})
         out_ok = all(o.get("equal") for o in outputs.values()) if outputs else None
         lines.append("  files: " + ", ".join(f"{n} {s:,} B" for n, (s, _) in sorted(ours["files"].items()))
-                     + f"; .ptd == upstream's export: {'n/a' if same_ptd is None else 'yes' if same_ptd else 'NO'}; "
+                     + f"; .ptd == upstream's export{up_from}: "
+                     f"{'n/a' if same_ptd is None else 'yes' if same_ptd else 'NO'}; "
                      f".pte == upstream's serializer on the same manager: {'yes' if same_pte else 'NO'}; second "
                      f"save identical: {'yes' if same_other else 'NO'}; AOTI outputs == upstream's: "
                      + ("n/a" if out_ok is None else "yes" if out_ok else
                         "NO " + json.dumps(outputs)))
         ring = 4 * 8 * MiB
         rss_over = ours["peak_rss"] - ours["rss_model"]
+        own = rss_breakdown(ours)["own"]
         targets = [
             ("ptdstream completes", True),
             ("host RSS over the model <= ring + 64 MiB (one-time kernel load and AOTI compile included)",
              rss_over <= ring + 64 * MiB),
+            ("ptdstream's own host RSS (one-time kernels and ring, collects, save) <= ring + 64 MiB",
+             own <= ring + 64 * MiB),
             ("GPU peak lowering <= 1.25x weights + largest compile workspace",
              ours["gpu_peak_lowering_nbytes"] <= 1.25 * w + _workspace(ours)),
             ("byte-identical", same_pte and same_other and same_ptd is not False),
@@ -709,24 +795,37 @@ def main() -> int:
                    help="method counts to run, each with batches 1..N (overrides --batches), e.g. 3 10")
     p.add_argument("--weights-on", nargs="+", choices=["cuda", "cpu"], default=["cuda"],
                    help="where the model's weights are while exporting and lowering (each placement is run)")
-    p.add_argument("--variants", nargs="+", choices=["upstream", "ptdstream"], default=["upstream", "ptdstream"])
+    p.add_argument("--variants", nargs="+", choices=["upstream", "ptdstream"], default=["upstream", "ptdstream"],
+                   help="exports to run, in this order, per size, placement and method count")
     p.add_argument("--skip-raw", action="store_true", help="leave the raw writes out (no disk-speed targets)")
     p.add_argument("--share", type=int, choices=[0, 1], default=1,
                    help="stream_cuda_weights(share_weights=...): one copy of the weights through lowering")
     p.add_argument("--max-autotune", type=int, choices=[0, 1], default=1,
-                   help="0: the max_autotune=OFF compile spec for both variants (faster compiles)")
+                   help="0: the max_autotune=OFF compile spec for both variants. FAILS on executorch 1.5.1 "
+                        "for nn.Linear with bias (this model): Inductor then lowers addmm to its extern "
+                        "kernel, which 1.5.1's AOTI shim lacks ('missing fallback kernels: "
+                        "aoti_torch_cuda_addmm_out'); kept for models without it and later releases")
     p.add_argument("--host-headroom-gib", type=float, default=8.0,
                    help="upstream with weights on the host stops (reported as its failure point) before a "
                         "copy that would leave less than this much MemAvailable")
     p.add_argument("--check-outputs", type=int, choices=[0, 1], default=1,
                    help="run each method's .so through torch's AOTI loader and compare with upstream's")
+    p.add_argument("--check-outputs-upto", type=int, metavar="N",
+                   help="run the AOTI output check only at method counts up to N (default: every count)")
     p.add_argument("--second-save", type=int, choices=[0, 1], default=1,
                    help="ptdstream saves the manager again in the other write mode")
     p.add_argument("--child", choices=["raw", "raw_direct", "upstream", "ptdstream"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)
     p.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--report", metavar="JSON",
+                   help="print the table of a results file (--json's, or its .runs.partial) and exit; no GPU")
     args = p.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            done = json.load(f)
+        print(table(done, args.layers))
+        return 1 if table(done, args.layers).count("\n  FAIL ") else 0
     if args.skip_upstream and "upstream" in args.variants:
         args.variants.remove("upstream")
     if args.child:
@@ -742,9 +841,7 @@ def main() -> int:
     results = []
     try:
         for gib in args.gib:
-            runs = measure(args, gib)
-            for run in runs:
-                run["outputs_compare"] = compare_outputs(run)
+            runs = measure(args, gib, results)
             results += runs
             print(table(runs, args.layers), flush=True)
             if args.json:

@@ -218,3 +218,44 @@ def test_upstreams_lowering_and_release_are_what_the_sharing_relies_on():
              and isinstance(a.value, ast.Name) and a.value.id == "device_edge_program"}
     assert reads == {"state_dict", "constants"} and attrs == set()
     assert "resize_" in ast.unparse(release)
+
+
+def test_a_device_copy_of_a_host_weight_is_served_from_the_host_before_any_twin(monkeypatch):
+    """A storage whose FQN names a shared host weight with its bytes is served from that
+    weight even when a parameter elsewhere in the process (another copy of the model, or
+    one not yet collected) holds the same bytes; without the host weight that twin is used."""
+    from ptdstream.hooks.cuda.hosted import HostWeightSource
+    from ptdstream.sources import cuda_fingerprint
+    from ptdstream.sources.digest import Fingerprint
+
+    monkeypatch.setattr(cuda_fingerprint, "gpu_fingerprint",  # no GPU: a stand-in of the same shape
+                        lambda flat: Fingerprint(flat.numel(), "test", bytes(flat[:32].tolist()).ljust(32, b"\0")))
+    program = _program()
+    host = program.state_dict["l1.weight"]
+    nbytes = host.numel() * host.element_size()
+    twin = torch.nn.Parameter(host.detach().clone())  # the same bytes, held elsewhere
+
+    class _Finder:
+        asked = 0
+
+        def find(self, flat, wanted):
+            _Finder.asked += 1
+            return twin if torch.equal(twin.detach().reshape(-1).view(torch.uint8), flat) else None
+
+    def route(stream, fqn):
+        moved = host.detach().clone()  # what move_to_device_pass makes of the host weight
+        flat = moved.reshape(-1).view(torch.uint8)
+        stream._finder = _Finder()
+        return stream._find_or_keep(flat, moved.untyped_storage(), nbytes, [], "unused", False, fqn)
+
+    with sharing.sharing_weights(_Backend):
+        _Backend.copy_exported_program_for_preprocess(program, [])
+        stream = CudaWeightStream()
+        source = route(stream, "l1.weight")
+        assert isinstance(source, HostWeightSource) and source._tensor.data_ptr() == host.data_ptr()
+        assert (stream.stats.hosted_nbytes, stream.stats.twin_nbytes, stream.stats.copied_nbytes) == (nbytes, 0, 0)
+        assert _Finder.asked == 0  # no scan for twins once the host weight holds the bytes
+        other = CudaWeightStream()
+        source = route(other, "not.a.weight")  # no host weight of that name: the twin
+        assert not isinstance(source, HostWeightSource) and _Finder.asked == 1
+        assert (other.stats.hosted_nbytes, other.stats.twin_nbytes) == (0, nbytes)

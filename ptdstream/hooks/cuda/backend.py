@@ -42,7 +42,9 @@ program's weights (:mod:`ptdstream.hooks.cuda.sharing`), so an AOTI storage is
 often the caller's own weight; it is kept by reference (``shared_nbytes``), as
 a twin is; with the weights on the host, a storage that is the device copy of
 one of them is served from the host tensor (:mod:`ptdstream.hooks.cuda.hosted`,
-``hosted_nbytes``).
+``hosted_nbytes``), before any twin is looked for: a CUDA parameter left in the
+process with the same bytes (another copy of the model, or one not yet
+garbage-collected) would otherwise be kept alive by the manager in its place.
 
 CPU-resident AOTI weights keep upstream's path.
 """
@@ -320,8 +322,8 @@ class CudaWeightStream:
         return same_bytes(held, flat)
 
     def _find_or_keep(self, flat, storage, nbytes, fingerprints, path, shared=False, fqn=None):
-        """A kept source with ``flat``'s bytes, else a new one (shared weight, twin, host weight,
-        device copy or spill)."""
+        """A kept source with ``flat``'s bytes, else a new one, in this order: shared weight,
+        the shared host weight of ``fqn`` (exactly these bytes), twin, device copy, spill."""
         from ...sources.cuda import CudaTensorSource
         from ...sources.cuda_fingerprint import gpu_fingerprint
         from .hosted import HostWeightSource, equal_to_host
@@ -331,30 +333,34 @@ class CudaWeightStream:
         for source in self._kept.get(wanted, ()):
             if self._same(source, flat, fingerprints):
                 return source  # a later method's equal storage: reuse the kept source
+        # The shared host weight of this FQN first: it is the program's own and lives
+        # as long as the program, where a twin may be any parameter left in the process.
+        host = host_weight(fqn) if fqn is not None and not shared else None
+        hosted = host is not None and equal_to_host(host, flat)
         finder = self._finder
         if finder is None and self.twins:
             finder = TwinFinder({storage.data_ptr()}, self._positions)
-        twin = finder.find(flat, wanted) if finder is not None and nbytes and not shared else None
+        twin = (finder.find(flat, wanted) if finder is not None and nbytes and not shared and not hosted
+                else None)
         label = f"CUDA weight storage ({nbytes} bytes)"
         if not fingerprints:
             fingerprints.append(gpu_fingerprint(flat))
         expectation = Expectation(gpu_fingerprint=fingerprints[0])
         budget = self.device_copy_budget_nbytes
-        host = host_weight(fqn) if fqn is not None and not shared and twin is None else None
         source: Source
         if shared:
             # The program's own weight, shared by every method's copy and never
             # released while lowering (sharing.py): keep a reference.
             source = CudaTensorSource(flat, label=label + " shared with the program", expectation=expectation)
             self.stats.shared_nbytes += nbytes
+        elif hosted:
+            # The device copy of a shared host weight (weights on the host): serve it from there.
+            source = HostWeightSource(host, label + " served from the host weight", fingerprints[0])
+            self.stats.hosted_nbytes += nbytes
         elif twin is not None:
             # A parameter the process holds with these bytes: keep a reference.
             source = CudaTensorSource(twin, label=label + " held by a parameter", expectation=expectation)
             self.stats.twin_nbytes += nbytes
-        elif host is not None and equal_to_host(host, flat):
-            # The device copy of a shared host weight (weights on the host): serve it from there.
-            source = HostWeightSource(host, label + " served from the host weight", fingerprints[0])
-            self.stats.hosted_nbytes += nbytes
         elif budget is None or self.stats.copied_nbytes + _blocks(nbytes) <= budget:
             # Upstream frees (resizes to 0) the AOTI storage once it is written;
             # keep a device-side copy (at device bandwidth) until ptdstream saves it.
