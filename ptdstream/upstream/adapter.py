@@ -296,6 +296,13 @@ def program_module():
     return resolve("executorch.exir.program._program")
 
 
+def constant_prop_module():
+    """executorch's constant propagation module (``exir/passes/constant_prop_pass.py``):
+    ``get_propagated_const_tensor_dict`` fills the dict its module global
+    ``get_constant_placeholder_dict`` returns with every folded tensor."""
+    return resolve("executorch.exir.passes.constant_prop_pass")
+
+
 def preload_serializer() -> None:
     """Import torch and executorch's serializer (slow, noisy imports) now."""
     resolve(_FB, "_program_to_flatbuffer")

@@ -87,6 +87,8 @@ NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "makes storage-less cpu tensors"),
     PrivateName("executorch.exir.program._program", "",
                 "module global 'emit_program' shadowed by weightless (unbound constants refused by name)"),
+    PrivateName("executorch.exir.passes.constant_prop_pass", "",
+                "module global 'get_constant_placeholder_dict' shadowed by weightless (folded constants to files)"),
 )
 
 FIELDS: tuple[PrivateField, ...] = (

@@ -27,11 +27,13 @@ on ``program.module()``, re-exported, then bound) works the same way: inside the
 context XNNPACK keeps unchanged weights by reference and its per-partition copy
 shares the bound tensors (:mod:`ptdstream.weightless.delegates`).
 
-What needs the weights' values while exporting is not done per weight:
-``constant_prop_pass`` run before :meth:`WeightsFrom.bind` leaves folded
-constants that :meth:`~WeightsFrom.bind` refuses by name; run after it, it
-computes them from the mapped checkpoint (the same bytes, but the folded
-constants are held in memory). Quantization (torchao) is not supported (not tried
+What needs the weights' values while exporting: ``constant_prop_pass`` run
+before :meth:`WeightsFrom.bind` leaves folded constants that
+:meth:`~WeightsFrom.bind` refuses by name; run after it (directly, or by
+``to_executorch`` with ``do_quant_fusion_and_const_prop=True``), it computes them
+from the mapped checkpoint, each moved to a nameless temp file as soon as it is
+computed (:mod:`ptdstream.weightless.folding`: one folded constant in memory at
+a time, the same bytes). Quantization (torchao) is not supported (not tried
 on storage-less weights); XNNPACK's packing of transformed weights (4-bit, NHWC or swapped convolutions)
 reads them from the mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
 or a Hugging Face sharded folder) and weights-only ``torch.save``; DCP is
@@ -39,7 +41,8 @@ refused (its tensors are loaded, not mapped). The checkpoint's dtype must be the
 export's (not converted).
 
 Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
-``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`)
+``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`),
+``constant_prop_pass``'s (:mod:`~ptdstream.weightless.folding`)
 and executorch's ``exir/program/_program.py`` module global ``emit_program`` (a
 check of its input first), all scoped through :mod:`ptdstream.upstream.patching`, restored
 when the last context exits. Contexts nest and may be used from several
@@ -63,6 +66,7 @@ from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .binding import UnboundConstantError, bind_programs, plan_binding, unbound_constants
 from .delegates import add_bound, bound_weights, sharing_bound_weights
+from .folding import folded_to_files
 from .storage_less import storage_less_model
 
 __all__ = ["WeightsFrom", "weights_from"]
@@ -163,6 +167,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
         weights = WeightsFrom(opened, key_map, allow_extra)
         try:
             with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
+                    folded_to_files(weights._bound), \
                     shadowed(module, "emit_program", _checking_emit(module.emit_program)):
                 yield weights
         finally:
