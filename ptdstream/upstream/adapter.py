@@ -290,6 +290,12 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     return resolve("torch._subclasses.fake_tensor", "FakeTensorMode")(**kwargs)
 
 
+def is_traceable_wrapper_subclass(tensor: Any) -> bool:
+    """``torch.utils._python_dispatch.is_traceable_wrapper_subclass``: a tensor
+    subclass made of inner tensors (``__tensor_flatten__``), such as torchao's quantized tensors."""
+    return bool(resolve("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")(tensor))
+
+
 def program_module():
     """executorch's program module (``exir/program/_program.py``): ``ExecutorchProgramManager``
     calls its module global ``emit_program`` to emit the edge programs."""

@@ -85,6 +85,8 @@ NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch", "_int_mm", "exact int8 matrix product of the GPU fingerprint"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensor", "storage-less parameters (weightless export)"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "makes storage-less cpu tensors"),
+    PrivateName("torch.utils._python_dispatch", "is_traceable_wrapper_subclass",
+                "finds quantized tensor subclasses made from storage-less weights (weightless)"),
     PrivateName("executorch.exir.program._program", "",
                 "module global 'emit_program' shadowed by weightless (unbound constants refused by name)"),
     PrivateName("executorch.exir.passes.constant_prop_pass", "",

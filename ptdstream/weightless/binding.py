@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointMismatchError, PtdstreamError
+from .quantization import ADVICE, derived_from_storage_less
 from .storage_less import is_storage_less
 
 #: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
@@ -94,7 +95,8 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
 
     Raises:
         BindingError: every missing key, extra key (unless ``allow_extra``),
-            dtype, shape or dim-order mismatch, all at once.
+            dtype, shape or dim-order mismatch, and every quantized constant
+            made from storage-less weights, all at once.
     """
     key_map = dict(key_map or {})
     entries = checkpoint.entries
@@ -127,6 +129,14 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
                 problems.append(f"dim order: {where}: the checkpoint holds {list(entry.dim_order)}, the export "
                                 f"needs {list(_dim_order(tensor))}")
         groups[held[0]] = tuple((m, t, fqn) for m, t, fqn, _ in places)
+    for method, ep in programs.items():
+        for table in ("state_dict", "constants"):
+            for fqn, tensor in getattr(ep, table).items():
+                if derived_from_storage_less(tensor):
+                    used.add(key_map.get(fqn, fqn))  # its checkpoint key is not extra: it is this one's
+                    where = f"{fqn!r}" + (f" (method {method!r})" if len(programs) > 1 else "")
+                    problems.append(f"quantized: {where} is a {type(tensor).__name__} made from a storage-less "
+                                    f"weight (its inner tensors hold no bytes); {ADVICE}")
     if not allow_extra:
         for key, entry in entries.items():
             if key not in used and checkpoint.aliases.get(key, key) not in used:
