@@ -35,8 +35,9 @@ from the mapped checkpoint, each moved to a nameless temp file as soon as it is
 computed (:mod:`ptdstream.weightless.folding`: one folded constant in memory at
 a time, the same bytes). Quantization (torchao's ``quantize_``, optimum's
 ``qlinear``) of storage-less weights is refused by name before anything is
-written (:mod:`ptdstream.weightless.quantization`); XNNPACK's packing of transformed weights (4-bit, NHWC or swapped convolutions)
-reads them from the mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
+written (:mod:`ptdstream.weightless.quantization`); XNNPACK's packing of
+transformed weights (4-bit, NHWC or swapped convolutions) reads them from the
+mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
 or a Hugging Face sharded folder) and weights-only ``torch.save``; DCP is
 refused (its tensors are loaded, not mapped). The checkpoint's dtype must be the
 export's (not converted).
@@ -44,8 +45,9 @@ export's (not converted).
 Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
 ``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`),
 ``constant_prop_pass``'s (:mod:`~ptdstream.weightless.folding`), torchao's
-``quantize_`` (:mod:`~ptdstream.weightless.quantization`) and executorch's ``exir/program/_program.py`` module global ``emit_program`` (a
-check of its input first), all scoped through :mod:`ptdstream.upstream.patching`, restored
+``quantize_`` (:mod:`~ptdstream.weightless.quantization`) and executorch's
+``exir/program/_program.py`` module global ``emit_program`` (a check of its
+input first), all scoped through :mod:`ptdstream.upstream.patching`, restored
 when the last context exits. Contexts nest and may be used from several
 threads at once (each holds its own checkpoint); the emission check applies in
 every thread while any context is open (it refuses only what upstream's

@@ -72,7 +72,8 @@ def mapped_copy(tensor: Any, folder: str) -> Any:
         except OSError as e:
             raise OSError(e.errno, f"temp folder {folder}: cannot write {nbytes:,} bytes there: "
                                    f"{e.strerror}") from e
-        mapped = torch.UntypedStorage.from_file(name or f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+        mapped: torch.UntypedStorage = torch.UntypedStorage.from_file(  # type: ignore[assignment]  # an UntypedStorage's from_file returns one
+            name or f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
     finally:
         os.close(fd)
         if name is not None:

@@ -62,10 +62,10 @@ class Layer(torch.nn.Module):
 
 
 class Llama(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, DIM)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(layers))
         self.norm = RMSNorm()
         self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
         self.lm_head.weight = self.embed.weight
@@ -88,9 +88,9 @@ def methods() -> dict[str, tuple]:
             "decode": (torch.randint(0, VOCAB, (1, 1)), torch.tensor([8]))}
 
 
-def seeded() -> Llama:
+def seeded(layers: int = LAYERS) -> Llama:
     torch.manual_seed(0)
-    model = Llama().eval()
+    model = Llama(layers).eval()
     with torch.no_grad():  # norm weights not all ones: dedup must follow values
         for layer in model.layers:
             layer.attn_norm.weight.uniform_(0.5, 1.5)
