@@ -131,6 +131,40 @@ def test_constant_prop_patch_is_scoped_to_the_context(tmp_path):
     assert module.get_constant_placeholder_dict is original and not is_shadowed(module, "get_constant_placeholder_dict")
 
 
+def test_a_thread_outside_the_context_folds_in_memory_as_upstream(tmp_path):
+    import threading
+
+    from executorch.exir import to_edge
+    from executorch.exir.passes.constant_prop_pass import constant_prop_pass
+
+    real = _seeded(Mlp)
+    x = example_inputs(real)
+    ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        bound = to_edge(weights.export(weights.model(Mlp), x)).exported_program()
+        results: list = []
+        # another thread, in no context, folds the same bound weights: upstream's dict, nothing moved
+        thread = threading.Thread(target=lambda: results.append(constant_prop_pass(bound)))
+        thread.start()
+        thread.join()
+        [program] = results
+        folded = [v for k, v in program.constants.items() if k.startswith("_prop_tensor_constant")]
+        assert len(folded) == 2 and not any(_mapped(v) for v in folded)
+
+
+def test_mapped_copy_keeps_layout_and_names_a_bad_folder(tmp_path):
+    from ptdstream.weightless.mapped_copy import mapped_copy
+
+    base = torch.arange(48, dtype=torch.float32)
+    view = base[4:].view(4, 11)[:, 1:].t()  # offset, strides of a transposed slice
+    copy = mapped_copy(view, str(tmp_path))
+    assert torch.equal(copy, view) and copy.stride() == view.stride()
+    assert copy.storage_offset() == view.storage_offset() and copy.untyped_storage().nbytes() == 192
+    assert _mapped(copy) and os.listdir(tmp_path) == []
+    with pytest.raises(OSError, match=f"temp folder {tmp_path / 'missing'}: cannot create a temp file there"):
+        mapped_copy(view, str(tmp_path / "missing"))
+
+
 # ------------------------------------------------------------------ quantization
 
 
