@@ -20,8 +20,13 @@ from torchao.quantization.quant_api import quantize_ as quantize_imported_early
 import ptdstream
 from ptdstream.upstream import adapter
 from ptdstream.upstream.patching import is_shadowed
-from ptdstream.weightless import BindingError, UnboundConstantError, is_storage_less, weights_from
-from ptdstream.weightless.quantization import QuantizationNeedsValuesError
+from ptdstream.weightless import (
+    BindingError,
+    QuantizationNeedsValuesError,
+    UnboundConstantError,
+    is_storage_less,
+    weights_from,
+)
 
 warnings.filterwarnings("ignore")
 
