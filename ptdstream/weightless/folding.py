@@ -35,6 +35,7 @@ import contextvars
 import functools
 import shutil
 import tempfile
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,11 +57,14 @@ class _Target:
         self.folder: str | None = folder
         self.bound = bound
         self.moved = 0  # bytes moved to files
+        self.open = True  # False once its context exited (in any thread)
+        self._lock = threading.Lock()
 
     def path(self) -> str:
-        if self.folder is None:
-            self.folder = tempfile.mkdtemp(prefix="ptdstream-folded-")
-        return self.folder
+        with self._lock:
+            if self.folder is None:
+                self.folder = tempfile.mkdtemp(prefix="ptdstream-folded-")
+            return self.folder
 
 
 _targets: contextvars.ContextVar[tuple[_Target, ...]] = contextvars.ContextVar("ptdstream_folded_to_files",
@@ -88,7 +92,7 @@ class FoldingDict(OrderedDict):
 
         if getattr(node, "op", None) == "call_function" and isinstance(value, torch.Tensor):
             inputs = [self[n] for n in node.all_input_nodes if n in self]
-            if (value.device.type == "cpu" and not isinstance(value, adapter.fake_tensor_type())
+            if (self._target.open and value.device.type == "cpu" and not isinstance(value, adapter.fake_tensor_type())
                     and not value.is_meta and value.untyped_storage().nbytes()
                     and any(is_bound(t) for t in inputs)
                     and all(value.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
@@ -142,10 +146,12 @@ def folded_to_files(bound: list[Any], folder: str | None = None) -> Iterator[_Ta
                                                _folding(module.get_constant_placeholder_dict)))
             yield target
     finally:
+        target.open = False
         try:
             _targets.reset(token)
         except ValueError:
             pass  # exited in another context: the target is dropped with it
-        if target.given is None and target.folder is not None:
-            shutil.rmtree(target.folder, ignore_errors=True)  # nameless files: the folder is empty
-            target.folder = None
+        with target._lock:
+            if target.given is None and target.folder is not None:
+                shutil.rmtree(target.folder, ignore_errors=True)  # nameless files: the folder is empty
+                target.folder = None
