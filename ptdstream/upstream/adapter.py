@@ -304,10 +304,23 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     return resolve("torch._subclasses.fake_tensor", "FakeTensorMode")(**kwargs)
 
 
+def is_traceable_wrapper_subclass(tensor: Any) -> bool:
+    """``torch.utils._python_dispatch.is_traceable_wrapper_subclass``: a tensor
+    subclass made of inner tensors (``__tensor_flatten__``), such as torchao's quantized tensors."""
+    return bool(resolve("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")(tensor))
+
+
 def program_module():
     """executorch's program module (``exir/program/_program.py``): ``ExecutorchProgramManager``
     calls its module global ``emit_program`` to emit the edge programs."""
     return resolve("executorch.exir.program._program")
+
+
+def constant_prop_module():
+    """executorch's constant propagation module (``exir/passes/constant_prop_pass.py``):
+    ``get_propagated_const_tensor_dict`` fills the dict its module global
+    ``get_constant_placeholder_dict`` returns with every folded tensor."""
+    return resolve("executorch.exir.passes.constant_prop_pass")
 
 
 def preload_serializer() -> None:

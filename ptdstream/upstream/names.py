@@ -90,8 +90,12 @@ NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch", "_int_mm", "exact int8 matrix product of the GPU fingerprint"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensor", "storage-less parameters (weightless export)"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "makes storage-less cpu tensors"),
+    PrivateName("torch.utils._python_dispatch", "is_traceable_wrapper_subclass",
+                "finds quantized tensor subclasses made from storage-less weights (weightless)"),
     PrivateName("executorch.exir.program._program", "",
                 "module global 'emit_program' shadowed by weightless (unbound constants refused by name)"),
+    PrivateName("executorch.exir.passes.constant_prop_pass", "",
+                "module global 'get_constant_placeholder_dict' shadowed by weightless (folded constants to files)"),
 )
 
 FIELDS: tuple[PrivateField, ...] = (

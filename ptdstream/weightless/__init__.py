@@ -6,7 +6,8 @@
 
 from .binding import BindingError, UnboundConstantError
 from .context import WeightsFrom, weights_from
+from .quantization import QuantizationNeedsValuesError
 from .storage_less import MetaBufferError, is_storage_less, storage_less_model
 
-__all__ = ["BindingError", "MetaBufferError", "UnboundConstantError", "WeightsFrom", "is_storage_less",
-           "storage_less_model", "weights_from"]
+__all__ = ["BindingError", "MetaBufferError", "QuantizationNeedsValuesError", "UnboundConstantError", "WeightsFrom",
+           "is_storage_less", "storage_less_model", "weights_from"]

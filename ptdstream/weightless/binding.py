@@ -18,7 +18,10 @@ names those keys and their export dtype), and refused otherwise. A constant
 that ``constant_prop_pass`` folded from storage-less weights has no checkpoint
 key and is named as such: its values
 need the weights' (a pass run after binding computes them from the mapped
-checkpoint and holds the folded constants in memory).
+checkpoint: :mod:`ptdstream.weightless.folding`). A storage-less buffer the
+program mutates and does not initialize (a KV cache: upstream serializes only
+its shape) needs no checkpoint key: it stays storage-less unless the checkpoint
+holds it.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from typing import Any
 
 from ..errors import CheckpointMismatchError, PtdstreamError
 from .convert import CONVERTIBLE, convertible
+from .quantization import ADVICE, derived_from_storage_less
 from .storage_less import is_storage_less
 
 #: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
 FOLDED_PREFIX = "_prop_tensor_constant"
 
 __all__ = ["FOLDED_PREFIX", "BindingError", "BindingPlan", "UnboundConstantError", "bind_programs", "plan_binding",
-           "unbound_constants"]
+           "unbound_constants", "values_never_serialized"]
 
 
 class BindingError(CheckpointMismatchError):
@@ -84,6 +88,65 @@ def _places(programs: Mapping[str, Any]) -> dict[int, list[tuple[str, str, str, 
     return found
 
 
+def _buffer_roles(ep: Any) -> tuple[set[str], set[str]]:
+    """FQNs of the buffers ``ep`` mutates, and of those marked for initialization.
+
+    Mutated: its signature's ``buffers_to_mutate`` (after functionalization, as
+    in ``to_edge``) and the buffers a node writes in place (``torch.export``'s
+    non-functional IR: an op whose schema marks the argument written, such as
+    ``index_copy_``). Initialized: a placeholder with ``meta["et_init_buffer"]``
+    (set by ``exir/passes/init_mutable_pass.py``).
+    """
+    import torch
+
+    mutated = set(ep.graph_signature.buffers_to_mutate.values())
+    initialized = set()
+    to_buffers = ep.graph_signature.inputs_to_buffers
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name in to_buffers and node.meta.get("et_init_buffer"):
+            initialized.add(to_buffers[node.name])
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if isinstance(value, torch.fx.Node) and value.op == "placeholder" and value.name in to_buffers:
+                    mutated.add(to_buffers[value.name])
+    return mutated, initialized
+
+
+class _Roles:
+    """:func:`_buffer_roles` of each program, computed once."""
+
+    def __init__(self, programs: Mapping[str, Any]) -> None:
+        self._programs = programs
+        self._roles: dict[str, tuple[set[str], set[str]]] = {}
+
+    def of(self, method: str) -> tuple[set[str], set[str]]:
+        if method not in self._roles:
+            self._roles[method] = _buffer_roles(self._programs[method])
+        return self._roles[method]
+
+    def never_serialized(self, method: str, table: str, fqn: str) -> bool:
+        """Whether the program serializes only the shape of constant ``fqn``: a
+        buffer it mutates and does not initialize (``exir/emit/_emitter.py::placeholder``:
+        a mutable buffer's values are written only with ``et_init_buffer``). Such
+        a buffer (a KV cache) may stay storage-less."""
+        mutated, initialized = self.of(method)
+        return table == "state_dict" and fqn in mutated and fqn not in initialized
+
+    def initialized(self, method: str, table: str, fqn: str) -> bool:
+        return table == "state_dict" and fqn in self.of(method)[1]
+
+
+def values_never_serialized(ep: Any, table: str, fqn: str) -> bool:
+    """Whether ``ep`` serializes only the shape of its constant ``fqn`` of
+    ``table`` (``"state_dict"`` or ``"constants"``): a buffer it mutates and does
+    not initialize (a KV cache), which may stay storage-less."""
+    return _Roles({"": ep}).never_serialized("", table, fqn)
+
+
 def _describe(entry: Any) -> str:
     return f"{entry.dtype} {list(entry.shape)}"
 
@@ -99,7 +162,8 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
 
     Raises:
         BindingError: every missing key, extra key (unless ``allow_extra``),
-            dtype that is not converted, shape or dim-order mismatch, all at once.
+            dtype that is not converted, shape or dim-order mismatch, and every
+            quantized constant made from storage-less weights, all at once.
     """
     key_map = dict(key_map or {})
     entries = checkpoint.entries
@@ -107,10 +171,13 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
     groups: dict[str, tuple[tuple[str, str, str], ...]] = {}
     used: set[str] = set()
     converted: dict[str, Any] = {}
+    roles = _Roles(programs)
     for places in _places(programs).values():
         keys = [key_map.get(fqn, fqn) for _, _, fqn, _ in places]
         held = [k for k in dict.fromkeys(keys) if k in entries]
         names = ", ".join(f"{fqn!r}" + (f" (method {m!r})" if len(programs) > 1 else "") for m, _, fqn, _ in places)
+        if not held and all(roles.never_serialized(m, t, fqn) for m, t, fqn, _ in places):
+            continue  # a mutable buffer (KV cache) left storage-less: only its shape is serialized
         if not held:
             wanted = ", ".join(repr(k) for k in dict.fromkeys(keys))
             folded = any(fqn.startswith(FOLDED_PREFIX) for _, _, fqn, _ in places)
@@ -135,6 +202,14 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
         groups[held[0]] = tuple((m, t, fqn) for m, t, fqn, _ in places)
         if entries[held[0]].dtype != tensor.dtype:
             converted[held[0]] = tensor.dtype
+    for method, ep in programs.items():
+        for table in ("state_dict", "constants"):
+            for fqn, tensor in getattr(ep, table).items():
+                if derived_from_storage_less(tensor):
+                    used.add(key_map.get(fqn, fqn))  # its checkpoint key is not extra: it is this one's
+                    where = f"{fqn!r}" + (f" (method {method!r})" if len(programs) > 1 else "")
+                    problems.append(f"quantized: {where} is a {type(tensor).__name__} made from a storage-less "
+                                    f"weight (its inner tensors hold no bytes); {ADVICE}")
     if not allow_extra:
         for key, entry in entries.items():
             if key not in used and checkpoint.aliases.get(key, key) not in used:
@@ -175,5 +250,16 @@ def bind_programs(programs: Mapping[str, Any], checkpoint: Any, plan: BindingPla
 
 
 def unbound_constants(programs: Mapping[str, Any]) -> list[str]:
-    """``"method: fqn"`` of every storage-less constant left in ``programs``, sorted."""
-    return sorted(f"{m}: {fqn!r}" for places in _places(programs).values() for m, _, fqn, _ in places)
+    """``"method: fqn"`` of every storage-less constant left in ``programs`` whose
+    values would be serialized (all but :func:`values_never_serialized`), sorted;
+    a mutable buffer marked for initialization says so."""
+    left = []
+    roles = _Roles(programs)
+    for places in _places(programs).values():
+        for m, t, fqn, _ in places:
+            if roles.never_serialized(m, t, fqn):
+                continue
+            left.append(f"{m}: {fqn!r}" + (" (a mutable buffer marked et_init_buffer, by InitializedMutableBufferPass: "
+                                          "its initial values are serialized; give it real values in the model, "
+                                          "or a checkpoint key and bind)" if roles.initialized(m, t, fqn) else ""))
+    return sorted(left)

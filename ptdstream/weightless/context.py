@@ -44,20 +44,26 @@ when the context exits normally (``IntegrityError``; a file saved in the block
 then holds the values the checkpoint had when they were converted). Mapped
 tensors changed after emission are refused by the save (the emitter's digest).
 
-What needs the weights' values while exporting is not done per weight:
-``constant_prop_pass`` run before :meth:`WeightsFrom.bind` leaves folded
-constants that :meth:`~WeightsFrom.bind` refuses by name; run after it, it
-computes them from the mapped checkpoint (the same bytes, but the folded
-constants are held in memory). Quantization (torchao) is not supported (not tried
-on storage-less weights); XNNPACK's packing of transformed weights (4-bit, NHWC or swapped convolutions)
-reads them from the mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
+What needs the weights' values while exporting: ``constant_prop_pass`` run
+before :meth:`WeightsFrom.bind` leaves folded constants that
+:meth:`~WeightsFrom.bind` refuses by name; run after it (directly, or by
+``to_executorch`` with ``do_quant_fusion_and_const_prop=True``), it computes them
+from the mapped checkpoint, each moved to a nameless temp file as soon as it is
+computed (:mod:`ptdstream.weightless.folding`: one folded constant in memory at
+a time, the same bytes). Quantization (torchao's ``quantize_``, optimum's
+``qlinear``) of storage-less weights is refused by name before anything is
+written (:mod:`ptdstream.weightless.quantization`); XNNPACK's packing of
+transformed weights (4-bit, NHWC or swapped convolutions) reads them from the
+mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
 or a Hugging Face sharded folder), weights-only ``torch.save`` (both mapped) and
 DCP (``format="dcp"``, converted: one tensor loaded at a time).
 
 Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
-``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`)
-and executorch's ``exir/program/_program.py`` module global ``emit_program`` (a
-check of its input first), all scoped through :mod:`ptdstream.upstream.patching`, restored
+``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`),
+``constant_prop_pass``'s (:mod:`~ptdstream.weightless.folding`), torchao's
+``quantize_`` (:mod:`~ptdstream.weightless.quantization`) and executorch's
+``exir/program/_program.py`` module global ``emit_program`` (a check of its
+input first), all scoped through :mod:`ptdstream.upstream.patching`, restored
 when the last context exits. Contexts nest and may be used from several
 threads at once (each holds its own checkpoint); the emission check applies in
 every thread while any context is open (it refuses only what upstream's
@@ -82,6 +88,8 @@ from ..upstream.patching import shadowed
 from .binding import UnboundConstantError, bind_programs, plan_binding, unbound_constants
 from .convert import ConvertDir
 from .delegates import add_bound, bound_weights, sharing_bound_weights
+from .folding import folded_to_files
+from .quantization import QuantizationNeedsValuesError, quantized_constants, refusing_quantization
 from .storage_less import storage_less_model
 
 __all__ = ["WeightsFrom", "weights_from"]
@@ -209,12 +217,16 @@ class WeightsFrom:
 
 
 def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
-    """``emit_program`` that first refuses storage-less constants by name, and
-    (the contexts open in this thread) a checkpoint file changed since it was opened."""
+    """``emit_program`` that first refuses storage-less constants, and quantized
+    ones made from storage-less weights, by name, and (the contexts open in this
+    thread) a checkpoint file changed since it was opened."""
 
     @functools.wraps(real)
     def emit_program(methods, *args, **kwargs):
         programs = methods if isinstance(methods, Mapping) else {"forward": methods}
+        quantized = quantized_constants(programs)
+        if quantized:
+            raise QuantizationNeedsValuesError(quantized, "to_executorch")
         left = unbound_constants(programs)
         if left:
             raise UnboundConstantError(left, "to_executorch")
@@ -261,6 +273,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
             stack.append(weights)
             with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
+                    folded_to_files(weights._bound, convert_dir), refusing_quantization(), \
                     shadowed(module, "emit_program", _checking_emit(module.emit_program)):
                 yield weights
             weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "

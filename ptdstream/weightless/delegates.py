@@ -26,7 +26,7 @@ from typing import Any
 from ..hooks.xnnpack import xnnpack_constants_by_reference
 from ..upstream.patching import shadowed
 
-__all__ = ["bound_weights", "sharing_bound_weights"]
+__all__ = ["add_bound", "bound_weights", "is_bound", "sharing_bound_weights"]
 
 _lock = threading.Lock()
 _bound: dict[int, int] = {}  # id(bound tensor) -> number of contexts holding it (they keep it alive)
@@ -54,6 +54,12 @@ def add_bound(tensors: list[Any], new: Iterable[Any]) -> None:
         for t in new:
             tensors.append(t)
             _bound[id(t)] = _bound.get(id(t), 0) + 1
+
+
+def is_bound(tensor: Any) -> bool:
+    """Whether ``tensor`` (the object itself) is registered by an open context."""
+    with _lock:
+        return id(tensor) in _bound
 
 
 def _sharing_copy(cls, edge_program, compile_specs):
