@@ -273,7 +273,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
             stack.append(weights)
             with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
-                    folded_to_files(weights._bound, convert_dir), refusing_quantization(), \
+                    folded_to_files(weights._bound, convert.folder), refusing_quantization(), \
                     shadowed(module, "emit_program", _checking_emit(module.emit_program)):
                 yield weights
             weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "
