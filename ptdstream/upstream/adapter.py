@@ -41,6 +41,7 @@ __all__ = [
     "manager_class",
     "manager_parts",
     "preload_serializer",
+    "pretrained_model_class",
     "program_module",
     "program_to_flatbuffer",
     "recorded_backend_config",
@@ -294,6 +295,15 @@ def program_module():
     """executorch's program module (``exir/program/_program.py``): ``ExecutorchProgramManager``
     calls its module global ``emit_program`` to emit the edge programs."""
     return resolve("executorch.exir.program._program")
+
+
+def pretrained_model_class() -> type:
+    """``transformers.PreTrainedModel``, once its ``_load_pretrained_model`` (the
+    step of ``from_pretrained`` that reads the weights) is found where expected."""
+    import transformers
+
+    resolve("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model")
+    return transformers.PreTrainedModel
 
 
 def preload_serializer() -> None:
