@@ -57,6 +57,7 @@ from typing import Any
 from ..errors import PtdstreamError
 from ..upstream import adapter
 from ..upstream.patching import shadowed
+from .binding import BindingError
 from .context import WeightsFrom, weights_from
 from .storage_less import is_storage_less, storage_less, storage_less_model
 
@@ -153,6 +154,18 @@ class StorageLessPretrained:
                                             and self._origins[id(tensor)][1] not in held):
                 self._origins[id(tensor)] = (folder, key)
                 self._keep.append(tensor)
+        problems = []
+        for tensor in {id(t): t for t in state.values() if id(t) in self._origins}.values():
+            key = self._origins[id(tensor)][1]
+            entry = held.get(key)
+            if entry is None:
+                problems.append(f"missing: the model's {key!r} ({tensor.dtype} {list(tensor.shape)}) is not in "
+                                "the checkpoint (from_pretrained would initialize it at random)")
+            elif entry.dtype != tensor.dtype or tuple(entry.shape) != tuple(tensor.shape):
+                problems.append(f"{key!r} ({entry.where}): the checkpoint holds {entry.dtype} "
+                                f"{list(entry.shape)}, the model needs {tensor.dtype} {list(tensor.shape)}")
+        if problems:
+            raise BindingError(weights.checkpoint.path, problems)
         _built.add(model)
         return model, missing, set(), set(), None, []
 
