@@ -186,8 +186,8 @@ def _real_and_weightless(folder, tmp_path, task, recipe, cli: bool, **options):
 
 
 @pytest.mark.slow
-def test_optimum_main_export_weightless_is_byte_identical_llama_xnnpack(tmp_path):
-    folder = _folder(tmp_path / "llama", _config(tied=False, layers=2))
+def test_optimum_main_export_weightless_is_byte_identical_tied_llama_xnnpack(llama, tmp_path):
+    folder, _, _ = llama
     real, light = _real_and_weightless(folder, tmp_path, "text-generation", "xnnpack", False, max_seq_len=16)
     assert sorted(light) == ["model.pte"] and light == real
 
