@@ -97,7 +97,7 @@ def write_checkpoint(args, folder: str) -> int:
     head += b" " * (-len(head) % 8)
     with open(os.path.join(folder, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for i, (key, shape) in enumerate(layout.items()):
+        for i, shape in enumerate(layout.values()):
             g = torch.Generator().manual_seed(i)
             t = (torch.randn(shape, generator=g) * 0.02).to(getattr(torch, args.dtype)).contiguous()
             f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))

@@ -88,7 +88,7 @@ NAMES: tuple[PrivateName, ...] = (
     PrivateName("executorch.exir.program._program", "",
                 "module global 'emit_program' shadowed by weightless (unbound constants refused by name)"),
     PrivateName("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
-                "from_pretrained's one weight-reading step, replaced by weightless.hf (checked: transformers 5.0.0rc1)"),
+                "from_pretrained's one weight-reading step, replaced by weightless.hf (transformers 5.0.0rc1)"),
 )
 
 FIELDS: tuple[PrivateField, ...] = (

@@ -13,14 +13,18 @@ Two ways in:
   them (``PreTrainedModel._load_pretrained_model``) is replaced, the model's
   meta parameters become storage-less cpu tensors and each one is recorded with
   its checkpoint key (its name in the model's ``state_dict``; the name the
-  checkpoint holds for a tied group). Every ``torch.export.export`` returning
-  inside the context binds the exported program right away (nothing read):
-  each storage-less constant of a recorded tensor is bound by its key (so
-  ``model.model.layers.0...`` FQNs find ``model.layers.0...`` keys), through a
-  :func:`ptdstream.weights_from` context opened on the folder at the first load
-  and kept until exit; tied weights are one tensor, bound once. Whatever stage
-  runs after the export (``to_edge``, ``constant_prop_pass``, XNNPACK's
-  lowering, the emitter, the save) sees the checkpoint's mapped tensors.
+  checkpoint holds for a tied group). An exported program is bound when it
+  reaches lowering: ``to_edge`` and ``to_edge_transform_and_lower`` begin with
+  its ``run_decompositions``, where, inside the context, each storage-less
+  constant of a recorded tensor is bound by its key (so
+  ``model.model.layers.0...`` FQNs find ``model.layers.0...`` keys; nothing
+  read), through a :func:`ptdstream.weights_from` context opened on the folder
+  at the first load and kept until exit; tied weights are one tensor, bound
+  once. Until then the program stays storage-less, so optimum's second
+  ``torch.export`` of ``program.module()`` (after ``RemoveRedundantTransposes``)
+  traces storage-less tensors too (dynamo would clone real ones). Whatever
+  runs from the lowering on (``constant_prop_pass``, XNNPACK's preprocess, the
+  emitter, the save) sees the checkpoint's mapped tensors.
 
 Refused by name, before anything is written: a checkpoint that is not
 safetensors (``.bin`` files are pickles), a ``state_dict`` passed in, a
@@ -36,7 +40,7 @@ nothing is initialized: a model without a checkpoint key has no value.
 Patches (through :mod:`ptdstream.upstream.patching`, restored by the last exit):
 ``PreTrainedModel._load_pretrained_model`` (registered in
 :mod:`ptdstream.upstream.names`, checked against transformers 5.0.0rc1),
-``PreTrainedModel.to``, ``torch.export.export`` and optimum's
+``PreTrainedModel.to``, ``torch.export.ExportedProgram.run_decompositions`` and optimum's
 ``quantize_model_`` in its task modules. They act only in the thread that
 entered the context (elsewhere the originals run), except ``to``, which acts on
 the models the context built.
@@ -84,7 +88,7 @@ def model_from_config(folder: str | os.PathLike[str], auto_class: str = "AutoMod
 
         with ptdstream.weights_from("my-llama/") as weights:
             model = model_from_config("my-llama/")
-            program = weights.bind(torch.export.export(model, (tokens,)), key_map=None)
+            program = weights.bind(torch.export.export(model, (tokens,)))
 
     The model's ``state_dict`` names are the checkpoint's (``save_pretrained``'s).
 
@@ -140,10 +144,11 @@ class StorageLessPretrained:
         folder, weights = self._weights_for(list(arguments["checkpoint_files"]))
         held = weights.checkpoint.entries
         storage_less_model(model)
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             for buf_name, buf in list(module._buffers.items()):
-                if buf is not None and not is_storage_less(buf) and buf_name not in module._non_persistent_buffers_set:
-                    module._buffers[buf_name] = storage_less(buf)  # a persistent buffer: its value is the checkpoint's
+                if (buf is not None and not is_storage_less(buf) and buf_name not in module._non_persistent_buffers_set
+                        and f"{prefix}.{buf_name}".lstrip(".") in held):
+                    module._buffers[buf_name] = storage_less(buf)  # its value is the checkpoint's, as when loaded
         for param in model.parameters():
             param._is_hf_initialized = True
         missing = {k for k in model.state_dict(keep_vars=True) if k not in held}
@@ -182,7 +187,7 @@ class StorageLessPretrained:
         if not folders:
             return program
         if len(folders) > 1:
-            raise NeedsWeightValuesError(f"torch.export: one program holds weights of {len(folders)} folders "
+            raise NeedsWeightValuesError(f"run_decompositions: one program holds weights of {len(folders)} folders "
                                          f"({', '.join(sorted(folders))}): export each model on its own")
         self.weights[folders.pop()].bind(program, key_map=key_map)
         self.bound += 1
@@ -209,14 +214,15 @@ def _loading(real: Callable[..., Any]) -> Callable[..., Any]:
     return _load_pretrained_model
 
 
-def _exporting(real: Callable[..., Any]) -> Callable[..., Any]:
+def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
-    def export(*args: Any, **kwargs: Any) -> Any:
-        program = real(*args, **kwargs)
+    def run_decompositions(self: Any, *args: Any, **kwargs: Any) -> Any:
         context = _active()
-        return program if context is None else context.bind(program)
+        if context is not None:
+            context.bind(self)
+        return real(self, *args, **kwargs)
 
-    return export
+    return run_decompositions
 
 
 def _moving(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -265,8 +271,8 @@ def _optimum_task_modules() -> list[Any]:
 @contextlib.contextmanager
 def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
     """Inside, ``from_pretrained`` of a local safetensors folder loads no weight
-    and every ``torch.export.export`` binds its program to the folder's shards
-    (see the module docstring).
+    and every exported program is bound to the folder's shards as it reaches
+    lowering (its ``run_decompositions``; see the module docstring).
 
     Example::
 
@@ -284,13 +290,14 @@ def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
     """
     import torch
 
-    model_class = adapter.pretrained_model_class()
+    model_class: Any = adapter.pretrained_model_class()
     with contextlib.ExitStack() as stack:
         context = StorageLessPretrained(stack)
         stack.enter_context(shadowed(model_class, "_load_pretrained_model",
                                      classmethod(_loading(model_class._load_pretrained_model.__func__))))
         stack.enter_context(shadowed(model_class, "to", _moving(model_class.to)))
-        stack.enter_context(shadowed(torch.export, "export", _exporting(torch.export.export)))
+        program_class = torch.export.ExportedProgram
+        stack.enter_context(shadowed(program_class, "run_decompositions", _lowering(program_class.run_decompositions)))
         for module in _optimum_task_modules():
             stack.enter_context(shadowed(module, "quantize_model_", _refusing_quantization(module.quantize_model_)))
         _local.active = getattr(_local, "active", None) or []

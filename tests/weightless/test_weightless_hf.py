@@ -74,7 +74,7 @@ def _portable(program, folder) -> dict[str, bytes]:
 def _shadows() -> list[bool]:
     model_class = adapter.pretrained_model_class()
     return [is_shadowed(model_class, "_load_pretrained_model"), is_shadowed(model_class, "to"),
-            is_shadowed(torch.export, "export")]
+            is_shadowed(torch.export.ExportedProgram, "run_decompositions")]
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +125,15 @@ def test_from_pretrained_inside_reads_no_weight_and_restores(llama):
         assert model.to("cpu") is model and model.to(torch.float32) is model
         with pytest.raises(NeedsWeightValuesError, match=r"LlamaForCausalLM\.to\(cpu, torch\.bfloat16\)"):
             model.to(torch.bfloat16)
-        program = torch.export.export(Logits(model), TOKENS)  # bound as it returns
+        program = torch.export.export(Logits(model), TOKENS)
+        assert ctx.bound == 0 and all(is_storage_less(t) for t in program.state_dict.values())
+        again = torch.export.export(program.module(), TOKENS)  # optimum re-exports program.module()
+        assert all(is_storage_less(t) for t in again.state_dict.values())
+        from executorch.exir import to_edge
+
+        to_edge(again)  # bound as it reaches lowering (its first run_decompositions)
         assert ctx.bound == 1 and list(ctx.weights) == [os.path.abspath(folder)]
-        state = program.state_dict
+        state = again.state_dict
         assert not any(is_storage_less(t) for t in state.values())
         mapped = ctx.weights[os.path.abspath(folder)].checkpoint._tensors
         assert state["model.lm_head.weight"] is state["model.model.embed_tokens.weight"]
@@ -135,6 +141,48 @@ def test_from_pretrained_inside_reads_no_weight_and_restores(llama):
     assert _shadows() == [False, False, False]
     again = transformers.AutoModelForCausalLM.from_pretrained(folder)  # loads as usual again
     assert torch.equal(again.model.norm.weight, loaded.model.norm.weight)
+
+
+class _BufConfig(transformers.PretrainedConfig):
+    model_type = "ptdstream-buffers"
+
+
+class _BufModel(transformers.PreTrainedModel):
+    """A linear and two persistent buffers (``scale``, ``offset``): both saved by ``save_pretrained``."""
+
+    config_class = _BufConfig
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.l = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.arange(4, dtype=torch.float32))
+        self.register_buffer("offset", torch.full((4,), 7.0))
+        self.post_init()
+
+    def forward(self, x):
+        return self.l(x) * self.scale + self.offset
+
+
+def test_persistent_buffers_bound_when_the_checkpoint_holds_them_else_kept(tmp_path):
+    """A persistent buffer the shards hold is bound (its value is the checkpoint's, as when
+    loaded); one they lack keeps the value its module computed, as from_pretrained keeps it."""
+    torch.manual_seed(0)
+    model = _BufModel(_BufConfig())
+    model.scale.mul_(3)  # the checkpoint's value differs from the constructor's
+    model.save_pretrained(str(tmp_path))
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = load_file(path)
+    del state["offset"]
+    save_file(state, path, metadata={"format": "pt"})
+    want = _BufModel.from_pretrained(str(tmp_path))
+    x = (torch.ones(1, 4),)
+    real = _portable(torch.export.export(want, x), str(tmp_path / "real"))
+    with pretrained_without_weights():
+        light = _BufModel.from_pretrained(str(tmp_path))
+        assert is_storage_less(light.scale) and is_storage_less(light.l.weight)
+        assert not is_storage_less(light.offset) and torch.equal(light.offset, torch.full((4,), 7.0))
+        got = _portable(torch.export.export(light, x), str(tmp_path / "light"))  # bound in to_edge
+    assert got == real
 
 
 def test_missing_and_mistyped_weights_refused_by_name_before_any_output(tmp_path):
