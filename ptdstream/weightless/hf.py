@@ -32,7 +32,7 @@ transformers quantizer, a device map beyond the CPU, a model's key the
 checkpoint does not hold (transformers' renaming and fusing conversions are not
 applied: :class:`~ptdstream.weightless.BindingError` names it), a checkpoint
 dtype other than the export's, a ``.to()`` that would move or convert a
-storage-less model, and optimum's quantization (``qlinear``, ``qembedding``:
+module with storage-less parameters, and optimum's quantization (``qlinear``, ``qembedding``:
 torchao needs the weights' values). Checkpoint keys the model does not use are
 ignored, as ``from_pretrained`` ignores them. Unlike ``from_pretrained``,
 nothing is initialized: a model without a checkpoint key has no value.
@@ -40,10 +40,11 @@ nothing is initialized: a model without a checkpoint key has no value.
 Patches (through :mod:`ptdstream.upstream.patching`, restored by the last exit):
 ``PreTrainedModel._load_pretrained_model`` (registered in
 :mod:`ptdstream.upstream.names`, checked against transformers 5.0.0rc1),
-``PreTrainedModel.to``, ``torch.export.ExportedProgram.run_decompositions`` and optimum's
+``torch.nn.Module.to``, ``torch.export.ExportedProgram.run_decompositions`` and optimum's
 ``quantize_model_`` in its task modules. They act only in the thread that
 entered the context (elsewhere the originals run), except ``to``, which acts on
-the models the context built.
+every module holding storage-less tensors (a no-op to the CPU in their dtypes,
+refused otherwise; upstream's fails on them).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ import inspect
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,7 +68,6 @@ from .storage_less import is_storage_less, storage_less, storage_less_model
 __all__ = ["NeedsWeightValuesError", "StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
 
 _local = threading.local()  # .active: the StorageLessPretrained contexts of this thread, innermost last
-_built: weakref.WeakSet[Any] = weakref.WeakSet()  # models the contexts built (their .to() is checked)
 
 #: optimum's task options that quantize the eager model (torchao: needs the weights' values).
 QUANTIZE_OPTIONS = ("qlinear", "qlinear_encoder", "qembedding", "qembedding_encoder")
@@ -171,7 +170,6 @@ class StorageLessPretrained:
                                 f"{list(entry.shape)}, the model needs {tensor.dtype} {list(tensor.shape)}")
         if problems:
             raise BindingError(weights.checkpoint.path, problems)
-        _built.add(model)
         return model, missing, set(), set(), None, []
 
     def bind(self, program: Any) -> Any:
@@ -228,17 +226,21 @@ def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
 def _moving(real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self not in _built:
-            return real(self, *args, **kwargs)
         import torch
 
-        probe = torch.empty(0, dtype=self.dtype).to(*args, **kwargs)
-        if probe.device.type == "cpu" and probe.dtype == self.dtype:
-            return self  # storage-less parameters are cpu tensors already
-        raise NeedsWeightValuesError(
-            f"{type(self).__name__}.to({probe.device}, {probe.dtype}): a storage-less model ({self.dtype}, cpu) "
-            "cannot be moved or converted (its weights are not loaded): export on the CPU in the checkpoint's "
-            "dtype, or export without weightless")
+        tensors = [*self.parameters(), *self.buffers()]
+        if not any(is_storage_less(t) for t in tensors):
+            return real(self, *args, **kwargs)
+        for dtype in dict.fromkeys(t.dtype for t in tensors if t.is_floating_point()) or [torch.float32]:
+            probe = torch.empty(0, dtype=dtype).to(*args, **kwargs)
+            if probe.device.type != "cpu" or probe.dtype != dtype:
+                raise NeedsWeightValuesError(
+                    f"{type(self).__name__}.to({probe.device}, {probe.dtype}): a module with storage-less "
+                    f"parameters ({dtype}, cpu) cannot be moved or converted (its weights are not loaded): export "
+                    "on the CPU in the checkpoint's dtype, or export without weightless")
+        if any(t.device.type != "cpu" for t in tensors):
+            return real(self, *args, **kwargs)
+        return self  # storage-less parameters are cpu tensors already: nothing to move
 
     return to
 
@@ -295,7 +297,7 @@ def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
         context = StorageLessPretrained(stack)
         stack.enter_context(shadowed(model_class, "_load_pretrained_model",
                                      classmethod(_loading(model_class._load_pretrained_model.__func__))))
-        stack.enter_context(shadowed(model_class, "to", _moving(model_class.to)))
+        stack.enter_context(shadowed(torch.nn.Module, "to", _moving(torch.nn.Module.to)))
         program_class = torch.export.ExportedProgram
         stack.enter_context(shadowed(program_class, "run_decompositions", _lowering(program_class.run_decompositions)))
         for module in _optimum_task_modules():
