@@ -69,8 +69,8 @@ _LAZY = {
 
 
 #: Public submodules loaded on first use: ``ptdstream.distributed``, ``ptdstream.weights``,
-#: ``ptdstream.hf``.
-_LAZY_MODULES = ("distributed", "hf", "weights")
+#: ``ptdstream.hf``, ``ptdstream.weightless``.
+_LAZY_MODULES = ("distributed", "hf", "weights", "weightless")
 
 
 def __getattr__(name: str):
@@ -131,6 +131,7 @@ __all__ = [
     "save",
     "stream_cuda_weights",
     "uninstall",
+    "weightless",
     "weights",
     "weights_from",
     "write_data_files",
