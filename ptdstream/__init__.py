@@ -70,8 +70,8 @@ _LAZY = {
 
 
 #: Public submodules loaded on first use: ``ptdstream.distributed``, ``ptdstream.weights``,
-#: ``ptdstream.hf``.
-_LAZY_MODULES = ("distributed", "hf", "weights")
+#: ``ptdstream.hf``, ``ptdstream.weightless``.
+_LAZY_MODULES = ("distributed", "hf", "weights", "weightless")
 
 
 def __getattr__(name: str):
@@ -134,6 +134,7 @@ __all__ = [
     "save",
     "stream_cuda_weights",
     "uninstall",
+    "weightless",
     "weights",
     "weights_from",
     "write_data_files",

@@ -13,16 +13,84 @@ reference in the emitter and in XNNPACK's lowering:
 
 Both print the files they wrote on stderr at the end (:class:`ExportReport`;
 ``export(..., quiet=True)`` does not) and silence the FutureWarnings and
-coremltools' import warnings of the export. :func:`saving_with_ptdstream` is
-the context both run in. Nothing here
+coremltools' import warnings of the export.
+
+Both take one more option, ``weightless=True`` / ``--weightless``: the model is
+built from the folder's ``config.json`` with storage-less parameters (no weight
+is read while optimum traces and lowers it) and each exported program is bound
+to the folder's safetensors shards, which the save streams
+(:func:`ptdstream.weightless.hf.pretrained_without_weights`; the same bytes as
+the export on loaded weights).
+
+:func:`saving_with_ptdstream` is the context both run in. Nothing here
 downloads: pass a local folder, and set ``HF_HUB_OFFLINE=1``.
 """
 
-import sys
+from __future__ import annotations
 
-from .hooks.optimum import ExportReport, export, main, saving_with_ptdstream
+import sys
+from collections.abc import Sequence
+
+from .errors import PtdstreamError
+from .hooks import optimum as _optimum
+from .hooks.optimum import ExportReport, saving_with_ptdstream
 
 __all__ = ["ExportReport", "export", "main", "saving_with_ptdstream"]
+
+#: The command-line flag of :func:`main` (removed before optimum-cli parses the rest).
+WEIGHTLESS_FLAG = "--weightless"
+
+
+def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
+           by_reference: bool = True, weightless: bool = False, **options) -> dict[str, object]:
+    """``optimum.exporters.executorch.main_export`` with ptdstream saving
+    (:func:`ptdstream.hooks.optimum.export`: arguments, return value).
+
+    ``weightless``: load no weight (see the module docstring); ``model_dir``
+    must hold safetensors shards whose keys, dtypes and shapes are the model's.
+
+    Raises:
+        NeedsWeightValuesError: with ``weightless``, an option that needs the
+            weights' values (``qlinear``, ``qembedding``, ...), before anything
+            runs; a non-safetensors folder; a ``dtype``/device move of the model.
+        BindingError: with ``weightless``, every weight the folder lacks or holds
+            in another dtype or shape, by name; nothing written.
+        ImportError: optimum-executorch is not installed (``ptdstream[hf]``).
+    """
+    if not weightless:
+        return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
+    from .weightless.hf import QUANTIZE_OPTIONS, NeedsWeightValuesError, pretrained_without_weights
+
+    asked = [f"{k}={options[k]!r}" for k in QUANTIZE_OPTIONS if options.get(k)]
+    if asked:
+        raise NeedsWeightValuesError(
+            f"{model_dir}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
+            "weightless=True does not load; drop the option, or export with weightless=False")
+    with pretrained_without_weights():
+        return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``optimum-cli`` with ptdstream saving (:func:`ptdstream.hooks.optimum.main`),
+    plus ``--weightless`` anywhere in ``argv``.
+
+    ``python -m ptdstream.hf export executorch -m DIR --task text-generation
+    --recipe xnnpack -o OUT --weightless``. Returns 0; with ``--weightless``, a
+    refusal (:class:`~ptdstream.errors.PtdstreamError`: the message names the
+    weight or option) is printed to stderr and returns 1, nothing written.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if WEIGHTLESS_FLAG not in args:
+        return _optimum.main(args)
+    from .weightless.hf import pretrained_without_weights
+
+    try:
+        with pretrained_without_weights():
+            return _optimum.main([a for a in args if a != WEIGHTLESS_FLAG])
+    except PtdstreamError as e:
+        print(f"ptdstream.hf: error: {e}", file=sys.stderr)
+        return 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,12 +13,19 @@ pytest.importorskip("optimum.exporters.executorch", reason="needs ptdstream[hf] 
 pytestmark = pytest.mark.hf
 
 
-def test_hf_reexports_the_optimum_hooks():
+def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch):
+    """Without ``weightless``, ``ptdstream.hf``'s entry points are the optimum hooks' (arguments unchanged)."""
     import ptdstream
     from ptdstream.hooks import optimum
 
-    assert (ptdstream.hf.export, ptdstream.hf.main, ptdstream.hf.saving_with_ptdstream) == (
-        optimum.export, optimum.main, optimum.saving_with_ptdstream)
+    assert ptdstream.hf.saving_with_ptdstream is optimum.saving_with_ptdstream
+    calls: list = []
+    monkeypatch.setattr(optimum, "export", lambda *a, **k: calls.append((a, k)) or {"model": None})
+    monkeypatch.setattr(optimum, "main", lambda argv: calls.append(argv) or 0)
+    assert ptdstream.hf.export("d", "o", task="t", recipe="portable", max_seq_len=8) == {"model": None}
+    assert ptdstream.hf.main(["export", "executorch", "-m", "d"]) == 0
+    assert calls == [(("d", "o", "t", "portable"), {"by_reference": True, "max_seq_len": 8}),
+                     ["export", "executorch", "-m", "d"]]
 
 
 def test_python_m_ptdstream_hf_runs_optimum_cli():

@@ -42,6 +42,7 @@ __all__ = [
     "manager_class",
     "manager_parts",
     "preload_serializer",
+    "pretrained_model_class",
     "program_module",
     "program_to_flatbuffer",
     "recorded_backend_config",
@@ -321,6 +322,15 @@ def constant_prop_module():
     ``get_propagated_const_tensor_dict`` fills the dict its module global
     ``get_constant_placeholder_dict`` returns with every folded tensor."""
     return resolve("executorch.exir.passes.constant_prop_pass")
+
+
+def pretrained_model_class() -> type:
+    """``transformers.PreTrainedModel``, once its ``_load_pretrained_model`` (the
+    step of ``from_pretrained`` that reads the weights) is found where expected."""
+    import transformers
+
+    resolve("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model")
+    return transformers.PreTrainedModel
 
 
 def preload_serializer() -> None:

@@ -96,6 +96,8 @@ NAMES: tuple[PrivateName, ...] = (
                 "module global 'emit_program' shadowed by weightless (unbound constants refused by name)"),
     PrivateName("executorch.exir.passes.constant_prop_pass", "",
                 "module global 'get_constant_placeholder_dict' shadowed by weightless (folded constants to files)"),
+    PrivateName("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
+                "from_pretrained's one weight-reading step, replaced by weightless.hf (transformers 5.0.0rc1)"),
 )
 
 FIELDS: tuple[PrivateField, ...] = (

@@ -167,10 +167,11 @@ class WeightsFrom:
         self._check_open("model")
         return storage_less_model(factory_or_module)
 
-    def bind(self, programs: Any) -> Any:
+    def bind(self, programs: Any, key_map: Mapping[str, str] | None = None) -> Any:
         """Bind every storage-less constant of ``programs`` (an ``ExportedProgram``
         or ``{method: ExportedProgram}``, changed in place and returned) to the
-        checkpoint's tensor of its FQN (through ``key_map``).
+        checkpoint's tensor of its FQN (through the context's ``key_map``, then
+        this call's ``key_map``, which wins for the FQNs it names).
 
         Checks everything first: nothing is converted or bound if anything is
         wrong. Then converts what the plan converts (another float dtype, or a
@@ -185,7 +186,7 @@ class WeightsFrom:
         """
         self._check_open("bind")
         methods = programs if isinstance(programs, Mapping) else {"forward": programs}
-        plan = plan_binding(methods, self.checkpoint, self.key_map, self.allow_extra)
+        plan = plan_binding(methods, self.checkpoint, {**self.key_map, **(key_map or {})}, self.allow_extra)
         mapped = self.checkpoint.kind in MAPPED_KINDS
         converted = self._convert({key: plan.converted.get(key, self.checkpoint.entries[key].dtype)
                                    for key in plan.groups if not mapped or key in plan.converted})

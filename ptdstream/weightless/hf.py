@@ -1,0 +1,310 @@
+"""Hugging Face models without loading the weights: storage-less from ``config.json``, bound to the folder's shards.
+
+Two ways in:
+
+* :func:`model_from_config`: ``transformers.AutoModel*.from_config`` of a
+  folder's ``config.json``, built by :func:`~ptdstream.weightless.storage_less_model`
+  (storage-less parameters, real buffers); export it inside
+  :func:`ptdstream.weights_from` on the same folder.
+* :func:`pretrained_without_weights`: inside, every ``from_pretrained`` of a
+  local folder (optimum-executorch's task loaders call it) builds the model as
+  transformers does (``config.json``, dtype, attention implementation,
+  generation config, tied weights) but reads no weight: the one step that reads
+  them (``PreTrainedModel._load_pretrained_model``) is replaced, the model's
+  meta parameters become storage-less cpu tensors and each one is recorded with
+  its checkpoint key (its name in the model's ``state_dict``; the name the
+  checkpoint holds for a tied group). An exported program is bound when it
+  reaches lowering: ``to_edge`` and ``to_edge_transform_and_lower`` begin with
+  its ``run_decompositions``, where, inside the context, each storage-less
+  constant of a recorded tensor is bound by its key (so
+  ``model.model.layers.0...`` FQNs find ``model.layers.0...`` keys; nothing
+  read), through a :func:`ptdstream.weights_from` context opened on the folder
+  at the first load and kept until exit; tied weights are one tensor, bound
+  once. Until then the program stays storage-less, so optimum's second
+  ``torch.export`` of ``program.module()`` (after ``RemoveRedundantTransposes``)
+  traces storage-less tensors too (dynamo would clone real ones). Whatever
+  runs from the lowering on (``constant_prop_pass``, XNNPACK's preprocess, the
+  emitter, the save) sees the checkpoint's mapped tensors.
+
+Refused by name, before anything is written: a checkpoint that is not
+safetensors (``.bin`` files are pickles), a ``state_dict`` passed in, a
+transformers quantizer, a device map beyond the CPU, a model's key the
+checkpoint does not hold (transformers' renaming and fusing conversions are not
+applied: :class:`~ptdstream.weightless.BindingError` names it), a checkpoint
+dtype other than the export's, a ``.to()`` that would move or convert a
+module with storage-less parameters, and optimum's quantization (``qlinear``, ``qembedding``:
+torchao needs the weights' values). Checkpoint keys the model does not use are
+ignored, as ``from_pretrained`` ignores them. Unlike ``from_pretrained``,
+nothing is initialized: a model without a checkpoint key has no value.
+
+Patches (through :mod:`ptdstream.upstream.patching`, restored by the last exit):
+``PreTrainedModel._load_pretrained_model`` (registered in
+:mod:`ptdstream.upstream.names`, checked against transformers 5.0.0rc1),
+``torch.nn.Module.to``, ``torch.export.ExportedProgram.run_decompositions`` and optimum's
+``quantize_model_`` in its task modules. They act only in the thread that
+entered the context (elsewhere the originals run), except ``to``, which acts on
+every module holding storage-less tensors (a no-op to the CPU in their dtypes,
+refused otherwise; upstream's fails on them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..errors import PtdstreamError
+from ..upstream import adapter
+from ..upstream.patching import shadowed
+from .binding import BindingError
+from .context import WeightsFrom, weights_from
+from .storage_less import is_storage_less, storage_less, storage_less_model
+
+__all__ = ["NeedsWeightValuesError", "StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
+
+_local = threading.local()  # .active: the StorageLessPretrained contexts of this thread, innermost last
+
+#: optimum's task options that quantize the eager model (torchao: needs the weights' values).
+QUANTIZE_OPTIONS = ("qlinear", "qlinear_encoder", "qembedding", "qembedding_encoder")
+
+
+class NeedsWeightValuesError(PtdstreamError, ValueError):
+    """A step of a weightless export needs the weights' values (quantization,
+    moving or converting the model, loading a pickle): named, nothing written."""
+
+
+def model_from_config(folder: str | os.PathLike[str], auto_class: str = "AutoModelForCausalLM",
+                      **from_config: Any) -> Any:
+    """``transformers.<auto_class>.from_config(<folder>/config.json, **from_config)``
+    with storage-less parameters and real buffers (rotary ``inv_freq`` computed).
+
+    Example::
+
+        with ptdstream.weights_from("my-llama/") as weights:
+            model = model_from_config("my-llama/")
+            program = weights.bind(torch.export.export(model, (tokens,)))
+
+    The model's ``state_dict`` names are the checkpoint's (``save_pretrained``'s).
+
+    Raises:
+        AttributeError: ``auto_class`` is not a transformers class.
+        OSError: no readable ``config.json`` in ``folder``.
+    """
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(os.fspath(folder))
+    cls = getattr(transformers, auto_class)
+    return storage_less_model(lambda: cls.from_config(config, **from_config))
+
+
+class StorageLessPretrained:
+    """What :func:`pretrained_without_weights` yields: ``weights`` ({folder:
+    :class:`~ptdstream.weightless.WeightsFrom`}, one per folder loaded) and
+    ``bound`` (how many exported programs were bound). Valid inside its block."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self.weights: dict[str, WeightsFrom] = {}
+        self.bound = 0
+        self._stack = stack
+        self._origins: dict[int, tuple[str, str]] = {}  # id(storage-less tensor) -> (folder, checkpoint key)
+        self._keep: list[Any] = []  # the recorded tensors, alive so their ids stay theirs
+
+    def _weights_for(self, files: list[str]) -> tuple[str, WeightsFrom]:
+        folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+        bad = [f for f in files if not f.endswith(".safetensors")]
+        if bad or len(folders) != 1:
+            raise NeedsWeightValuesError(
+                f"from_pretrained: weightless export reads safetensors shards of one folder; got {', '.join(files)}"
+                " (.bin files are pickles, not read): save the model with save_pretrained(safe_serialization=True)")
+        folder = folders.pop()
+        if folder not in self.weights:
+            self.weights[folder] = self._stack.enter_context(weights_from(folder, allow_extra=True))
+        return folder, self.weights[folder]
+
+    def load(self, model: Any, arguments: dict[str, Any]) -> tuple:
+        """Stand-in for ``_load_pretrained_model``: storage-less parameters, origins recorded, weights tied."""
+        name = arguments.get("pretrained_model_name_or_path")
+        refused = [what for what, bad in (
+            ("a state_dict passed to from_pretrained", arguments.get("state_dict") is not None),
+            ("a transformers quantizer (quantization_config)", arguments.get("hf_quantizer") is not None),
+            ("a device mesh (tensor parallel)", arguments.get("device_mesh") is not None),
+            ("a device map beyond the CPU", any(str(d) not in ("cpu", "meta") for d in
+                                               (arguments.get("device_map") or {}).values())),
+            ("no checkpoint files", not arguments.get("checkpoint_files")),
+        ) if bad]
+        if refused:
+            raise NeedsWeightValuesError(f"from_pretrained({name!r}): weightless export cannot take "
+                                         f"{'; '.join(refused)}: export without weightless")
+        folder, weights = self._weights_for(list(arguments["checkpoint_files"]))
+        held = weights.checkpoint.entries
+        storage_less_model(model)
+        for prefix, module in model.named_modules():
+            for buf_name, buf in list(module._buffers.items()):
+                if (buf is not None and not is_storage_less(buf) and buf_name not in module._non_persistent_buffers_set
+                        and f"{prefix}.{buf_name}".lstrip(".") in held):
+                    module._buffers[buf_name] = storage_less(buf)  # its value is the checkpoint's, as when loaded
+        for param in model.parameters():
+            param._is_hf_initialized = True
+        missing = {k for k in model.state_dict(keep_vars=True) if k not in held}
+        model.tie_weights(missing_keys=missing, recompute_mapping=False)
+        state = model.state_dict(keep_vars=True)
+        for key, tensor in state.items():
+            if is_storage_less(tensor) and (id(tensor) not in self._origins or key in held
+                                            and self._origins[id(tensor)][1] not in held):
+                self._origins[id(tensor)] = (folder, key)
+                self._keep.append(tensor)
+        problems = []
+        for tensor in {id(t): t for t in state.values() if id(t) in self._origins}.values():
+            key = self._origins[id(tensor)][1]
+            entry = held.get(key)
+            if entry is None:
+                problems.append(f"missing: the model's {key!r} ({tensor.dtype} {list(tensor.shape)}) is not in "
+                                "the checkpoint (from_pretrained would initialize it at random)")
+            elif entry.dtype != tensor.dtype or tuple(entry.shape) != tuple(tensor.shape):
+                problems.append(f"{key!r} ({entry.where}): the checkpoint holds {entry.dtype} "
+                                f"{list(entry.shape)}, the model needs {tensor.dtype} {list(tensor.shape)}")
+        if problems:
+            raise BindingError(weights.checkpoint.path, problems)
+        return model, missing, set(), set(), None, []
+
+    def bind(self, program: Any) -> Any:
+        """Bind ``program``'s recorded storage-less constants to their keys (in place)."""
+        key_map: dict[str, str] = {}
+        folders = set()
+        for table in ("state_dict", "constants"):
+            for fqn, tensor in getattr(program, table).items():
+                origin = self._origins.get(id(tensor)) if is_storage_less(tensor) else None
+                if origin is not None:
+                    folders.add(origin[0])
+                    key_map[fqn] = origin[1]
+        if not folders:
+            return program
+        if len(folders) > 1:
+            raise NeedsWeightValuesError(f"run_decompositions: one program holds weights of {len(folders)} folders "
+                                         f"({', '.join(sorted(folders))}): export each model on its own")
+        self.weights[folders.pop()].bind(program, key_map=key_map)
+        self.bound += 1
+        return program
+
+
+def _active() -> StorageLessPretrained | None:
+    stack = getattr(_local, "active", None)
+    return stack[-1] if stack else None
+
+
+def _loading(real: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(real)
+
+    @functools.wraps(real)
+    def _load_pretrained_model(*args: Any, **kwargs: Any) -> Any:
+        context = _active()
+        if context is None:
+            return real(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return context.load(bound.arguments["model"], dict(bound.arguments))
+
+    return _load_pretrained_model
+
+
+def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def run_decompositions(self: Any, *args: Any, **kwargs: Any) -> Any:
+        context = _active()
+        if context is not None:
+            context.bind(self)
+        return real(self, *args, **kwargs)
+
+    return run_decompositions
+
+
+def _moving(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        tensors = [*self.parameters(), *self.buffers()]
+        if not any(is_storage_less(t) for t in tensors):
+            return real(self, *args, **kwargs)
+        for dtype in dict.fromkeys(t.dtype for t in tensors if t.is_floating_point()) or [torch.float32]:
+            probe = torch.empty(0, dtype=dtype).to(*args, **kwargs)
+            if probe.device.type != "cpu" or probe.dtype != dtype:
+                raise NeedsWeightValuesError(
+                    f"{type(self).__name__}.to({probe.device}, {probe.dtype}): a module with storage-less "
+                    f"parameters ({dtype}, cpu) cannot be moved or converted (its weights are not loaded): export "
+                    "on the CPU in the checkpoint's dtype, or export without weightless")
+        if any(t.device.type != "cpu" for t in tensors):
+            return real(self, *args, **kwargs)
+        return self  # storage-less parameters are cpu tensors already: nothing to move
+
+    return to
+
+
+def _refusing_quantization(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def quantize_model_(*args: Any, **kwargs: Any) -> Any:
+        asked = {k: v for k, v in kwargs.items() if k in ("qlinear_config", "qembedding_config") and v}
+        if asked and _active() is not None:
+            raise NeedsWeightValuesError(
+                f"optimum's quantize_model_({', '.join(f'{k}={v!r}' for k, v in asked.items())}): quantization "
+                "(torchao) needs the weights' values, which a weightless export does not load; drop "
+                f"{'/'.join('--' + o for o in QUANTIZE_OPTIONS)}, or export without weightless")
+        return real(*args, **kwargs)
+
+    return quantize_model_
+
+
+def _optimum_task_modules() -> list[Any]:
+    """optimum-executorch's task modules that call ``quantize_model_`` (imported); [] without optimum."""
+    try:
+        from optimum.exporters.executorch.task_registry import discover_tasks
+    except ImportError:
+        return []
+    discover_tasks()
+    prefix = "optimum.exporters.executorch.tasks."
+    return [m for n, m in sorted(sys.modules.items()) if n.startswith(prefix) and hasattr(m, "quantize_model_")]
+
+
+@contextlib.contextmanager
+def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
+    """Inside, ``from_pretrained`` of a local safetensors folder loads no weight
+    and every exported program is bound to the folder's shards as it reaches
+    lowering (its ``run_decompositions``; see the module docstring).
+
+    Example::
+
+        with pretrained_without_weights():
+            main_export("my-llama/", task="text-generation", recipe="xnnpack", output_dir="out/")
+
+    Host memory: the models' buffers and graphs; weights are read in pieces
+    from the mapped shards by the stages that need bytes. Contexts nest (the
+    innermost one of a thread records) and run in several threads at once.
+
+    Raises:
+        NeedsWeightValuesError: see the module docstring, by name.
+        BindingError: a model's weight the folder does not hold, or of another dtype or shape.
+        ImportError: transformers is not installed.
+    """
+    import torch
+
+    model_class: Any = adapter.pretrained_model_class()
+    with contextlib.ExitStack() as stack:
+        context = StorageLessPretrained(stack)
+        stack.enter_context(shadowed(model_class, "_load_pretrained_model",
+                                     classmethod(_loading(model_class._load_pretrained_model.__func__))))
+        stack.enter_context(shadowed(torch.nn.Module, "to", _moving(torch.nn.Module.to)))
+        program_class = torch.export.ExportedProgram
+        stack.enter_context(shadowed(program_class, "run_decompositions", _lowering(program_class.run_decompositions)))
+        for module in _optimum_task_modules():
+            stack.enter_context(shadowed(module, "quantize_model_", _refusing_quantization(module.quantize_model_)))
+        _local.active = getattr(_local, "active", None) or []
+        _local.active.append(context)
+        try:
+            yield context
+        finally:
+            _local.active.remove(context)
