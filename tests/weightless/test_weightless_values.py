@@ -80,7 +80,7 @@ def test_const_prop_in_to_executorch_moves_folded_constants_to_files_and_saves_t
         assert all(_mapped(v) for v in folded.values())  # not held in memory: mapped from a temp file
         assert torch.equal(folded["_prop_tensor_constant1"], real.l1.weight.detach().t())
         [folder] = os.listdir(temp)
-        assert folder.startswith("ptdstream-convert-") and os.listdir(temp / folder) == []  # the context's one folder; nameless files
+        assert folder.startswith("ptdstream-convert-") and os.listdir(temp / folder) == []  # one folder, nameless files
         constants = adapter.manager_parts(manager).external_constant_buffer
         assert len(constants) == 4 and all(getattr(c, "file_mapped", False) for c in constants)
         _save(manager, tmp_path / "weightless")
