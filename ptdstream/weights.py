@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,12 +172,13 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     problems: list[str] = []
     xnnpack = bool(like) and old_checkpoint is not None and xnn.delegates_all_xnnpack(list(weights.delegates))
     if not xnnpack:
-        for method, backend in weights.delegates:
+        for (method, backend), count in Counter(weights.delegates).items():
+            held = f"a {backend} delegate" if count == 1 else f"{count} {backend} delegates"
             problems.append(
-                f"delegate: method {method!r} holds a {backend} delegate; its weights live in its blob or "
+                f"delegate: method {method!r} holds {held}; its weights live in its blob or "
                 "under keys derived from the bytes it packed, so new weights need a new .pte (re-export"
-                + (", or for XNNPACK: like= the old .ptd files and old_checkpoint= the exported weights)"
-                   if backend == xnn.XNNPACK_ID else ")")
+                + (", or for XNNPACK: like= / --like the old .ptd files and old_checkpoint= / --old the "
+                   "exported weights)" if backend == xnn.XNNPACK_ID else ")")
             )
     order, foreign, located = tags_and_order(weights, like, DEFAULT_TAG if tag is None else tag, problems)
     kept = set(keep)

@@ -149,7 +149,7 @@ def check_keys(program, ckpt: Checkpoint, key_map: KeyMap, allow_extra: bool, pr
     used_roots = {ckpt.aliases[k] for k in used if k in ckpt.aliases}
     extra = [k for k in ckpt.entries if k not in used and not (k in ckpt.aliases and ckpt.aliases[k] in used_roots)]
     for at, fqn, layout in missing:
-        problems[at] += _missing_hint(fqn, layout, ckpt, extra, located)
+        problems[at] += _missing_hint(fqn, layout, ckpt, extra, located, _rule_of(key_map, fqn))
     if extra and not allow_extra:
         shown = ", ".join(repr(k) for k in extra[:50])
         more = f" and {len(extra) - 50} more" if len(extra) > 50 else ""
@@ -158,12 +158,31 @@ def check_keys(program, ckpt: Checkpoint, key_map: KeyMap, allow_extra: bool, pr
     return chosen
 
 
-def _missing_hint(fqn: str, layout, ckpt: Checkpoint, extra: Sequence[str], located: Mapping[str, Located]) -> str:
-    """What resolves a missing key: the unused checkpoint key of its dtype and shape
-    (``key_map``), else the like= file that holds it (``keep``); else nothing."""
+def _rule_of(key_map: KeyMap, fqn: str) -> str | None:
+    """The user's map entry that renamed ``fqn`` (``{old!r}: {new!r}``), ``"key_map"``
+    for a callable that renamed it, None when ``fqn`` was looked up unchanged."""
+    key = mapper(key_map)(fqn)
+    if key == fqn:
+        return None
+    if callable(key_map) or key_map is None:
+        return "key_map"
+    old = next(o for o in key_map if fqn.startswith(o))
+    return f"key_map={{{old!r}: {key_map[old]!r}}} / --map {old}={key_map[old]}"
+
+
+def _missing_hint(fqn: str, layout, ckpt: Checkpoint, extra: Sequence[str], located: Mapping[str, Located],
+                  rule: str | None = None) -> str:
+    """What resolves a missing key: the user's map that sent it to a key the
+    checkpoint lacks (``rule``), else the unused checkpoint key of its dtype and
+    shape (``key_map``; never the key itself), else the like= file that holds it
+    (``keep``); else nothing."""
     sizes = [int(s) for s in layout.sizes]
-    twins = [k for k in extra if list(ckpt.entries[k].shape) == sizes
+    twins = [k for k in extra if k != fqn and list(ckpt.entries[k].shape) == sizes
              and _scalar_of(ckpt.entries[k].dtype) == int(layout.scalar_type)]
+    if rule is not None:
+        own = (f"; {ckpt.path} holds {fqn!r} under the program's own name" if fqn in ckpt.entries else "")
+        return (f"; the map is the problem: {rule} renamed it to a key {ckpt.path} lacks{own}; "
+                "fix or drop that map")
     if len(twins) == 1:
         return (f"; its checkpoint key {twins[0]!r} has its dtype and shape (a tied weight saved under its "
                 f"other name?): key_map={{{fqn!r}: {twins[0]!r}}} / --map {fqn}={twins[0]}")

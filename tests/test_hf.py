@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 
@@ -13,10 +14,14 @@ pytest.importorskip("optimum.exporters.executorch", reason="needs ptdstream[hf] 
 pytestmark = pytest.mark.hf
 
 
-def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch):
+def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch, tmp_path):
     """Without ``weightless``, ``ptdstream.hf``'s entry points are the optimum hooks' (arguments unchanged)."""
     import ptdstream
     from ptdstream.hooks import optimum
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
 
     assert ptdstream.hf.saving_with_ptdstream is optimum.saving_with_ptdstream
     calls: list = []
@@ -29,14 +34,16 @@ def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch):
 
 
 def test_python_m_ptdstream_hf_runs_optimum_cli():
-    """``python -m ptdstream.hf export executorch --help`` is optimum-cli's own parser."""
+    """``python -m ptdstream.hf export executorch --help`` is ptdstream's lines, then optimum-cli's own parser."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "ptdstream.hf", "export", "executorch", "--help"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: optimum-cli export executorch")
-    assert "--recipe" in proc.stdout
+    import ptdstream.hf
+
+    assert proc.stdout.startswith(ptdstream.hf.HELP + "\nusage: optimum-cli export executorch")
+    assert "--recipe" in proc.stdout.removeprefix(ptdstream.hf.HELP)
 
 
 def _fake_export(out, calls):
@@ -104,8 +111,79 @@ def test_hf_main_reports_the_files_in_its_output_dir(tmp_path, monkeypatch, caps
         (tmp_path / "model.pte").write_bytes(b"p" * 10)
 
     monkeypatch.setattr(optimum_cli, "main", cli)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
     args = ["export", "executorch", "-m", "dir", "--task", "text-generation", "--output_dir", str(tmp_path)]
     assert ptdstream.hf.main(args) == 0
     assert argv == [["optimum-cli", *args]]
     assert capsys.readouterr().err.splitlines()[:2] == [f"saved by ptdstream in {tmp_path}:",
                                                         f"  {tmp_path / 'model.pte'}  10 bytes"]
+
+
+def _hf_cli(*argv, cwd):
+    """Run ``python -X importtime -m ptdstream.hf ARGV`` in ``cwd``: the process, its CPU
+    seconds, the modules it imported."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream.hf", *argv], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    modules = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    return proc, cpu, modules, errors
+
+
+def test_hf_main_refuses_a_bad_model_folder_or_recipe_before_torch_is_imported(tmp_path):
+    """-m not a local folder with config.json, --recipe not optimum's: one line naming it, exit 2,
+    in well under optimum's import time, torch never imported; nothing written."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "my-llama").mkdir()
+    (tmp_path / "my-llama" / "config.json").write_text("{}")
+    head = ["export", "executorch", "--task", "text-generation", "-o", "out"]
+    cases = [
+        ([*head, "-m", "nope/"], "ptdstream.hf: error: -m nope/: no such folder; give a local model folder "
+         "(config.json and safetensors, as save_pretrained writes them): nothing is downloaded"),
+        ([*head, "--model=empty", "--weightless"], "ptdstream.hf: error: -m empty: no config.json in that folder; "
+         "give the folder save_pretrained wrote (config.json and safetensors)"),
+        ([*head, "-m", "my-llama", "--recipe", "xnnpak"], "ptdstream.hf: error: --recipe xnnpak: not an "
+         "optimum-executorch recipe; use one of coreml_fp16, coreml_fp16_cpu, coreml_fp16_gpu, coreml_fp16_ne, "
+         "coreml_fp32, coreml_fp32_cpu, coreml_fp32_gpu, coreml_fp32_ne, cuda, cuda-windows, metal, portable, "
+         "xnnpack"),
+        (head, "ptdstream.hf: error: -m/--model DIR is required: the local Hugging Face model folder "
+         "(with config.json) to export"),
+    ]
+    for argv, message in cases:
+        proc, cpu, modules, errors = _hf_cli(*argv, cwd=tmp_path)
+        assert (proc.returncode, proc.stdout, errors) == (2, "", [message]), argv
+        assert cpu < 1.5, (argv, cpu)
+        assert "torch" not in modules and "optimum" not in modules, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "my-llama"]
+
+
+def test_hf_recipe_names_are_optimums():
+    """The static list main checks --recipe against is optimum-executorch's registry."""
+    from optimum.exporters.executorch.recipe_registry import discover_recipes, recipe_registry
+
+    from ptdstream.hf import OPTIMUM_RECIPES
+
+    discover_recipes()
+    assert sorted(recipe_registry) == list(OPTIMUM_RECIPES)
+
+
+def test_hf_help_names_weightless_before_optimums_help(monkeypatch, capsys):
+    """--help prints ptdstream's options (--weightless, the -m and --recipe checks) first,
+    then optimum-cli's help."""
+    import optimum.commands.optimum_cli as optimum_cli
+
+    import ptdstream.hf
+
+    monkeypatch.setattr(optimum_cli, "main", lambda: print("usage: optimum-cli export executorch"))
+    assert ptdstream.hf.main(["export", "executorch", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out == ptdstream.hf.HELP + "\nusage: optimum-cli export executorch\n"
+    flat = " ".join(out.split())
+    assert "--weightless build the model from DIR/config.json with no weight loaded" in flat
+    assert "--recipe RECIPE one of coreml_fp16, " in flat and "portable, xnnpack" in flat

@@ -430,3 +430,52 @@ def test_an_output_that_is_an_input_is_refused_before_anything_is_written(export
     assert str(e.value) == (f"output {out / PTD} is also an input: writing it would destroy the input; "
                             "choose another output path")
     assert {n: (out / n).read_bytes() for n in sorted(os.listdir(out))} == before
+
+
+def test_a_method_with_several_delegates_is_named_once_with_the_cli_option_names(tmp_path):
+    """Two XNNPACK partitions of one method: one line for the method, counting them,
+    naming the CLI's --like/--old beside the Python arguments."""
+    from ptdstream.sources.checkpoint import open_checkpoint
+    from ptdstream.weights import ProgramWeights, plan_ptd_files
+
+    ckpt = save_checkpoint("safetensors", {"w": torch.zeros(2)}, tmp_path / "ckpt")
+    weights = ProgramWeights("model.pte", {}, (("forward", "XnnpackBackend"), ("forward", "XnnpackBackend"),
+                                               ("prefill", "VulkanBackend")))
+    with open_checkpoint(ckpt) as checkpoint, pytest.raises(CheckpointMismatchError) as info:
+        plan_ptd_files(weights, checkpoint, str(tmp_path / "out"), allow_extra=True)
+    assert info.value.problems == [
+        "delegate: method 'forward' holds 2 XnnpackBackend delegates; its weights live in its blob or under keys "
+        "derived from the bytes it packed, so new weights need a new .pte (re-export, or for XNNPACK: like= / "
+        "--like the old .ptd files and old_checkpoint= / --old the exported weights)",
+        "delegate: method 'prefill' holds a VulkanBackend delegate; its weights live in its blob or under keys "
+        "derived from the bytes it packed, so new weights need a new .pte (re-export)",
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_map_to_missing_keys_is_named_as_the_problem_never_a_map_to_itself(exports, tmp_path, capsys):
+    from ptdstream.cli import main
+
+    folder, model_b, _ = exports["mlp"]
+    ckpt = save_checkpoint("safetensors", state_of(model_b), tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / PTD).write_bytes(b"previous")
+    with pytest.raises(CheckpointMismatchError) as info:
+        write_ptd(str(folder / "A" / "model.pte"), ckpt, str(out), key_map={"l1.": "x1."})
+    assert info.value.problems[:2] == [
+        f"missing: 'l1.weight' (looked up as 'x1.weight') (FLOAT[32, 64] dim order [0, 1]) is not in {ckpt}; the "
+        "map is the problem: key_map={'l1.': 'x1.'} / --map l1.=x1. renamed it to a key "
+        f"{ckpt} lacks; {ckpt} holds 'l1.weight' under the program's own name; fix or drop that map",
+        f"missing: 'l1.bias' (looked up as 'x1.bias') (FLOAT[32] dim order [0]) is not in {ckpt}; the "
+        "map is the problem: key_map={'l1.': 'x1.'} / --map l1.=x1. renamed it to a key "
+        f"{ckpt} lacks; {ckpt} holds 'l1.bias' under the program's own name; fix or drop that map",
+    ]
+    assert not any("=l1." in p for p in info.value.problems)  # no map of a key to itself
+    capsys.readouterr()
+    assert main(["weights", str(folder / "A" / "model.pte"), "--from", ckpt, "-o", str(out),
+                 "--map", "l1.=x1."]) == 1
+    err = capsys.readouterr().err
+    assert "--map l1.=x1. renamed it to a key" in err and "--map l1.weight=l1.weight" not in err
+    assert sorted(os.listdir(out)) == [PTD] and (out / PTD).read_bytes() == b"previous"

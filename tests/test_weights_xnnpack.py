@@ -101,7 +101,8 @@ def test_xnnpack_untransformed_weights_give_the_reexport_pte_and_ptd(tmp_path):
     for name, data in files_b.items():
         assert (out / name).read_bytes() == data, name
     # Without the old weights: refused, naming the XNNPACK keys.
-    with pytest.raises(CheckpointMismatchError, match="for XNNPACK: like= the old .ptd files and old_checkpoint="):
+    with pytest.raises(CheckpointMismatchError,
+                       match="for XNNPACK: like= / --like the old .ptd files and old_checkpoint= / --old "):
         write_ptd(str(tmp_path / "A" / "model.pte"), new, str(out), like=like)
     # New weights under another prefix, old ones under the program's FQNs: key_map serves both.
     prefixed = save_checkpoint("safetensors", {f"model.{k}": v for k, v in state_of(model_b).items()},
