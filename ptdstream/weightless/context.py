@@ -70,7 +70,7 @@ upstream's emitter cannot emit: storage-less constants, by name), so a model
 that outlives its block is refused by name, not by upstream's ``NULL pointer
 access``. Contexts nest and may be open in several threads at once (each with
 its own checkpoint); ``torch.export`` itself is not thread-safe, so the caller
-runs one export at a time.
+runs export and lowering (``to_edge``, ``to_executorch``) one thread at a time.
 """
 
 from __future__ import annotations
