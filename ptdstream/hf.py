@@ -62,7 +62,7 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
         return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
     from .weightless.hf import pretrained_without_weights
 
-    _refuse_quantization(model_dir, options, "{}={!r}", "weightless=True", "weightless=False")
+    _refuse_quantization(model_dir, options, "{}={!r}", "weightless=True", "export with weightless=False")
     with pretrained_without_weights():
         return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
 
@@ -84,11 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .weightless.hf import QUANTIZE_OPTIONS, pretrained_without_weights
 
     options = argparse.ArgumentParser(add_help=False)  # optimum-cli's spelling of them, abbreviations too
+    options.add_argument("-m", "--model", default="ptdstream.hf")
     for name in QUANTIZE_OPTIONS:
         options.add_argument(f"--{name}")
+    given = vars(options.parse_known_args(args)[0])
     try:
-        _refuse_quantization("ptdstream.hf", vars(options.parse_known_args(args)[0]), "--{} {!r}",
-                             WEIGHTLESS_FLAG, f"without {WEIGHTLESS_FLAG}")
+        _refuse_quantization(given["model"], given, "--{} {!r}", WEIGHTLESS_FLAG, f"export without {WEIGHTLESS_FLAG}")
         with pretrained_without_weights():
             return _optimum.main([a for a in args if a != WEIGHTLESS_FLAG])
     except PtdstreamError as e:
@@ -109,7 +110,7 @@ def _refuse_quantization(where: str, options: dict, spelling: str, flag: str, in
     if asked:
         raise NeedsWeightValuesError(
             f"{where}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
-            f"{flag} does not load; drop the option, or export with {instead}")
+            f"{flag} does not load; drop the option, or {instead}")
 
 
 if __name__ == "__main__":
