@@ -28,6 +28,7 @@ downloads: pass a local folder, and set ``HF_HUB_OFFLINE=1``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -127,13 +128,9 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
 
     if not weightless:
         return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
-    from .weightless.hf import QUANTIZE_OPTIONS, NeedsWeightValuesError, pretrained_without_weights
+    from .weightless.hf import pretrained_without_weights
 
-    asked = [f"{k}={options[k]!r}" for k in QUANTIZE_OPTIONS if options.get(k)]
-    if asked:
-        raise NeedsWeightValuesError(
-            f"{model_dir}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
-            "weightless=True does not load; drop the option, or export with weightless=False")
+    _refuse_quantization(model_dir, options, "{}={!r}", "weightless=True", "export with weightless=False")
     with pretrained_without_weights():
         return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
 
@@ -149,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     or whose ``--recipe`` is not in :data:`OPTIMUM_RECIPES` prints one line
     (``ptdstream.hf: error: ...``, naming it) and returns 2. Returns 0; with ``--weightless``, a
     refusal (:class:`~ptdstream.errors.PtdstreamError`: the message names the
-    weight or option) is printed to stderr and returns 1, nothing written.
+    weight or option) is printed to stderr and returns 1, nothing written:
+    every option the API refuses (``--qlinear``, ``--qlinear_encoder``,
+    ``--qembedding``, ``--qembedding_encoder``) is refused before optimum runs.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -163,14 +162,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if WEIGHTLESS_FLAG not in args:
         return _optimum.main(args)
-    from .weightless.hf import pretrained_without_weights
+    from .weightless.hf import QUANTIZE_OPTIONS, pretrained_without_weights
 
+    options = argparse.ArgumentParser(add_help=False)  # optimum-cli's spelling of them, abbreviations too
+    options.add_argument("-m", "--model", default="ptdstream.hf")
+    for name in QUANTIZE_OPTIONS:
+        options.add_argument(f"--{name}")
+    given = vars(options.parse_known_args(args)[0])
     try:
+        _refuse_quantization(given["model"], given, "--{} {!r}", WEIGHTLESS_FLAG, f"export without {WEIGHTLESS_FLAG}")
         with pretrained_without_weights():
             return _optimum.main([a for a in args if a != WEIGHTLESS_FLAG])
     except PtdstreamError as e:
         print(f"ptdstream.hf: error: {e}", file=sys.stderr)
         return 1
+
+
+def _refuse_quantization(where: str, options: dict, spelling: str, flag: str, instead: str) -> None:
+    """Refuse every option of ``QUANTIZE_OPTIONS`` given a value in ``options``
+    (``spelling.format(name, value)`` names each), for API and CLI alike.
+
+    Raises:
+        NeedsWeightValuesError: naming each such option and its value.
+    """
+    from .weightless.hf import QUANTIZE_OPTIONS, NeedsWeightValuesError
+
+    asked = [spelling.format(k, options[k]) for k in QUANTIZE_OPTIONS if options.get(k)]
+    if asked:
+        raise NeedsWeightValuesError(
+            f"{where}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
+            f"{flag} does not load; drop the option, or {instead}")
 
 
 if __name__ == "__main__":

@@ -242,7 +242,8 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
               segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT,
               chunk_nbytes: int = CHUNK_NBYTES, window_nbytes: int = WINDOW_NBYTES,
               progress: Any = False, old_checkpoint: None | str | Checkpoint = None,
-              format: str = "auto", old_format: str = "auto", keep: Sequence[str] = ()) -> WeightsReport:
+              format: str = "auto", old_format: str = "auto", keep: Sequence[str] = (),
+              force: bool = True) -> WeightsReport:
     """Write every ``.ptd`` that ``program`` loads, from ``checkpoint``'s tensors
     (and, for XNNPACK with ``old_checkpoint``, the new ``.pte``).
 
@@ -293,6 +294,8 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
             ``checkpoint``: buffers no checkpoint saves, such as non-persistent
             ones (causal masks). A missing key that a ``like`` file holds is
             reported with this option named.
+        force: replace existing files in ``out_dir`` (``False``: refuse them,
+            as the CLI does without ``-f``).
 
     Memory: about two pieces plus metadata for safetensors and ``torch.save``
     checkpoints (mapped, paged out as read); DCP adds the tensor being written.
@@ -306,7 +309,8 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
         FileNotFoundError: ``out_dir`` does not exist.
         OverwriteError: a file to write is one of the files read (the program,
             a ``like`` file, a file of ``checkpoint`` or ``old_checkpoint``; same
-            device and inode, links included), naming both; nothing written.
+            device and inode, links included), naming both, or (``force=False``)
+            exists, naming it; nothing written.
         ValueError: ``segment_alignment <= 0`` (upstream's text).
         ArgumentTypeError: a ``progress`` outside the contract (nothing read).
         IntegrityError, OSError: a read or write failed (nothing published).
@@ -338,7 +342,7 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
                                               old_checkpoint=old, keep=keep)
         inputs = [program.path if isinstance(program, ProgramWeights) else program, *like, *ckpt.files(),
                   *(old.files() if old is not None else ())]
-        refuse_overwrite(inputs, [f.path for f in plan.files], force=True)  # only an output that is an input
+        refuse_overwrite(inputs, [f.path for f in plan.files], force=force)
         with contextlib.ExitStack() as stack:
             callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
             reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,

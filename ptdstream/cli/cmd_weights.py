@@ -45,8 +45,9 @@ def register(subparsers) -> None:
                    "2 usage error or unreadable input",
         progress=True,
         run=run, inputs=lambda a: [a.program, *a.like, *files_of(a.checkpoint), *files_of(a.old_checkpoint)],
-        imports_torch=True, check=check)
-    p.add_argument("program", help="the .pte (only its metadata is read)")
+        outputs=lambda a: (),  # the file names come from the program: write_ptd refuses existing ones (-f)
+        stdin=("program",), imports_torch=True, check=check)
+    p.add_argument("program", help="the .pte (only its metadata is read; - for stdin)")
     p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")
     p.add_argument("-o", "--out", "--output", dest="out", required=True,
                    help="folder for the .ptd files (created with its parents if missing)")
@@ -73,13 +74,17 @@ def check(args) -> None:
     """The arguments, before torch is imported.
 
     Raises:
-        UsageError: a non-positive ``--segment-alignment``, or ``-o`` that is not a folder.
+        UsageError: a non-positive ``--segment-alignment``, ``-o`` that is not a
+            folder, or ``--old`` with the program from stdin (the new .pte is named after it).
     """
     if args.segment_alignment <= 0:  # before the modulo by it
         raise UsageError(f"ptdstream weights: --segment-alignment must be a positive number of bytes, "
                          f"got {args.segment_alignment}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"ptdstream weights: -o {args.out} exists and is not a folder; give a folder")
+    if args.old_checkpoint is not None and args.program == getattr(args, "stdin_spool", None):
+        raise UsageError("ptdstream weights: --old writes a new .pte named after PROGRAM, which is - (stdin); "
+                         "give the program as a file")
 
 
 def run(args) -> int:
@@ -90,7 +95,7 @@ def run(args) -> int:
                            key_map=dict(args.map) or None, allow_extra=args.allow_extra,
                            segment_alignment=args.segment_alignment, progress=progress_wanted(args),
                            old_checkpoint=args.old_checkpoint, format=args.format, old_format=args.old_format,
-                           keep=args.keep)
+                           keep=args.keep, force=args.force)
     print_report(args, report)
     return EXIT_OK
 

@@ -25,7 +25,8 @@ __all__ = ["SAFETENSORS_MAX_HEADER_NBYTES", "check_safetensors_header"]
 #: ``safetensors``' own limit on a header (``MAX_HEADER_SIZE``, safetensors/src/tensor.rs), bytes.
 SAFETENSORS_MAX_HEADER_NBYTES = 100_000_000
 #: Bits per element of each safetensors dtype (``Dtype::bitsize``, safetensors/src/tensor.rs).
-_SAFETENSORS_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+_SAFETENSORS_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+                     "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
                      "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64,
                      "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
 #: The most items a ``shape`` or ``data_offsets`` list may have (safetensors takes
@@ -48,8 +49,8 @@ Entry = tuple[Scalar | list[Scalar], Scalar | list[Scalar], Scalar | list[Scalar
 def check_safetensors_header(path: str) -> None:
     """Check the header of the ``.safetensors`` file at ``path`` against the file
     before ``safetensors`` maps it: the header size (8 bytes, little-endian) fits
-    the file and ``SAFETENSORS_MAX_HEADER_NBYTES``; every tensor's
-    ``data_offsets`` lie inside the data, in order, without overlap; its shape
+    the file and ``SAFETENSORS_MAX_HEADER_NBYTES``; every tensor's dtype is
+    one safetensors knows; its ``data_offsets`` lie inside the data, in order, without overlap; its shape
     times its dtype's size is its byte count. Reads the header only (memory:
     its size, at most the file's).
 
@@ -82,17 +83,20 @@ def check_safetensors_header(path: str) -> None:
             raise FormatError(f"{where}: data_offsets [{begin}, {end}] are not inside the {data_nbytes} bytes "
                               f"of data (from file offset {8 + header_nbytes}): the header lies, or the file is cut")
         bits = _SAFETENSORS_BITS.get(dtype) if isinstance(dtype, str) else None
-        if bits is not None:
-            nbits = 0 if 0 in shape else bits
-            for d in shape:
-                nbits *= d
-                if nbits > 8 * data_nbytes:
-                    break  # more than the file holds: no need to multiply out a huge shape
-            if nbits != 8 * (end - begin):
-                need = f"{nbits // 8}" if nbits <= 8 * data_nbytes else f"more than the {data_nbytes}"
-                raise FormatError(f"{where}: shape {shape!r:.80} of {dtype} needs {need} bytes, "
-                                  f"data_offsets [{begin}, {end}] (from file offset {8 + header_nbytes}) "
-                                  f"hold {end - begin}")
+        if bits is None:
+            raise FormatError(f"{where}: dtype {dtype!r:.40} in the header (from offset 8) is no safetensors "
+                              f"dtype (one of {', '.join(_SAFETENSORS_BITS)}): the header is damaged, or written "
+                              "by a newer safetensors than the one installed")
+        nbits = 0 if 0 in shape else bits
+        for d in shape:
+            nbits *= d
+            if nbits > 8 * data_nbytes:
+                break  # more than the file holds: no need to multiply out a huge shape
+        if nbits != 8 * (end - begin):
+            need = f"{nbits // 8}" if nbits <= 8 * data_nbytes else f"more than the {data_nbytes}"
+            raise FormatError(f"{where}: shape {shape!r:.80} of {dtype} needs {need} bytes, "
+                              f"data_offsets [{begin}, {end}] (from file offset {8 + header_nbytes}) "
+                              f"hold {end - begin}")
         spans.append((begin, end, key))
     spans.sort()
     for (b0, e0, k0), (b1, _e1, k1) in itertools.pairwise(spans):

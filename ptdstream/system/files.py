@@ -124,7 +124,7 @@ def refuse_overwrite(inputs: Iterable[str], outputs: Iterable[str], force: bool 
     """Refuse, before anything is written, an output that is one of the inputs
     (always) or that already exists (unless ``force``): zstd's convention for a
     command line. The Python API replaces an existing output, like upstream's; only
-    ``write_ptd`` calls this (``force=True``), for outputs that are inputs.
+    ``write_ptd`` calls this (with its ``force``: True in the API, the CLI's ``-f``).
 
     Raises:
         OverwriteError: naming the output and the input (or the existing file).

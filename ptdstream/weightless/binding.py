@@ -56,14 +56,18 @@ class BindingError(CheckpointMismatchError):
 
 class UnboundConstantError(PtdstreamError, ValueError):
     """A constant that holds no bytes reached emission or a save: bind the exported
-    program first (``weights.bind(exported_program)``). ``names`` lists them."""
+    program first (``weights.bind(exported_program)``), or (bound already) it
+    came after bind: a program exported again or copied, a constant a pass made.
+    ``names`` lists them."""
 
     def __init__(self, names: list[str], where: str) -> None:
         self.names = list(names)
         super().__init__(
             f"{where}: {len(names)} constant(s) hold no bytes (storage-less, never bound to a checkpoint "
-            f"tensor): {', '.join(names)}; call weights.bind(exported_program) after torch.export, "
-            "before to_edge")
+            f"tensor): {', '.join(names)}; bind each exported program inside the weights_from block "
+            "(weights.bind(exported_program) after torch.export, before to_edge, or weights.export); if it "
+            "was bound, these came later: a program exported again or copied after bind, or a constant a "
+            "pass made from storage-less values after bind")
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,9 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
 
     A group of tied names takes the first of its names (in program order, after
     ``key_map``) that the checkpoint holds; each of its names the checkpoint
-    also holds must agree with it.
+    also holds must agree with it. Groups that ``key_map`` sends to one key all
+    take its tensor (the export of the model holding those values in each saves
+    the same bytes: upstream stores equal data once); they must agree in dtype.
 
     Raises:
         BindingError: every missing key, extra key (unless ``allow_extra``),
@@ -171,6 +177,7 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
     groups: dict[str, tuple[tuple[str, str, str], ...]] = {}
     used: set[str] = set()
     converted: dict[str, Any] = {}
+    dtypes: dict[str, Any] = {}  # checkpoint key -> the export's dtype of the names bound to it
     roles = _Roles(programs)
     for places in _places(programs).values():
         keys = [key_map.get(fqn, fqn) for _, _, fqn, _ in places]
@@ -199,9 +206,17 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
             elif tensor.dim() and tuple(entry.dim_order) != _dim_order(tensor):
                 problems.append(f"dim order: {where}: the checkpoint holds {list(entry.dim_order)}, the export "
                                 f"needs {list(_dim_order(tensor))}")
-        groups[held[0]] = tuple((m, t, fqn) for m, t, fqn, _ in places)
-        if entries[held[0]].dtype != tensor.dtype:
-            converted[held[0]] = tensor.dtype
+        key = held[0]
+        if key in groups and dtypes[key] != tensor.dtype:
+            problems.append(f"dtype: {names} and {groups[key][0][2]!r} both map to key {key!r} "
+                            f"({entries[key].where}), but the export holds them as {tensor.dtype} and "
+                            f"{dtypes[key]}: map them to keys of their own with key_map")
+            continue
+        # untied names mapped to one key share its tensor: the real export of equal values saves the same bytes
+        groups[key] = groups.get(key, ()) + tuple((m, t, fqn) for m, t, fqn, _ in places)
+        dtypes[key] = tensor.dtype
+        if entries[key].dtype != tensor.dtype:
+            converted[key] = tensor.dtype
     for method, ep in programs.items():
         for table in ("state_dict", "constants"):
             for fqn, tensor in getattr(ep, table).items():

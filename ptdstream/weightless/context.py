@@ -63,11 +63,14 @@ Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
 ``constant_prop_pass``'s (:mod:`~ptdstream.weightless.folding`), torchao's
 ``quantize_`` (:mod:`~ptdstream.weightless.quantization`) and executorch's
 ``exir/program/_program.py`` module global ``emit_program`` (a check of its
-input first), all scoped through :mod:`ptdstream.upstream.patching`, restored
-when the last context exits. Contexts nest and may be used from several
-threads at once (each holds its own checkpoint); the emission check applies in
-every thread while any context is open (it refuses only what upstream's
-emitter cannot emit).
+input first), all scoped through :mod:`ptdstream.upstream.patching`; all but
+the emission check are restored when the last context exits. The emission
+check stays from the first context on, for the process (it refuses only what
+upstream's emitter cannot emit: storage-less constants, by name), so a model
+that outlives its block is refused by name, not by upstream's ``NULL pointer
+access``. Contexts nest and may be open in several threads at once (each with
+its own checkpoint); ``torch.export`` itself is not thread-safe, so the caller
+runs export and lowering (``to_edge``, ``to_executorch``) one thread at a time.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ from ..hooks.emitter import constants_by_reference
 from ..sources.base import FileIdentity
 from ..sources.checkpoint import Checkpoint, open_checkpoint
 from ..upstream import adapter
-from ..upstream.patching import shadowed
+from ..upstream.patching import Scope, shadowed
 from .binding import UnboundConstantError, bind_programs, plan_binding, unbound_constants
 from .convert import ConvertDir
 from .delegates import add_bound, bound_weights, sharing_bound_weights
@@ -97,6 +100,9 @@ __all__ = ["WeightsFrom", "weights_from"]
 #: Checkpoint kinds whose tensors are memory-mapped views (bound without a read).
 MAPPED_KINDS = ("safetensors", "torch")
 
+#: open from the first weights_from on, for the process: a model made by WeightsFrom.model that outlives its
+#: block still has its storage-less constants refused by name at emission (upstream reads no bytes from them)
+_emission_checked = Scope()
 _local = threading.local()  # the WeightsFrom contexts open in this thread (``stack``)
 
 
@@ -214,6 +220,7 @@ class WeightsFrom:
         """``bind(torch.export.export(model, args, **kwargs))``."""
         import torch
 
+        self._check_open("export")
         return self.bind(torch.export.export(model, args, **kwargs))
 
 
@@ -271,11 +278,11 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
         stack = _local.__dict__.setdefault("stack", [])
         weights: WeightsFrom | None = None
         try:
+            _emission_checked.open(lambda: shadowed(module, "emit_program", _checking_emit(module.emit_program)))
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
             stack.append(weights)
             with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
-                    folded_to_files(weights._bound, convert.folder), refusing_quantization(), \
-                    shadowed(module, "emit_program", _checking_emit(module.emit_program)):
+                    folded_to_files(weights._bound, convert.folder), refusing_quantization():
                 yield weights
             weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "
                                     "hold the values from before the change)", again=False)

@@ -300,3 +300,47 @@ def test_weights_onto_its_checkpoint_or_like_file_is_refused(work, tmp_path_fact
     assert err.splitlines()[-1] == (f"ptdstream weights: error: output {ptd} is also an input: "
                                     "writing it would destroy the input; choose another output path")
     assert snapshot(work) == before
+
+
+def test_weights_needs_force_for_an_existing_ptd(checkpoint, capsys):
+    """``weights model.pte --from ck -o DIR`` where DIR holds the export's .ptd: exit 2
+    naming it and -f, DIR unchanged (it was replaced silently, and -f was refused)."""
+    work = checkpoint
+    ptd = work / "_default_external_constant.ptd"
+    before = snapshot(work)
+    code, err = cli(capsys, "weights", work / "model.pte", "--from", work / "ck.safetensors", "-o", work, "-q")
+    assert code == 2
+    assert err.splitlines()[-1] == f"ptdstream weights: error: output {ptd} exists; use -f/--force to replace it"
+    assert snapshot(work) == before
+    assert cli(capsys, "weights", work / "model.pte", "--from", work / "ck.safetensors", "-o", work / "out",
+               "-q") == (0, "")
+    assert cli(capsys, "weights", work / "model.pte", "--from", work / "ck.safetensors", "-o", work, "-f",
+               "-q") == (0, "")
+    assert ptd.read_bytes() == (work / "out" / ptd.name).read_bytes() != before[ptd.name]
+
+
+def test_weights_reads_the_program_from_stdin(checkpoint, capsys, monkeypatch):
+    """``weights - --from ck -o DIR < model.pte``: the .ptd of the program given as a file
+    (``-`` was taken for a file named '-')."""
+    import io
+    import sys
+
+    work = checkpoint
+    with open(work / "model.pte", "rb") as pte:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(pte))
+        assert cli(capsys, "weights", "-", "--from", work / "ck.safetensors", "-o", work / "piped", "-q") == (0, "")
+    assert cli(capsys, "weights", work / "model.pte", "--from", work / "ck.safetensors", "-o", work / "out",
+               "-q") == (0, "")
+    assert snapshot(work / "piped") == snapshot(work / "out")
+
+
+def test_weights_old_with_the_program_from_stdin_is_a_usage_error(checkpoint):
+    """``--old`` writes a new .pte named after PROGRAM: from stdin it has no name."""
+    work = checkpoint
+    with open(work / "model.pte", "rb") as stdin:
+        proc = _run_cli(["weights", "-", "--from", work / "ck.safetensors", "--old", work / "ck.safetensors",
+                         "-o", work / "piped"], stdin, None)
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip() == ("ptdstream weights: --old writes a new .pte named after PROGRAM, "
+                                            "which is - (stdin); give the program as a file")
+    assert not (work / "piped").exists()

@@ -247,15 +247,14 @@ def test_use_after_the_block_is_refused(tmp_path):
 
 def test_patches_are_restored_when_the_last_context_exits(tmp_path):
     module = adapter.program_module()
-    original = module.emit_program
     register = torch.nn.Module.register_parameter
     ckpt = save_checkpoint("safetensors", state_of(_seeded(Mlp)), tmp_path / "ckpt")
     with weights_from(ckpt):
         with weights_from(ckpt):  # nested
-            assert module.emit_program is not original
+            assert is_shadowed(module, "emit_program")
         assert is_shadowed(module, "emit_program")
         assert is_shadowed(adapter.emitter_module(), "bytes")
-    assert module.emit_program is original
+    assert is_shadowed(module, "emit_program")  # the emission check stays: a model may outlive its block
     assert not is_shadowed(adapter.emitter_module(), "bytes")
     assert torch.nn.Module.register_parameter is register
     assert all(not is_storage_less(p) for p in Mlp().parameters())  # outside the build: real parameters

@@ -218,9 +218,30 @@ def test_quantization_refused_by_name_api_and_cli(llama, tmp_path, capsys):
                             "xnnpack", "-o", str(out), "--qembedding", "8w", "--weightless"])
     assert rc == 1
     err = capsys.readouterr().err
-    assert "ptdstream.hf: error: optimum's quantize_model_(qembedding_config='8w'): quantization" in err
+    assert err.strip() == (f"ptdstream.hf: error: {folder}: --qembedding '8w': quantization (torchao) needs the "
+                           "weights' values, which --weightless does not load; drop the option, or export without "
+                           "--weightless")
     assert not out.exists()
     assert _shadows() == [False, False, False]
+
+
+@pytest.mark.parametrize("flags, named", [(["--qlinear_encoder", "8da4w"], "--qlinear_encoder '8da4w'"),
+                                          (["--qembedding_encoder=8w"], "--qembedding_encoder '8w'"),
+                                          (["--qlinear", "8da4w", "--qembedding", "4w"],
+                                           "--qlinear '8da4w', --qembedding '4w'")],
+                         ids=["qlinear_encoder", "qembedding_encoder=", "two"])
+def test_the_cli_refuses_every_quantization_option_the_api_refuses(llama, tmp_path, capsys, flags, named):
+    """``--qlinear_encoder`` on a decoder-only model was accepted (optimum ignores it), where
+    the API refuses it: both refuse every option of QUANTIZE_OPTIONS, before optimum runs."""
+    folder, _, _ = llama
+    out = tmp_path / "out"
+    rc = ptdstream.hf.main(["export", "executorch", "-m", folder, "--task", "text-generation", "--recipe",
+                            "portable", "-o", str(out), "--weightless", *flags])
+    assert rc == 1
+    assert capsys.readouterr().err.strip() == (
+        f"ptdstream.hf: error: {folder}: {named}: quantization (torchao) needs the weights' values, which "
+        "--weightless does not load; drop the option, or export without --weightless")
+    assert not out.exists()
 
 
 def _real_and_weightless(folder, tmp_path, task, recipe, cli: bool, **options):
