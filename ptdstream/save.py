@@ -132,8 +132,7 @@ def save(
         OSError: a write, fsync or rename failed (nothing published).
     """
     from .manager import plan_manager
-    from .progress import check_progress, progress_callback
-    from .write.set_writer import write_save_plan
+    from .progress import check_progress
 
     check_progress(progress)
     start = time.perf_counter()
@@ -150,23 +149,10 @@ def save(
             described = [(s.temp_path, os.path.basename(s.target)) for s in sinks]
             return [manifest_sink(described, manifest_path)]
 
-    with contextlib.ExitStack() as stack:
-        callback = progress_callback(stack, progress, plan.nbytes,
-                                     f"saving {len(plan.files)} file(s) of {os.path.basename(path)}")
-        reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
-                                  progress=callback, direct=direct, extra_files=extra_files)
-    seconds = time.perf_counter() - start
-    nbytes = sum(r.nbytes for r in reports)
-    return SaveReport(
-        files=tuple(reports),
-        nbytes=nbytes,
-        seconds=seconds,
-        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        dedup_saved_nbytes=plan.dedup_saved_nbytes,
-        plan_seconds=plan_seconds,
-        options=plan.options,
-        manifest_path=manifest_path,
-    )
+    return _write_and_report(SaveReport, plan, start, plan_seconds, progress,
+                             f"saving {len(plan.files)} file(s) of {os.path.basename(path)}",
+                             chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, direct=direct,
+                             extra_files=extra_files, manifest_path=manifest_path)
 
 
 def write_data_files(
@@ -205,8 +191,7 @@ def write_data_files(
     from .format.plan import SavePlan
     from .format.ptd import plan_data_files
     from .format.pte import PteOptions
-    from .progress import check_progress, progress_callback
-    from .write.set_writer import write_save_plan
+    from .progress import check_progress
 
     check_progress(progress)
     start = time.perf_counter()
@@ -215,18 +200,26 @@ def write_data_files(
                             segment_alignment=segment_alignment, fingerprints=out.fingerprints)
     plan = SavePlan(files, None, PteOptions(segment_alignment=segment_alignment), store.dedup_saved_nbytes)
     plan_seconds = time.perf_counter() - start
+    return _write_and_report(DataFilesReport, plan, start, plan_seconds, progress,
+                             f"writing {len(plan.files)} .ptd file(s)",
+                             chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, direct=direct)
+
+
+def _write_and_report(report_type, plan, start, plan_seconds, progress, description, *, chunk_nbytes,
+                      window_nbytes, direct, extra_files=None, **fields):
+    """Write ``plan`` (progress as :func:`progress_callback` takes it, ``description``
+    on its bar) and return ``report_type`` (a :class:`SaveReport`) of it, timed from
+    ``start`` (``time.perf_counter()``); ``fields``: the report's extra fields."""
+    from .progress import progress_callback
+    from .write.set_writer import write_save_plan
+
     with contextlib.ExitStack() as stack:
-        callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
+        callback = progress_callback(stack, progress, plan.nbytes, description)
         reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
-                                  progress=callback, direct=direct)
+                                  progress=callback, direct=direct, extra_files=extra_files)
     seconds = time.perf_counter() - start
     nbytes = sum(r.nbytes for r in reports)
-    return DataFilesReport(
-        files=tuple(reports),
-        nbytes=nbytes,
-        seconds=seconds,
-        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        dedup_saved_nbytes=plan.dedup_saved_nbytes,
-        plan_seconds=plan_seconds,
-        options=plan.options,
-    )
+    return report_type(files=tuple(reports), nbytes=nbytes, seconds=seconds,
+                       gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+                       dedup_saved_nbytes=plan.dedup_saved_nbytes, plan_seconds=plan_seconds,
+                       options=plan.options, **fields)
