@@ -202,6 +202,22 @@ def file_digests(folder: str) -> dict[str, tuple[int, str]]:
     return {os.path.basename(p): (os.path.getsize(p), xxh3_file(p)) for p in files_under(folder)}
 
 
+def record_peaks(res: dict, peaks: dict) -> None:
+    """``res["peak_rss"]`` (the larger of the sampled ``VmRSS`` and ``VmHWM``), ``res["peak_anon"]``
+    and ``res["peak_file"]`` from an :class:`RssSampler`'s ``stop()`` (fields ``VmRSS``,
+    ``RssAnon``, ``RssFile``), in bytes."""
+    res["peak_rss"] = max(peaks["VmRSS"], status_kib("VmHWM") * 1024)
+    res["peak_anon"], res["peak_file"] = peaks["RssAnon"], peaks["RssFile"]
+
+
+def digests_then_discard(folder: str) -> dict[str, tuple[int, str]]:
+    """:func:`file_digests` of ``folder``, then every file there discarded (:func:`discard_file`)."""
+    digests = file_digests(folder)
+    for p in files_under(folder):
+        discard_file(p)
+    return digests
+
+
 def discard_file(path: str) -> None:
     """Drop every cached page of ``path`` and remove it.
 

@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, file_digests, files_under, reset_peak_rss, status_kib, upstream_save
+from _measure import RssSampler, digests_then_discard, record_peaks, reset_peak_rss, status_kib, upstream_save
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -97,12 +97,9 @@ def child(args) -> dict:
         upstream_save(manager, out)
     res["save_s"] = time.perf_counter() - t
     peaks = sampler.stop()
-    res["peak_rss"] = max(peaks["VmRSS"], status_kib("VmHWM") * 1024)
-    res["peak_anon"], res["peak_file"] = peaks["RssAnon"], peaks["RssFile"]
+    record_peaks(res, peaks)
     del manager, edge, model
-    res["files"] = file_digests(out)
-    for p in files_under(out):
-        discard_file(p)
+    res["files"] = digests_then_discard(out)
     return res
 
 

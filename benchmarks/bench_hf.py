@@ -45,7 +45,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, file_digests, files_under, reset_peak_rss, status_kib, xxh3_file
+from _measure import RssSampler, file_digests, files_under, record_peaks, reset_peak_rss, status_kib, xxh3_file
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -163,8 +163,7 @@ def child(args) -> dict:
     res["rss_at_lower"] = phases.start.get("lower+emit", 0)
     res["save_s"] = save["s"]
     res["export_s"] = total - save["s"]
-    res["peak_rss"] = max(peaks["VmRSS"], status_kib("VmHWM") * 1024)
-    res["peak_anon"], res["peak_file"] = peaks["RssAnon"], peaks["RssFile"]
+    record_peaks(res, peaks)
     res["files"] = file_digests(out)
     if args.variant != "upstream":  # the same manager through executorch's own writer, after the measurement
         patch.uninstall()

@@ -37,7 +37,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import RssSampler, discard_file, file_digests, files_under, fsync_files, reset_peak_rss, status_kib
+from _measure import (
+    RssSampler,
+    digests_then_discard,
+    files_under,
+    fsync_files,
+    record_peaks,
+    reset_peak_rss,
+    status_kib,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -144,11 +152,8 @@ def child(args) -> dict:
         _raw_copy(os.path.join(args.out, "B.safetensors"), os.path.join(out, "raw.bin"))
     res["seconds"] = time.perf_counter() - t
     peaks = sampler.stop()
-    res["peak_rss"] = max(peaks["VmRSS"], status_kib("VmHWM") * 1024)
-    res["peak_anon"], res["peak_file"] = peaks["RssAnon"], peaks["RssFile"]
-    res["files"] = file_digests(out)
-    for p in files_under(out):
-        discard_file(p)
+    record_peaks(res, peaks)
+    res["files"] = digests_then_discard(out)
     return res
 
 
