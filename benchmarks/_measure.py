@@ -42,13 +42,14 @@ PAGE_NBYTES = os.sysconf("SC_PAGE_SIZE")
 # ---------------------------------------------------------------- memory
 
 
-def status_kib(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...), in KiB."""
-    with open("/proc/self/status", "rb") as f:
+def status_kib(field: str, path: str = "/proc/self/status") -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``...), in KiB; with
+    ``path="/proc/meminfo"``, a field of the machine's (``MemAvailable``...)."""
+    with open(path, "rb") as f:
         for line in f:
             if line.startswith(field.encode() + b":"):
                 return int(line.split()[1])
-    raise KeyError(field)
+    raise KeyError(f"{field} not in {path}")
 
 
 def reset_peak_rss() -> bool:

@@ -179,7 +179,7 @@ class _Stages:
         def copy_for_preprocess(cls, program, specs):
             stages.where = f"copy {len(stages.copies) + 1}"
             if stages.args.weights_on == "cpu" and stages.args.variant == "upstream":
-                free = status_kib("MemAvailable") * 1024
+                free = status_kib("MemAvailable", "/proc/meminfo") * 1024
                 if free < stages.weights_nbytes + int(stages.args.host_headroom_gib * GiB):
                     raise MemoryError(f"host memory: {stages.where} needs {stages.weights_nbytes} bytes, "
                                       f"MemAvailable {free} (headroom {stages.args.host_headroom_gib} GiB)")
