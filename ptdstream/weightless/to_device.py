@@ -197,6 +197,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _host_view(tensor: Any) -> memoryview:
+    """A writable byte view of a host uint8 tensor."""
+    return memoryview(tensor.numpy()).cast("B")
+
+
 def _check_identity(fd: int, load: DeviceLoad, when: str) -> None:
     now = FileIdentity.of(os.fstat(fd))
     if load.identity is not None and now != load.identity:
@@ -228,7 +233,7 @@ def _file_pieces(load: DeviceLoad, path: str, staging: HostStaging) -> Iterator[
             at, want = load.offset + done * size_in, k * size_in
             slot = staging.slot(i)
             target = slot[:want] if scratch is None else scratch[:want]
-            got = pread_exact(fd, memoryview(target.numpy()).cast("B"), at)
+            got = pread_exact(fd, _host_view(target), at)
             if got < want:
                 raise IntegrityError(
                     f"{load.label}: checkpoint file {load.path} ended at offset {at + got}: the tensor needs "
@@ -254,7 +259,7 @@ def _source_pieces(source: Source, staging: HostStaging) -> Iterator[tuple[int, 
         view = memoryview(piece).cast("B")
         for start in range(0, len(view), step):
             n = min(step, len(view) - start)
-            memoryview(staging.slot(i).numpy()).cast("B")[:n] = view[start : start + n]
+            _host_view(staging.slot(i))[:n] = view[start : start + n]
             yield i, n
             i += 1
 
