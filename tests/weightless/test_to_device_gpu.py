@@ -17,7 +17,7 @@ _METHODS = (("b1", 1), ("b2", 2))
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(_DIM, _DIM), torch.nn.Linear(_DIM, _DIM)).to(torch.bfloat16).eval()
+    return torch.nn.Sequential(*[torch.nn.Linear(_DIM, _DIM, dtype=torch.bfloat16) for _ in range(2)]).eval()
 
 
 def _lower(make, export):
