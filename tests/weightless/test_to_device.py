@@ -18,7 +18,8 @@ from ptdstream.sources.checkpoint import open_checkpoint
 from ptdstream.upstream import adapter
 from ptdstream.weightless import to_device, weights_from
 from ptdstream.weightless.convert import ConvertDir
-from ptdstream.weightless.to_device import DeviceLoad, DeviceLoads, HostStaging, load_to_device
+from ptdstream.weightless.device_load import DeviceLoad, HostStaging, load_to_device
+from ptdstream.weightless.to_device import DeviceLoads
 
 CHUNK = 4096
 
