@@ -280,12 +280,13 @@ def cuda_weight_collector():
 def cuda_backend() -> type[Any]:
     """executorch's ``CudaBackend`` class (``backends/cuda/cuda_backend.py``), whose
     ``copy_exported_program_for_preprocess`` and ``release_moved_tensors``
-    :mod:`ptdstream.hooks.cuda.sharing` replaces.
+    :mod:`ptdstream.hooks.cuda.sharing` replaces, and whose ``move_program_to_device``
+    :mod:`ptdstream.weightless.to_device` wraps.
 
     Raises:
         ImportError: executorch's CUDA backend is not importable (it needs triton).
     """
-    for name in ("copy_exported_program_for_preprocess", "release_moved_tensors"):
+    for name in ("copy_exported_program_for_preprocess", "release_moved_tensors", "move_program_to_device"):
         resolve("executorch.backends.cuda.cuda_backend", f"CudaBackend.{name}")
     return resolve("executorch.backends.cuda.cuda_backend", "CudaBackend")
 

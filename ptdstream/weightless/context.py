@@ -58,10 +58,18 @@ mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
 or a Hugging Face sharded folder), weights-only ``torch.save`` (both mapped) and
 DCP (``format="dcp"``, converted: one tensor loaded at a time).
 
+executorch's CUDA backend (AOTI compiles with the weights on the GPU): its
+per-method copies share the bound weights and each bound constant it moves to
+the GPU is loaded straight from the checkpoint file, once, through the pinned
+ring (:mod:`ptdstream.weightless.to_device`: no host copy, no page of the
+mapping touched, the file checked unchanged); lower inside
+:func:`~ptdstream.stream_cuda_weights` and ``ptdstream.save`` streams them from the GPU.
+
 Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
 ``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`),
 ``constant_prop_pass``'s (:mod:`~ptdstream.weightless.folding`), torchao's
-``quantize_`` (:mod:`~ptdstream.weightless.quantization`) and executorch's
+``quantize_`` (:mod:`~ptdstream.weightless.quantization`), the CUDA backend's
+(:mod:`~ptdstream.weightless.to_device`, when it is importable) and executorch's
 ``exir/program/_program.py`` module global ``emit_program`` (a check of its
 input first), all scoped through :mod:`ptdstream.upstream.patching`; all but
 the emission check are restored when the last context exits. The emission
@@ -94,6 +102,7 @@ from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .folding import folded_to_files
 from .quantization import QuantizationNeedsValuesError, quantized_constants, refusing_quantization
 from .storage_less import storage_less_model
+from .to_device import DeviceLoads, loading_bound_to_device
 
 __all__ = ["WeightsFrom", "weights_from"]
 
@@ -136,6 +145,8 @@ class WeightsFrom:
         self.bound_keys: list[str] = []  #: checkpoint keys bound, in binding order
         self.converted_keys: list[str] = []  #: those bound to a converted copy
         self._refused: set[str] = set()  # changed files already refused
+        #: the bound tensors the CUDA backend loads straight from the checkpoint to the GPU, and its stats
+        self.device_loads = DeviceLoads(checkpoint, self._identities)
 
     def _files_of(self, key: str) -> list[str]:
         where = self.checkpoint.entries[key].where
@@ -199,6 +210,8 @@ class WeightsFrom:
         add_bound(self._bound, bind_programs(methods, self.checkpoint, plan,
                                              lambda key: converted[key] if key in converted
                                              else self.checkpoint.tensor(key)))
+        for key in plan.groups:
+            self.device_loads.add(key, converted[key] if key in converted else self.checkpoint.tensor(key))
         self.bound_keys.extend(plan.groups)
         self.converted_keys.extend(converted)
         return programs
@@ -282,7 +295,8 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
             stack.append(weights)
             with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
-                    folded_to_files(weights._bound, convert.folder), refusing_quantization():
+                    folded_to_files(weights._bound, convert.folder), refusing_quantization(), \
+                    loading_bound_to_device(weights.device_loads):
                 yield weights
             weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "
                                     "hold the values from before the change)", again=False)

@@ -43,7 +43,8 @@ from typing import Any
 
 from ...upstream.patching import shadowed
 
-__all__ = ["host_weight", "is_shared", "shared_count", "sharing_copy", "sharing_weights"]
+__all__ = ["host_weight", "is_shared", "register_shared", "shared_count", "sharing_copy", "sharing_weights",
+           "unregister_shared"]
 
 _lock = threading.Lock()
 _shared: dict[tuple[str, int], list] = {}  # (device, storage data pointer) -> [contexts, tensor kept alive]
@@ -115,6 +116,24 @@ def sharing_copy(program: Any, registered: list) -> Any:
                 host[0] += 1
                 registered.append(fqn)
     return copy.deepcopy(program, {id(t): t for _, t in tensors})
+
+
+def register_shared(tensor: Any, registered: list) -> None:
+    """Register ``tensor``'s storage as a shared weight (:func:`is_shared`; kept
+    alive) until :func:`unregister_shared` of ``registered``, to which its key is
+    appended. A tensor without a real storage is ignored."""
+    key = _storage_key(tensor)
+    if key is None:
+        return
+    with _lock:
+        entry = _shared.setdefault(key, [0, tensor])
+        entry[0] += 1
+    registered.append(key)
+
+
+def unregister_shared(registered: list) -> None:
+    """Release every registration listed in ``registered`` (then cleared)."""
+    _unregister(registered)
 
 
 def _unregister(registered: list) -> None:

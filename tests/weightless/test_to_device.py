@@ -1,0 +1,195 @@
+"""Bound weights loaded straight from the checkpoint file to the device (weightless/to_device.py),
+on the CPU: a host "device" staging, and a stand-in for executorch's CudaBackend."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import safetensors.torch as st
+import torch
+from conftest import Mlp, mapped_rss
+
+from ptdstream.errors import IntegrityError
+from ptdstream.hooks.cuda import sharing
+from ptdstream.sources.base import FileIdentity
+from ptdstream.sources.checkpoint import open_checkpoint
+from ptdstream.upstream import adapter
+from ptdstream.weightless import to_device, weights_from
+from ptdstream.weightless.convert import ConvertDir
+from ptdstream.weightless.device_load import DeviceLoad, HostStaging, load_to_device
+from ptdstream.weightless.to_device import DeviceLoads
+
+CHUNK = 4096
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _open(path):
+    ck = open_checkpoint(str(path))
+    return ck, DeviceLoads(ck, {f: FileIdentity.of(os.stat(f)) for f in ck.files()})
+
+
+def test_loads_exact_bytes_around_the_piece_size_without_touching_the_mapping(tmp_path):
+    torch.manual_seed(0)
+    sizes = {"a": CHUNK // 4 - 1, "b": CHUNK // 4, "c": CHUNK // 4 + 1, "d": 3 * CHUNK // 4 + 5, "big": 1 << 21}
+    state = {k: torch.randn(n) for k, n in sizes.items()}
+    state["perm"] = torch.randn(48, 40).t()  # dense, not contiguous: .to keeps its strides
+    path = tmp_path / "w.safetensors"
+    st.save_file({k: v.contiguous() for k, v in state.items()}, path)
+    ck, loads = _open(path)
+    with ck:
+        for key in state:
+            view = ck.tensor(key)
+            rss = mapped_rss(path)
+            load = loads.plan(key, view)
+            assert load.path == str(path) and load.stored == torch.float32 and load.source is None
+            out = load_to_device(load, HostStaging(CHUNK))
+            assert mapped_rss(path) - rss < (256 << 10), key  # the mapping's pages never faulted in
+            assert (out.dtype, out.shape, out.stride(), out.storage_offset()) == (
+                view.dtype, view.shape, view.stride(), 0)
+            assert out.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+            assert _bytes(out) == _bytes(view.clone()), key
+
+
+@pytest.mark.parametrize("stored, wanted", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.float32, torch.float16)])
+def test_a_converted_key_gives_the_binding_copys_bytes(tmp_path, stored, wanted):
+    torch.manual_seed(1)
+    values = torch.randn(3 * CHUNK + 7) * 1e3
+    values[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 65520.0])
+    path = tmp_path / "w.safetensors"
+    st.save_file({"w": values.to(stored)}, path)
+    ck, loads = _open(path)
+    with ck:
+        convert = ConvertDir()
+        entry = ck.entries["w"]
+        bound = convert.convert(ck.source("w"), stored, wanted, entry.shape, entry.dim_order, "w")
+        loads.add("w", bound)
+        load = loads.plan("w", bound)
+        assert load.path == str(path) and (load.stored, load.dtype) == (stored, wanted)
+        out = load_to_device(load, HostStaging(CHUNK))
+        assert out.dtype == wanted and _bytes(out) == _bytes(bound) == _bytes(ck.tensor("w").to(wanted))
+        convert.close()
+
+
+def test_a_checkpoint_changed_since_it_was_opened_is_refused_naming_file_and_key(tmp_path):
+    path = tmp_path / "w.safetensors"
+    st.save_file({"w": torch.ones(2048)}, path)
+    ck, loads = _open(path)
+    with ck:
+        load = loads.plan("w", ck.tensor("w"))
+        data = bytearray(path.read_bytes())
+        data[-4:] = b"\0\0\0\0"
+        with open(path, "r+b") as f:  # in place: same inode and size, new bytes
+            f.write(data)
+        os.utime(path, ns=(1, 1))
+        with pytest.raises(IntegrityError) as e:
+            load_to_device(load, HostStaging(CHUNK))
+    msg = str(e.value)
+    assert f"{path}: key 'w'" in msg and f"checkpoint file {path} changed after weights_from opened it" in msg
+    assert "before it was read" in msg and "nothing loaded" in msg
+
+
+def test_a_short_read_names_file_key_and_offset(tmp_path):
+    path = tmp_path / "w.safetensors"
+    st.save_file({"w": torch.ones(4096)}, path)
+    ck, loads = _open(path)
+    with ck:
+        load = loads.plan("w", ck.tensor("w"))
+    size = os.path.getsize(path)
+    os.truncate(path, size - 100)
+    now = FileIdentity.of(os.stat(path))
+    short = DeviceLoad(load.label, load.shape, load.stride, load.dtype, path=load.path, offset=load.offset,
+                       stored=load.stored, identity=now)  # the identity check passes: the read comes short
+    with pytest.raises(IntegrityError) as e:
+        load_to_device(short, HostStaging(CHUNK))
+    msg = str(e.value)
+    assert f"{path}: key 'w'" in msg and f"ended at offset {size - 100}" in msg
+    assert f"needs 16384 bytes from offset {load.offset}" in msg
+    # truncated after the context opened it: refused as changed, before anything is read
+    with pytest.raises(IntegrityError, match="changed after weights_from opened it"):
+        load_to_device(load, HostStaging(CHUNK))
+
+
+class _Backend:
+    """What the route relies on of ``CudaBackend``: upstream's default-mode copy (a
+    deepcopy), a move that records the tensors it is handed (``.to("cuda")`` keeps a
+    tensor already on the device), and a release that frees what it is handed."""
+
+    moved: list = []
+    released: list = []
+
+    @classmethod
+    def copy_exported_program_for_preprocess(cls, edge_program, compile_specs):
+        return copy.deepcopy(edge_program)
+
+    @classmethod
+    def move_program_to_device(cls, edge_program, device, compile_specs):
+        cls.moved.append(dict(edge_program.state_dict))
+        return edge_program
+
+    @classmethod
+    def release_moved_tensors(cls, device_edge_program, compile_specs):
+        for tensor in device_edge_program.state_dict.values():
+            cls.released.append(tensor)
+            tensor.untyped_storage().resize_(0)
+
+
+_NAMES = ("copy_exported_program_for_preprocess", "move_program_to_device", "release_moved_tensors")
+
+
+def _checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    path = tmp_path / "mlp.safetensors"
+    st.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    return model, path
+
+
+def test_the_patch_is_active_only_inside_weights_from_and_restored_after(tmp_path, monkeypatch):
+    _, path = _checkpoint(tmp_path)
+    monkeypatch.setattr(adapter, "cuda_backend", lambda: _Backend)
+    originals = {n: vars(_Backend)[n] for n in _NAMES}
+    with weights_from(path):
+        assert all(vars(_Backend)[n] is not originals[n] for n in _NAMES)
+    assert {n: vars(_Backend)[n] for n in _NAMES} == originals
+    with pytest.raises(KeyError), weights_from(path):
+        raise KeyError("inside")
+    assert {n: vars(_Backend)[n] for n in _NAMES} == originals and sharing.shared_count() == 0
+
+
+def test_methods_share_one_device_copy_read_from_the_checkpoint(tmp_path, monkeypatch):
+    model, path = _checkpoint(tmp_path)
+    monkeypatch.setattr(adapter, "cuda_backend", lambda: _Backend)
+    monkeypatch.setattr(DeviceLoads, "staging_for", lambda self, device: HostStaging(CHUNK))
+    _Backend.moved, _Backend.released = [], []
+    originals = {n: vars(_Backend)[n] for n in _NAMES}
+    specs: list = []
+    with weights_from(path) as weights:
+        ep = weights.export(weights.model(Mlp), (torch.randn(2, 64),))
+        mapped = {k: v.untyped_storage().data_ptr() for k, v in ep.state_dict.items()}
+        for _ in range(3):  # three methods: copy, move, release, as AotiBackend.preprocess does
+            c = _Backend.copy_exported_program_for_preprocess(ep, specs)
+            assert all(c.state_dict[k] is v for k, v in ep.state_dict.items())  # shared, not deep-copied
+            _Backend.move_program_to_device(c, "cuda", specs)
+            _Backend.release_moved_tensors(c, specs)
+        first, *later = _Backend.moved
+        for k, v in model.state_dict().items():
+            got = first[k]
+            assert got.untyped_storage().data_ptr() != mapped[k]  # a new tensor, not the mapping
+            assert isinstance(got, torch.nn.Parameter) and torch.equal(got.detach(), v), k
+            assert all(m[k].untyped_storage().data_ptr() == got.untyped_storage().data_ptr() for m in later)
+            assert got.untyped_storage().nbytes() == v.numel() * 4  # never released while lowering
+        assert _Backend.released == []
+        stats = weights.device_loads.stats
+        n = len(model.state_dict())
+        assert (stats.loaded, stats.reused, stats.converted, stats.left_to_upstream) == (n, 2 * n, 0, [])
+        assert stats.loaded_nbytes == stats.read_nbytes == sum(v.numel() * 4 for v in model.state_dict().values())
+        assert sharing.shared_count() > 0
+    assert sharing.shared_count() == 0
+    assert {n: vars(_Backend)[n] for n in _NAMES} == originals
+    assert not to_device._active
