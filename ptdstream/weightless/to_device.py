@@ -121,7 +121,7 @@ class DeviceLoads:
         self.chunk_nbytes = chunk_nbytes
         self._staging = staging
         self._bound: dict[tuple, tuple[str, Any]] = {}  # view -> (checkpoint key, bound tensor)
-        self._copies: dict[tuple, Any] = {}  # (table, fqn, view, device) -> its device copy
+        self._copies: dict[tuple, Any] = {}  # (table, fqn, key, dtype, shape, strides, device) -> its copy
         self._registered: list = []
         self.stats = DeviceLoadStats()
 
@@ -169,11 +169,13 @@ class DeviceLoads:
         view = _view(tensor)
         if view is None or view not in self._bound:
             return None
-        cached = (table, fqn, view, str(device))
+        key, bound = self._bound[view]
+        # By checkpoint key, not by view: a key stored in another dtype is converted
+        # anew for each method's program (another view of the same bytes).
+        cached = (table, fqn, key, bound.dtype, tuple(bound.shape), tuple(bound.stride()), str(device))
         if cached in self._copies:
             self.stats.reused += 1
             return self._copies[cached]
-        key, bound = self._bound[view]
         load = self.plan(key, bound)
         if load is None:
             self.stats.left_to_upstream.append(f"{table} {fqn}")

@@ -193,3 +193,27 @@ def test_methods_share_one_device_copy_read_from_the_checkpoint(tmp_path, monkey
     assert sharing.shared_count() == 0
     assert {n: vars(_Backend)[n] for n in _NAMES} == originals
     assert not to_device._active
+
+
+def test_a_converted_key_is_loaded_once_for_programs_bound_one_by_one(tmp_path, monkeypatch):
+    # Each exported program binds its own converted copy of a key stored in another
+    # dtype (another view each time): the device copy is still made once per key.
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    path = tmp_path / "mlp16.safetensors"
+    st.save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, path)
+    monkeypatch.setattr(adapter, "cuda_backend", lambda: _Backend)
+    monkeypatch.setattr(DeviceLoads, "staging_for", lambda self, device: HostStaging(CHUNK))
+    _Backend.moved, _Backend.released = [], []
+    with weights_from(path) as weights:
+        for batch in (1, 2):  # one program per method, each bound on its own
+            ep = weights.export(weights.model(Mlp), (torch.randn(batch, 64),))
+            c = _Backend.copy_exported_program_for_preprocess(ep, [])
+            _Backend.move_program_to_device(c, "cuda", [])
+        first, second = _Backend.moved
+        for k, v in model.state_dict().items():
+            assert torch.equal(first[k].detach(), v.to(torch.bfloat16).to(torch.float32)), k
+            assert second[k].untyped_storage().data_ptr() == first[k].untyped_storage().data_ptr(), k
+        stats = weights.device_loads.stats
+        n = len(model.state_dict())
+        assert (stats.loaded, stats.reused, stats.converted) == (n, n, n)
