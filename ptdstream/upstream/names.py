@@ -87,7 +87,6 @@ NAMES: tuple[PrivateName, ...] = (
                 "replaced: the per-method deepcopy made before any method compiles (hooks/cuda/sharing.py)"),
     PrivateName("executorch.backends.cuda.cuda_backend", "CudaBackend.release_moved_tensors",
                 "replaced: frees every CUDA storage of a compiled method's program (shared weights kept)"),
-    PrivateName("torch", "_int_mm", "exact int8 matrix product of the GPU fingerprint"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensor", "storage-less parameters (weightless export)"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "makes storage-less cpu tensors"),
     PrivateName("torch.utils._python_dispatch", "is_traceable_wrapper_subclass",
