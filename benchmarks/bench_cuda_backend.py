@@ -96,6 +96,8 @@ from _measure import (
 
 GiB = 1 << 30
 MiB = 1 << 20
+#: ``--trim`` -> ``stream_cuda_weights(trim_host_memory=...)``.
+TRIM_MODES = {"1": "malloc_trim", "0": False, "full": True}
 
 
 # ---------------------------------------------------------------- child side
@@ -333,16 +335,17 @@ def child_export(args) -> dict:
 
     if args.variant == "ptdstream":
         # One-time host memory of ptdstream's CUDA path, also shown apart: loading
-        # the GPU fingerprint's kernels (cuBLAS int8) and the pinned ring. Both
-        # count in "host RSS over the model" (measured from rss_model).
+        # the GPU fingerprint's kernels (elementwise products and sums; no cuBLAS)
+        # and the pinned ring. Both count in "host RSS over the model" (measured
+        # from rss_model).
         from ptdstream.hooks.cuda.twins import probe, same_bytes
         from ptdstream.sources.cuda import PinnedRing
-        from ptdstream.sources.cuda_fingerprint import CHUNK_ROWS, ROW_NBYTES, gpu_fingerprint
+        from ptdstream.sources.cuda_fingerprint import ROW_NBYTES, STEP_ROWS, gpu_fingerprint
 
         r0 = status_kib("VmRSS") * 1024
-        # At the shapes of real weights: whole 64 MiB steps, a tail, a storage under 17 rows
+        # At the shapes of real weights: whole steps, a tail, a storage under one row
         # (a bias), and the probe and exact comparison the routing runs on each storage.
-        warm = torch.zeros(CHUNK_ROWS * ROW_NBYTES + 2 * args.dim + 8, dtype=torch.uint8, device="cuda")
+        warm = torch.zeros(2 * STEP_ROWS * ROW_NBYTES + 2 * args.dim + 8, dtype=torch.uint8, device="cuda")
         for flat in (warm, warm[: 2 * args.dim]):
             gpu_fingerprint(flat)
             probe(flat, {})
@@ -361,7 +364,7 @@ def child_export(args) -> dict:
     collector_module.CudaWeightCollector.materialize = materialize
     budget = None if args.device_copy_budget_gib < 0 else int(args.device_copy_budget_gib * GiB)
     routed = (stream_cuda_weights(twins=not args.no_twins, device_copy_budget_nbytes=budget,
-                                  share_weights=bool(args.share))
+                                  share_weights=bool(args.share), trim_host_memory=TRIM_MODES[args.trim[0]])
               if args.variant == "ptdstream" else None)
     stats = routed.__enter__() if routed is not None else None
     stages = _Stages(args, CudaBackend, rss, weights_nbytes)
@@ -411,6 +414,7 @@ def child_export(args) -> dict:
     del edge, programs
     torch.cuda.synchronize()
     res["gpu_before_save_nbytes"] = torch.cuda.memory_allocated()
+    res["gpu_reserved_before_save_nbytes"] = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     out = os.path.join(args.out, args.variant)
     os.makedirs(out, exist_ok=True)
@@ -436,6 +440,8 @@ def child_export(args) -> dict:
     res["saved_nbytes"] = sum(os.path.getsize(p) for p in files_under(out))
     res["peak_rss"] = max(rss.peak["VmRSS"], status_kib("VmHWM") * 1024)
     res["gpu_peak_save_nbytes"] = torch.cuda.max_memory_allocated()
+    res["gpu_reserved_peak_save_nbytes"] = torch.cuda.max_memory_reserved()
+    res["gpu_after_save_nbytes"] = torch.cuda.memory_allocated()
     res["gpu_peak_nbytes"] = max(res["gpu_peak_lowering_nbytes"], res["gpu_peak_save_nbytes"])
     res["files"] = file_digests(out)
     if args.variant == "ptdstream":
@@ -472,7 +478,7 @@ def child_export(args) -> dict:
 # ---------------------------------------------------------------- parent side
 
 
-def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extra) -> dict:
+def run_child(args, variant: str, weights_on: str = "cuda", batches=None, trim: str = "1", **extra) -> dict:
     batches = batches or args.batches
     result = os.path.join(args.out, f"{variant}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", args.out,
@@ -484,8 +490,9 @@ def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extr
             "--host-headroom-gib", str(args.host_headroom_gib),
             "--check-outputs", str(int(bool(args.check_outputs) and (args.check_outputs_upto is None
                                                                    or len(batches) <= args.check_outputs_upto))),
-            "--second-save", str(args.second_save)]
-    print(f"[{time.strftime('%H:%M:%S')}] {variant} ({extra['nbytes'] / GiB:.2f} GiB, weights on {weights_on}, "
+            "--second-save", str(args.second_save), "--trim", trim]
+    named = f"{variant} --trim {trim}" if variant == "ptdstream" else variant
+    print(f"[{time.strftime('%H:%M:%S')}] {named} ({extra['nbytes'] / GiB:.2f} GiB, weights on {weights_on}, "
           f"{len(batches)} methods)", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     os.sync()
@@ -493,7 +500,8 @@ def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extr
         res = json.load(f)
     if args.json:
         # Each child's figures as soon as they exist: a run cut short keeps them.
-        with open(f"{args.json}.{variant}-{weights_on}-m{len(batches)}.partial", "w") as f:
+        tag = f"-trim{trim}" if variant == "ptdstream" else ""
+        with open(f"{args.json}.{variant}{tag}-{weights_on}-m{len(batches)}.partial", "w") as f:
             json.dump(res, f)
     return res
 
@@ -519,10 +527,17 @@ def measure(args, gib: float, done: list[dict] | None = None) -> list[dict]:
         for count in counts:
             batches = list(range(1, count + 1)) if args.methods else args.batches
             run = {"weights_on": weights_on, "batches": batches}
-            got = {v: run_child(args, v, weights_on, batches, **shape) for v in args.variants}  # in their order
+            got, trims = {}, {}
+            for v in args.variants:  # in their order; ptdstream once per --trim mode, side by side
+                if v == "ptdstream":
+                    trims = {m: run_child(args, v, weights_on, batches, trim=m, **shape) for m in args.trim}
+                    got[v] = trims[args.trim[0]]
+                else:
+                    got[v] = run_child(args, v, weights_on, batches, **shape)
             up, ours = got.get("upstream"), got.get("ptdstream")
             results.append({"gib": gib, "dim": dim, "nbytes": nbytes, "raw_s": raw, "raw_direct": raw_direct,
-                            "upstream": up, "ptdstream": ours, **run})
+                            "upstream": up, "ptdstream": ours, **run,
+                            "trims": trims if len(trims) > 1 else {}})
             results[-1]["outputs_compare"] = compare_outputs(results[-1])
             if args.json:
                 with open(f"{args.json}.runs.partial", "w") as f:
@@ -629,8 +644,35 @@ def stage_lines(r: dict) -> list[str]:
     if "save" in r:
         lines.append(f"    save: {r['save']['seconds']:.2f} s, GPU peak {_gib(r['gpu_peak_save_nbytes'])} GiB, "
                      f"RSS+ {r['save']['rss_added'] / MiB:.0f} MiB")
+        lines.append("    " + gpu_save_line(r))
     if "peak_rss" in r:
         lines.append(rss_line(r))
+    return lines
+
+
+def gpu_save_line(r: dict) -> str:
+    """GPU memory entering and during the save: allocated, its peak, reserved (MiB)."""
+    before, peak = r["gpu_before_save_nbytes"], r["gpu_peak_save_nbytes"]
+    reserved = r.get("gpu_reserved_before_save_nbytes")
+    return (f"GPU at the save (MiB): allocated entering {before / MiB:,.1f}, peak {peak / MiB:,.1f} (added "
+            f"{(peak - before) / MiB:,.1f}), after {r.get('gpu_after_save_nbytes', 0) / MiB:,.1f}; reserved "
+            f"entering {(reserved or 0) / MiB:,.1f}, peak {r.get('gpu_reserved_peak_save_nbytes', 0) / MiB:,.1f}")
+
+
+def trim_lines(res: dict) -> list[str]:
+    """ptdstream once per ``--trim`` mode, side by side: host RSS, lowering and collect time."""
+    lines = []
+    for mode, r in res.get("trims", {}).items():
+        if "failed" in r:
+            lines.append(f"  ptdstream --trim {mode}: FAILED at {r['failed']['stage']}")
+            continue
+        b = rss_breakdown(r)
+        collects = sum(m["seconds"] for m in r["materialize"])
+        lines.append(f"  ptdstream --trim {mode} ({TRIM_MODES[mode]!r}): host RSS over the model "
+                     f"{(r['peak_rss'] - r['rss_model']) / MiB:,.0f} MiB (one-time {b['one_time'] / MiB:.0f}, "
+                     f"compiles {b['compile'] / MiB:.0f}, collects {b['collect'] / MiB:.0f}, save "
+                     f"{b['save'] / MiB:.0f}); lower {r['lower_s']:.1f} s, collects {collects:.3f} s; "
+                     + gpu_save_line(r))
     return lines
 
 
@@ -648,7 +690,7 @@ def variant_line(name: str, r: dict | None, raw_s: float) -> list[str]:
                       f"{f['methods_compiled']} methods compiled)"] + stage_lines(r)
     handling = weight_handling_s(r)
     save_gbps = r["saved_nbytes"] / r["save"]["seconds"] / 1e9
-    extra = (f"; one-time before lowering (counted above): fingerprint kernels "
+    extra = (f"; one-time before lowering (counted above): fingerprint, probe and comparison kernels "
              f"{r['fingerprint_warmup_rss'] / MiB:.0f} MiB, pinned ring {r['pinned_ring_rss'] / MiB:.0f} MiB"
              if "pinned_ring_rss" in r else "")
     return [head, f"  {'':<10} weights s {handling:.2f} ({handling / raw_s:.2f}x raw); "
@@ -691,7 +733,7 @@ def table(results: list[dict], layers: int) -> str:
                      f"+ fsync of {w / GiB:.2f} GiB: {' / '.join(f'{s:.2f}' for s in res['raw_s'])} s "
                      f"(mean {raw_s:.2f} s, {raw_gbps:.2f} GB/s); raw O_DIRECT: {rd['seconds']:.2f} s, "
                      f"{rd_gbps:.2f} GB/s")
-        lines += variant_line("upstream", up, raw_s) + variant_line("ptdstream", ours, raw_s)
+        lines += variant_line("upstream", up, raw_s) + variant_line("ptdstream", ours, raw_s) + trim_lines(res)
         if not ours or "failed" in ours:
             lines.append("  FAIL ptdstream completes" if ours else "")
             continue
@@ -814,6 +856,10 @@ def main() -> int:
                    help="run the AOTI output check only at method counts up to N (default: every count)")
     p.add_argument("--second-save", type=int, choices=[0, 1], default=1,
                    help="ptdstream saves the manager again in the other write mode")
+    p.add_argument("--trim", nargs="+", choices=list(TRIM_MODES), default=["1"],
+                   help="stream_cuda_weights(trim_host_memory=...), one ptdstream run per mode, side by side "
+                        "(the first in the main table): 1 'malloc_trim' after each collect (the default), "
+                        "0 none, full upstream's gc.collect + malloc_trim")
     p.add_argument("--child", choices=["raw", "raw_direct", "upstream", "ptdstream"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)

@@ -18,7 +18,7 @@ def reference(data: bytes) -> list[int]:
     for k in range(rows):
         row = padded[k * cf.ROW_NBYTES : (k + 1) * cf.ROW_NBYTES]
         w = [int.from_bytes(row[2 * i : 2 * i + 2], "little", signed=True) for i in range(words)]
-        r.append([sum(c * x for c, x in zip(a[h], w)) % cf.PRIME for h in range(cf.HASHES)])
+        r.append([sum(c * x for c, x in zip(a[h], w, strict=True)) % cf.PRIME for h in range(cf.HASHES)])
     g = cf._level2_generator()
     out = [0] * cf.HASHES
     for first in range(0, rows, cf.LEVEL2_ROWS):
