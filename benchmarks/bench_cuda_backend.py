@@ -231,6 +231,13 @@ class _Stages:
         return {"copies": self.copies, "copy_stage": self.copy_stage, "compiles": self.compiles}
 
 
+def _rss_kinds() -> dict:
+    """Host RSS (bytes) split as ``/proc/self/status`` does: ``anon`` (heap, mmaps,
+    pinned memory; what ``malloc_trim`` can hand back) and ``file`` (pages of mapped
+    files: libraries and the kernel images read from them)."""
+    return {"anon": status_kib("RssAnon") * 1024, "file": status_kib("RssFile") * 1024}
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
 
@@ -306,7 +313,8 @@ def child_export(args) -> dict:
     res = {"weights_nbytes": weights_nbytes, "export_s": export_s, "materialize": [],
            "written_while_lowering": 0, "gpu": torch.cuda.get_device_name(),
            "cuda_context_rss": cuda_context_rss, "weights_on": device, "methods": len(methods),
-           "rss_model": status_kib("VmRSS") * 1024, "gpu_model_nbytes": torch.cuda.memory_allocated()}
+           "rss_model": status_kib("VmRSS") * 1024, "gpu_model_nbytes": torch.cuda.memory_allocated(),
+           "rss_kinds": {"model": _rss_kinds()}}
 
     rss = RssSampler()
     real_materialize = collector_module.CudaWeightCollector.materialize
@@ -359,6 +367,7 @@ def child_export(args) -> dict:
         res["fingerprint_warmup_rss"], res["pinned_ring_rss"] = r1 - r0, r2 - r1
     torch.cuda.synchronize()
     res["rss_before_lowering"] = status_kib("VmRSS") * 1024
+    res["rss_kinds"]["before lowering"] = _rss_kinds()
     reset_peak_rss()
     torch.cuda.reset_peak_memory_stats()
     collector_module.CudaWeightCollector.materialize = materialize
@@ -399,6 +408,7 @@ def child_export(args) -> dict:
             routed.__exit__(None, None, None)
         collector_module.CudaWeightCollector.materialize = real_materialize
     res["lower_s"] = time.perf_counter() - t
+    res["rss_kinds"]["after lowering"] = _rss_kinds()
     res["stages"] = stages.to_dict()
     if stats is not None:
         res["routed"], res["routed_nbytes"], res["copied_nbytes"], res["twin_nbytes"] = (
@@ -437,6 +447,7 @@ def child_export(args) -> dict:
             fsync_files(out)
     save["rss_end"] = status_kib("VmRSS") * 1024
     res["save"] = save
+    res["rss_kinds"]["after the save"] = _rss_kinds()
     res["saved_nbytes"] = sum(os.path.getsize(p) for p in files_under(out))
     res["peak_rss"] = max(rss.peak["VmRSS"], status_kib("VmHWM") * 1024)
     res["gpu_peak_save_nbytes"] = torch.cuda.max_memory_allocated()
@@ -471,6 +482,14 @@ def child_export(args) -> dict:
         res["save_other_mode"] = again
         for p in files_under(other):
             discard_file(p)
+    # What the process still held that a collection and a heap trim hand back (after every figure above).
+    import ctypes
+    import gc
+
+    gc.collect()
+    res["rss_kinds"]["after gc.collect"] = _rss_kinds()
+    ctypes.CDLL(None).malloc_trim(0)
+    res["rss_kinds"]["after malloc_trim"] = _rss_kinds()
     rss.stop()
     return res
 
@@ -647,6 +666,9 @@ def stage_lines(r: dict) -> list[str]:
         lines.append("    " + gpu_save_line(r))
     if "peak_rss" in r:
         lines.append(rss_line(r))
+    if r.get("rss_kinds"):
+        lines.append("    host RSS anon / file-backed (MiB): " + "; ".join(
+            f"{where} {k['anon'] / MiB:,.0f} / {k['file'] / MiB:,.0f}" for where, k in r["rss_kinds"].items()))
     return lines
 
 
@@ -785,8 +807,10 @@ def table(results: list[dict], layers: int) -> str:
                         ("methods 2.. < 1% of the first", all(s < 0.01 * first for s in later)),
                         ("save >= 0.95x raw write+fsync (first save)", save_gbps >= 0.95 * raw_gbps)]
         if up is not None and "failed" not in up:
-            targets.append(("GPU peak of the save <= upstream's + 64 MiB",
-                            ours["gpu_peak_save_nbytes"] <= up["gpu_peak_save_nbytes"] + 64 * MiB))
+            targets.append(("GPU peak of the save <= upstream's + 8 MiB",
+                            ours["gpu_peak_save_nbytes"] <= up["gpu_peak_save_nbytes"] + 8 * MiB))
+            targets.append(("GPU allocated entering the save <= upstream's + 8 MiB",
+                            ours["gpu_before_save_nbytes"] <= up["gpu_before_save_nbytes"] + 8 * MiB))
             targets.append(("host RSS over the model <= upstream's + ring + 64 MiB",
                             rss_over <= up["peak_rss"] - up["rss_model"] + ring + 64 * MiB))
         if ours.get("spilled_nbytes"):
