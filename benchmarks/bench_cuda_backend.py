@@ -494,6 +494,40 @@ def child_export(args) -> dict:
     return res
 
 
+def fingerprint_steps(steps: list[int], gib: float = 1.0) -> list[str]:
+    """The GPU fingerprint alone, once per ``STEP_ROWS`` in ``steps`` (in this process):
+    seconds and GB/s over ``gib`` GiB, device memory added at its peak and held after, and
+    the host RSS its first call adds (its kernels loaded)."""
+    import torch
+
+    from ptdstream.sources import cuda_fingerprint as cf
+
+    torch.empty(1, device="cuda")
+    x = torch.randint(0, 256, (int(gib * GiB),), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    r0 = status_kib("VmRSS") * 1024
+    cf.gpu_fingerprint(x[: 3 * cf.ROW_NBYTES + 5])
+    torch.cuda.synchronize()
+    lines = [f"first call (kernels loaded): host RSS +{(status_kib('VmRSS') * 1024 - r0) / MiB:.1f} MiB"]
+    default = cf.STEP_ROWS
+    for step in steps:
+        cf.STEP_ROWS = step
+        cf.gpu_fingerprint(x[: 4 * step * cf.ROW_NBYTES])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        cf.gpu_fingerprint(x)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        lines.append(f"STEP_ROWS {step}: {x.numel() / GiB:g} GiB in {dt * 1e3:.1f} ms ({x.numel() / dt / 1e9:.1f} "
+                     f"GB/s), {-(-x.numel() // (step * cf.ROW_NBYTES))} steps, device memory added at the peak "
+                     f"{(torch.cuda.max_memory_allocated() - base) / MiB:.2f} MiB, held after "
+                     f"{(torch.cuda.memory_allocated() - base) / MiB:.2f} MiB")
+    cf.STEP_ROWS = default
+    return lines
+
+
 # ---------------------------------------------------------------- parent side
 
 
@@ -884,6 +918,9 @@ def main() -> int:
                    help="stream_cuda_weights(trim_host_memory=...), one ptdstream run per mode, side by side "
                         "(the first in the main table): 1 'malloc_trim' after each collect (the default), "
                         "0 none, full upstream's gc.collect + malloc_trim")
+    p.add_argument("--fingerprint-steps", type=int, nargs="+", metavar="ROWS",
+                   help="only time the GPU fingerprint over 1 GiB with each STEP_ROWS given (speed, device "
+                        "scratch, host RSS of its kernels), then exit")
     p.add_argument("--child", choices=["raw", "raw_direct", "upstream", "ptdstream"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)
@@ -896,6 +933,9 @@ def main() -> int:
             done = json.load(f)
         print(table(done, args.layers))
         return 1 if table(done, args.layers).count("\n  FAIL ") else 0
+    if args.fingerprint_steps:
+        print("\n".join(fingerprint_steps(args.fingerprint_steps)))
+        return 0
     if args.skip_upstream and "upstream" in args.variants:
         args.variants.remove("upstream")
     if args.child:
