@@ -55,12 +55,18 @@ addmm, which 1.5.1's AOTI shim lacks), so the default keeps autotuning on.
 methods, over 5 at 16 GiB). GPU peak (``max_memory_allocated``) is reported for
 lowering and for the save apart; "CUDA context RSS" is the host memory that
 ``torch.cuda.init()`` takes, and for ptdstream the one-time host memory of the
-GPU fingerprint's kernels (cuBLAS int8) and of the pinned ring is measured before
-lowering, apart from "RSS+".
+GPU fingerprint's, probe's and comparison's kernels (elementwise; no cuBLAS) and of
+the pinned ring is measured before lowering, apart from "RSS+". At the save, GPU
+memory allocated entering it, its peak and after it, and the reserved pool
+entering and at its peak. ``--trim 1 0 full`` runs ptdstream once per
+``trim_host_memory`` mode (``"malloc_trim"``, ``False``, ``True``), side by side;
+host RSS is also split into anonymous and file-backed memory at each stage, and
+what a ``gc.collect()`` then a ``malloc_trim(0)`` hand back at the end.
+``--fingerprint-steps 1 2 4 8`` times the GPU fingerprint alone per ``STEP_ROWS``.
 
 Weight handling (``weights s``; ``/raw`` divides it by the raw write) = the time spent in the collector's
 ``materialize`` (once per method: upstream's copy + hash + write, or ptdstream's device copy + GPU
-fingerprint; both include upstream's own ``gc.collect`` + ``malloc_trim``) plus
+fingerprint; upstream's includes its own ``gc.collect`` + ``malloc_trim``) plus
 the save. RSS is sampled every 5 ms and from ``VmHWM``: "RSS+ weights" is the
 largest rise during one ``materialize`` call or the save, over the RSS at its
 start; "peak RSS" is the process's high-water mark during lowering and save
