@@ -16,20 +16,24 @@ from a per-process seed (``secrets``), the same on every device:
    (``r = sum_j u[h, k, j] * 2^(16 j)``) and
    ``F[h] = (sum_{k, j} b[h, k, j] * u[h, k, j]) mod p`` with a coefficient per
    position ``b[h, k, j]``, drawn in blocks of ``LEVEL2_ROWS`` rows (each block's
-   sum exact: ``LEVEL2_ROWS * 4`` terms below ``2^47``, at most ``2^16`` of them).
+   sum exact: ``LEVEL2_ROWS * 4 <= 2^16`` terms, each below ``2^47``).
 
 The fingerprint is the length in bytes and ``F[0..3]``. Collision probability
 for a fixed pair of distinct inputs of equal length, over the random choice of
-the coefficients: the inputs differ in a word ``w[k, i]`` of some row ``k``, by
-``d`` with ``0 < |d| < 2^16 < p``. For one hash, fixing every coefficient but
-``a[h, i]``, ``r[h, k]`` agrees only if ``a[h, i] * d`` takes one residue mod
-``p``: one value in ``[0, p)``, so probability at most ``2^-31``. When some
-``r[h, k]`` differs, the limb sequences differ in some position by ``d'``
-(``0 < |d'| < 2^16``), and by the same argument on ``b`` (independent of ``a``)
-``F[h]`` agrees with probability at most ``2^-31``. So one hash agrees with
-probability at most ``2^-31 + 2^-31 = 2^-30``, and the 4 independent hashes all
+the coefficients (the generators' outputs taken as uniform and independent):
+the inputs differ in a word ``w[k, i]`` of some row ``k``, by ``d`` with
+``0 < |d| < 2^16 < p``, so ``d`` is invertible mod ``p``. For one hash, fixing
+every coefficient but ``a[h, i]``, the two ``r[h, k]`` agree for exactly one
+residue of ``a[h, i]`` mod ``p``; ``a[h, i]`` is uniform on ``[0, 2^31)``, which
+holds at most one number of each residue (``2^31 < p``): probability at most
+``2^-31``. When some ``r[h, k]`` differ, their limbs (a one-to-one split of
+numbers below ``2^64``) differ in some position by ``d'`` with
+``0 < |d'| < 2^16``, and the same argument on that position's ``b`` (drawn
+independently of ``a``) bounds the probability that the ``F[h]`` agree by
+``2^-31``. So one hash agrees with probability at most
+``2^-31 + 2^-31 = 2^-30``; the 4 hashes draw independent coefficients, so all 4
 agree with probability at most ``2^-120``. No arithmetic is plain mod 2^64:
-every sum is exact and every reduction is mod ``p``.
+every sum is exact (the bounds above) and every reduction is mod ``p``.
 
 Fingerprints are comparable only within one process (the seed is per process,
 nothing persists them) and only between inputs of the same length (the length
@@ -55,8 +59,9 @@ ROW_NBYTES = 1 << 17
 #: ``STEP_ROWS * HASHES * ROW_NBYTES * 4`` bytes (4 MiB), the coefficient block
 #: ``HASHES * ROW_NBYTES * 4`` (2 MiB, kept per device).
 STEP_ROWS = 2
-#: Rows per block of second-level coefficients (at most 2^14: exact sums).
-LEVEL2_ROWS = 1 << 14
+#: Rows per block of second-level coefficients (at most 2^14: exact sums); its
+#: temporaries take ``LEVEL2_ROWS * 512`` bytes (2 MiB).
+LEVEL2_ROWS = 1 << 12
 HASHES = 4
 LIMBS = 4
 PRIME = (1 << 61) - 1
@@ -106,9 +111,10 @@ def _fingerprint(flat: torch.Tensor) -> Fingerprint:
 
     Memory added on the tensor's device: ``STEP_ROWS * HASHES * ROW_NBYTES * 4``
     bytes of product (4 MiB), one row of padding (128 KiB; the whole step when the
-    storage offset is odd), ``HASHES * 8`` bytes per row of row hashes (1/4096 of
-    the input) and, per second-level block, ``LEVEL2_ROWS * 128`` bytes at most;
-    plus the coefficient block, 2 MiB kept per device. Reads the bytes once;
+    address is odd), ``HASHES * 8`` bytes per row of row hashes (1/4096 of
+    the input) and, after the first level's scratch is freed, the second level's
+    ``min(rows, LEVEL2_ROWS) * 512`` bytes (2 MiB at most); plus the coefficient
+    block, 2 MiB kept per device. Reads the bytes once;
     host traffic: the second-level coefficients (``rows * 128`` bytes) and 32 bytes back.
 
     Raises:
@@ -127,14 +133,14 @@ def _fingerprint(flat: torch.Tensor) -> Fingerprint:
     row_hashes = torch.empty(rows, HASHES, dtype=torch.int64, device=device)
     step = min(STEP_ROWS, max(rows, 1))
     product = torch.empty(step, HASHES, words, dtype=torch.int64, device=device)
-    if flat.storage_offset() % 2 == 0:
+    if flat.data_ptr() % 2 == 0:
         rows_in_place = flat[: full * ROW_NBYTES].view(torch.int16).view(full, 1, words)
         for first in range(0, full, step):  # the steps' few calls are what bound the speed
             last = min(first + step, full)
             out = product if last - first == step else product[: last - first]
             torch.mul(rows_in_place[first:last], block, out=out)  # |a * w| < 2^46
             torch.sum(out, dim=2, out=row_hashes[first:last])  # exact: 2^16 terms
-    else:  # an odd storage offset: each step is copied to an aligned buffer first
+    else:  # an odd address: each step is copied to an aligned buffer first
         staging = torch.empty(step * ROW_NBYTES, dtype=torch.uint8, device=device)
         for first in range(0, full, step):
             n = min(step, full - first)
