@@ -55,12 +55,18 @@ addmm, which 1.5.1's AOTI shim lacks), so the default keeps autotuning on.
 methods, over 5 at 16 GiB). GPU peak (``max_memory_allocated``) is reported for
 lowering and for the save apart; "CUDA context RSS" is the host memory that
 ``torch.cuda.init()`` takes, and for ptdstream the one-time host memory of the
-GPU fingerprint's kernels (cuBLAS int8) and of the pinned ring is measured before
-lowering, apart from "RSS+".
+GPU fingerprint's, probe's and comparison's kernels (elementwise; no cuBLAS) and of
+the pinned ring is measured before lowering, apart from "RSS+". At the save, GPU
+memory allocated entering it, its peak and after it, and the reserved pool
+entering and at its peak. ``--trim 1 0 full`` runs ptdstream once per
+``trim_host_memory`` mode (``"malloc_trim"``, ``False``, ``True``), side by side;
+host RSS is also split into anonymous and file-backed memory at each stage, and
+what a ``gc.collect()`` then a ``malloc_trim(0)`` hand back at the end.
+``--fingerprint-steps 1 2 4 8`` times the GPU fingerprint alone per ``STEP_ROWS``.
 
 Weight handling (``weights s``; ``/raw`` divides it by the raw write) = the time spent in the collector's
 ``materialize`` (once per method: upstream's copy + hash + write, or ptdstream's device copy + GPU
-fingerprint; both include upstream's own ``gc.collect`` + ``malloc_trim``) plus
+fingerprint; upstream's includes its own ``gc.collect`` + ``malloc_trim``) plus
 the save. RSS is sampled every 5 ms and from ``VmHWM``: "RSS+ weights" is the
 largest rise during one ``materialize`` call or the save, over the RSS at its
 start; "peak RSS" is the process's high-water mark during lowering and save
@@ -96,6 +102,8 @@ from _measure import (
 
 GiB = 1 << 30
 MiB = 1 << 20
+#: ``--trim`` -> ``stream_cuda_weights(trim_host_memory=...)``.
+TRIM_MODES = {"1": "malloc_trim", "0": False, "full": True}
 
 
 # ---------------------------------------------------------------- child side
@@ -229,6 +237,13 @@ class _Stages:
         return {"copies": self.copies, "copy_stage": self.copy_stage, "compiles": self.compiles}
 
 
+def _rss_kinds() -> dict:
+    """Host RSS (bytes) split as ``/proc/self/status`` does: ``anon`` (heap, mmaps,
+    pinned memory; what ``malloc_trim`` can hand back) and ``file`` (pages of mapped
+    files: libraries and the kernel images read from them)."""
+    return {"anon": status_kib("RssAnon") * 1024, "file": status_kib("RssFile") * 1024}
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "out of memory" in str(e).lower()
 
@@ -304,7 +319,8 @@ def child_export(args) -> dict:
     res = {"weights_nbytes": weights_nbytes, "export_s": export_s, "materialize": [],
            "written_while_lowering": 0, "gpu": torch.cuda.get_device_name(),
            "cuda_context_rss": cuda_context_rss, "weights_on": device, "methods": len(methods),
-           "rss_model": status_kib("VmRSS") * 1024, "gpu_model_nbytes": torch.cuda.memory_allocated()}
+           "rss_model": status_kib("VmRSS") * 1024, "gpu_model_nbytes": torch.cuda.memory_allocated(),
+           "rss_kinds": {"model": _rss_kinds()}}
 
     rss = RssSampler()
     real_materialize = collector_module.CudaWeightCollector.materialize
@@ -333,16 +349,17 @@ def child_export(args) -> dict:
 
     if args.variant == "ptdstream":
         # One-time host memory of ptdstream's CUDA path, also shown apart: loading
-        # the GPU fingerprint's kernels (cuBLAS int8) and the pinned ring. Both
-        # count in "host RSS over the model" (measured from rss_model).
+        # the GPU fingerprint's kernels (elementwise products and sums; no cuBLAS)
+        # and the pinned ring. Both count in "host RSS over the model" (measured
+        # from rss_model).
         from ptdstream.hooks.cuda.twins import probe, same_bytes
         from ptdstream.sources.cuda import PinnedRing
-        from ptdstream.sources.cuda_fingerprint import CHUNK_ROWS, ROW_NBYTES, gpu_fingerprint
+        from ptdstream.sources.cuda_fingerprint import ROW_NBYTES, STEP_ROWS, gpu_fingerprint
 
         r0 = status_kib("VmRSS") * 1024
-        # At the shapes of real weights: whole 64 MiB steps, a tail, a storage under 17 rows
+        # At the shapes of real weights: whole steps, a tail, a storage under one row
         # (a bias), and the probe and exact comparison the routing runs on each storage.
-        warm = torch.zeros(CHUNK_ROWS * ROW_NBYTES + 2 * args.dim + 8, dtype=torch.uint8, device="cuda")
+        warm = torch.zeros(2 * STEP_ROWS * ROW_NBYTES + 2 * args.dim + 8, dtype=torch.uint8, device="cuda")
         for flat in (warm, warm[: 2 * args.dim]):
             gpu_fingerprint(flat)
             probe(flat, {})
@@ -356,12 +373,13 @@ def child_export(args) -> dict:
         res["fingerprint_warmup_rss"], res["pinned_ring_rss"] = r1 - r0, r2 - r1
     torch.cuda.synchronize()
     res["rss_before_lowering"] = status_kib("VmRSS") * 1024
+    res["rss_kinds"]["before lowering"] = _rss_kinds()
     reset_peak_rss()
     torch.cuda.reset_peak_memory_stats()
     collector_module.CudaWeightCollector.materialize = materialize
     budget = None if args.device_copy_budget_gib < 0 else int(args.device_copy_budget_gib * GiB)
     routed = (stream_cuda_weights(twins=not args.no_twins, device_copy_budget_nbytes=budget,
-                                  share_weights=bool(args.share))
+                                  share_weights=bool(args.share), trim_host_memory=TRIM_MODES[args.trim[0]])
               if args.variant == "ptdstream" else None)
     stats = routed.__enter__() if routed is not None else None
     stages = _Stages(args, CudaBackend, rss, weights_nbytes)
@@ -396,6 +414,7 @@ def child_export(args) -> dict:
             routed.__exit__(None, None, None)
         collector_module.CudaWeightCollector.materialize = real_materialize
     res["lower_s"] = time.perf_counter() - t
+    res["rss_kinds"]["after lowering"] = _rss_kinds()
     res["stages"] = stages.to_dict()
     if stats is not None:
         res["routed"], res["routed_nbytes"], res["copied_nbytes"], res["twin_nbytes"] = (
@@ -411,6 +430,7 @@ def child_export(args) -> dict:
     del edge, programs
     torch.cuda.synchronize()
     res["gpu_before_save_nbytes"] = torch.cuda.memory_allocated()
+    res["gpu_reserved_before_save_nbytes"] = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     out = os.path.join(args.out, args.variant)
     os.makedirs(out, exist_ok=True)
@@ -433,9 +453,12 @@ def child_export(args) -> dict:
             fsync_files(out)
     save["rss_end"] = status_kib("VmRSS") * 1024
     res["save"] = save
+    res["rss_kinds"]["after the save"] = _rss_kinds()
     res["saved_nbytes"] = sum(os.path.getsize(p) for p in files_under(out))
     res["peak_rss"] = max(rss.peak["VmRSS"], status_kib("VmHWM") * 1024)
     res["gpu_peak_save_nbytes"] = torch.cuda.max_memory_allocated()
+    res["gpu_reserved_peak_save_nbytes"] = torch.cuda.max_memory_reserved()
+    res["gpu_after_save_nbytes"] = torch.cuda.memory_allocated()
     res["gpu_peak_nbytes"] = max(res["gpu_peak_lowering_nbytes"], res["gpu_peak_save_nbytes"])
     res["files"] = file_digests(out)
     if args.variant == "ptdstream":
@@ -465,14 +488,56 @@ def child_export(args) -> dict:
         res["save_other_mode"] = again
         for p in files_under(other):
             discard_file(p)
+    # What the process still held that a collection and a heap trim hand back (after every figure above).
+    import ctypes
+    import gc
+
+    gc.collect()
+    res["rss_kinds"]["after gc.collect"] = _rss_kinds()
+    ctypes.CDLL(None).malloc_trim(0)
+    res["rss_kinds"]["after malloc_trim"] = _rss_kinds()
     rss.stop()
     return res
+
+
+def fingerprint_steps(steps: list[int], gib: float = 1.0) -> list[str]:
+    """The GPU fingerprint alone, once per ``STEP_ROWS`` in ``steps`` (in this process):
+    seconds and GB/s over ``gib`` GiB, device memory added at its peak and held after, and
+    the host RSS its first call adds (its kernels loaded)."""
+    import torch
+
+    from ptdstream.sources import cuda_fingerprint as cf
+
+    torch.empty(1, device="cuda")
+    x = torch.randint(0, 256, (int(gib * GiB),), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    r0 = status_kib("VmRSS") * 1024
+    cf.gpu_fingerprint(x[: 3 * cf.ROW_NBYTES + 5])
+    torch.cuda.synchronize()
+    lines = [f"first call (kernels loaded): host RSS +{(status_kib('VmRSS') * 1024 - r0) / MiB:.1f} MiB"]
+    default = cf.STEP_ROWS
+    for step in steps:
+        cf.STEP_ROWS = step
+        cf.gpu_fingerprint(x[: 4 * step * cf.ROW_NBYTES])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        cf.gpu_fingerprint(x)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        lines.append(f"STEP_ROWS {step}: {x.numel() / GiB:g} GiB in {dt * 1e3:.1f} ms ({x.numel() / dt / 1e9:.1f} "
+                     f"GB/s), {-(-x.numel() // (step * cf.ROW_NBYTES))} steps, device memory added at the peak "
+                     f"{(torch.cuda.max_memory_allocated() - base) / MiB:.2f} MiB, held after "
+                     f"{(torch.cuda.memory_allocated() - base) / MiB:.2f} MiB")
+    cf.STEP_ROWS = default
+    return lines
 
 
 # ---------------------------------------------------------------- parent side
 
 
-def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extra) -> dict:
+def run_child(args, variant: str, weights_on: str = "cuda", batches=None, trim: str = "1", **extra) -> dict:
     batches = batches or args.batches
     result = os.path.join(args.out, f"{variant}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", args.out,
@@ -484,8 +549,9 @@ def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extr
             "--host-headroom-gib", str(args.host_headroom_gib),
             "--check-outputs", str(int(bool(args.check_outputs) and (args.check_outputs_upto is None
                                                                    or len(batches) <= args.check_outputs_upto))),
-            "--second-save", str(args.second_save)]
-    print(f"[{time.strftime('%H:%M:%S')}] {variant} ({extra['nbytes'] / GiB:.2f} GiB, weights on {weights_on}, "
+            "--second-save", str(args.second_save), "--trim", trim]
+    named = f"{variant} --trim {trim}" if variant == "ptdstream" else variant
+    print(f"[{time.strftime('%H:%M:%S')}] {named} ({extra['nbytes'] / GiB:.2f} GiB, weights on {weights_on}, "
           f"{len(batches)} methods)", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     os.sync()
@@ -493,7 +559,8 @@ def run_child(args, variant: str, weights_on: str = "cuda", batches=None, **extr
         res = json.load(f)
     if args.json:
         # Each child's figures as soon as they exist: a run cut short keeps them.
-        with open(f"{args.json}.{variant}-{weights_on}-m{len(batches)}.partial", "w") as f:
+        tag = f"-trim{trim}" if variant == "ptdstream" else ""
+        with open(f"{args.json}.{variant}{tag}-{weights_on}-m{len(batches)}.partial", "w") as f:
             json.dump(res, f)
     return res
 
@@ -519,10 +586,17 @@ def measure(args, gib: float, done: list[dict] | None = None) -> list[dict]:
         for count in counts:
             batches = list(range(1, count + 1)) if args.methods else args.batches
             run = {"weights_on": weights_on, "batches": batches}
-            got = {v: run_child(args, v, weights_on, batches, **shape) for v in args.variants}  # in their order
+            got, trims = {}, {}
+            for v in args.variants:  # in their order; ptdstream once per --trim mode, side by side
+                if v == "ptdstream":
+                    trims = {m: run_child(args, v, weights_on, batches, trim=m, **shape) for m in args.trim}
+                    got[v] = trims[args.trim[0]]
+                else:
+                    got[v] = run_child(args, v, weights_on, batches, **shape)
             up, ours = got.get("upstream"), got.get("ptdstream")
             results.append({"gib": gib, "dim": dim, "nbytes": nbytes, "raw_s": raw, "raw_direct": raw_direct,
-                            "upstream": up, "ptdstream": ours, **run})
+                            "upstream": up, "ptdstream": ours, **run,
+                            "trims": trims if len(trims) > 1 else {}})
             results[-1]["outputs_compare"] = compare_outputs(results[-1])
             if args.json:
                 with open(f"{args.json}.runs.partial", "w") as f:
@@ -629,8 +703,38 @@ def stage_lines(r: dict) -> list[str]:
     if "save" in r:
         lines.append(f"    save: {r['save']['seconds']:.2f} s, GPU peak {_gib(r['gpu_peak_save_nbytes'])} GiB, "
                      f"RSS+ {r['save']['rss_added'] / MiB:.0f} MiB")
+        lines.append("    " + gpu_save_line(r))
     if "peak_rss" in r:
         lines.append(rss_line(r))
+    if r.get("rss_kinds"):
+        lines.append("    host RSS anon / file-backed (MiB): " + "; ".join(
+            f"{where} {k['anon'] / MiB:,.0f} / {k['file'] / MiB:,.0f}" for where, k in r["rss_kinds"].items()))
+    return lines
+
+
+def gpu_save_line(r: dict) -> str:
+    """GPU memory entering and during the save: allocated, its peak, reserved (MiB)."""
+    before, peak = r["gpu_before_save_nbytes"], r["gpu_peak_save_nbytes"]
+    reserved = r.get("gpu_reserved_before_save_nbytes")
+    return (f"GPU at the save (MiB): allocated entering {before / MiB:,.1f}, peak {peak / MiB:,.1f} (added "
+            f"{(peak - before) / MiB:,.1f}), after {r.get('gpu_after_save_nbytes', 0) / MiB:,.1f}; reserved "
+            f"entering {(reserved or 0) / MiB:,.1f}, peak {r.get('gpu_reserved_peak_save_nbytes', 0) / MiB:,.1f}")
+
+
+def trim_lines(res: dict) -> list[str]:
+    """ptdstream once per ``--trim`` mode, side by side: host RSS, lowering and collect time."""
+    lines = []
+    for mode, r in res.get("trims", {}).items():
+        if "failed" in r:
+            lines.append(f"  ptdstream --trim {mode}: FAILED at {r['failed']['stage']}")
+            continue
+        b = rss_breakdown(r)
+        collects = sum(m["seconds"] for m in r["materialize"])
+        lines.append(f"  ptdstream --trim {mode} ({TRIM_MODES[mode]!r}): host RSS over the model "
+                     f"{(r['peak_rss'] - r['rss_model']) / MiB:,.0f} MiB (one-time {b['one_time'] / MiB:.0f}, "
+                     f"compiles {b['compile'] / MiB:.0f}, collects {b['collect'] / MiB:.0f}, save "
+                     f"{b['save'] / MiB:.0f}); lower {r['lower_s']:.1f} s, collects {collects:.3f} s; "
+                     + gpu_save_line(r))
     return lines
 
 
@@ -648,7 +752,7 @@ def variant_line(name: str, r: dict | None, raw_s: float) -> list[str]:
                       f"{f['methods_compiled']} methods compiled)"] + stage_lines(r)
     handling = weight_handling_s(r)
     save_gbps = r["saved_nbytes"] / r["save"]["seconds"] / 1e9
-    extra = (f"; one-time before lowering (counted above): fingerprint kernels "
+    extra = (f"; one-time before lowering (counted above): fingerprint, probe and comparison kernels "
              f"{r['fingerprint_warmup_rss'] / MiB:.0f} MiB, pinned ring {r['pinned_ring_rss'] / MiB:.0f} MiB"
              if "pinned_ring_rss" in r else "")
     return [head, f"  {'':<10} weights s {handling:.2f} ({handling / raw_s:.2f}x raw); "
@@ -691,7 +795,7 @@ def table(results: list[dict], layers: int) -> str:
                      f"+ fsync of {w / GiB:.2f} GiB: {' / '.join(f'{s:.2f}' for s in res['raw_s'])} s "
                      f"(mean {raw_s:.2f} s, {raw_gbps:.2f} GB/s); raw O_DIRECT: {rd['seconds']:.2f} s, "
                      f"{rd_gbps:.2f} GB/s")
-        lines += variant_line("upstream", up, raw_s) + variant_line("ptdstream", ours, raw_s)
+        lines += variant_line("upstream", up, raw_s) + variant_line("ptdstream", ours, raw_s) + trim_lines(res)
         if not ours or "failed" in ours:
             lines.append("  FAIL ptdstream completes" if ours else "")
             continue
@@ -743,8 +847,10 @@ def table(results: list[dict], layers: int) -> str:
                         ("methods 2.. < 1% of the first", all(s < 0.01 * first for s in later)),
                         ("save >= 0.95x raw write+fsync (first save)", save_gbps >= 0.95 * raw_gbps)]
         if up is not None and "failed" not in up:
-            targets.append(("GPU peak of the save <= upstream's + 64 MiB",
-                            ours["gpu_peak_save_nbytes"] <= up["gpu_peak_save_nbytes"] + 64 * MiB))
+            targets.append(("GPU peak of the save <= upstream's + 8 MiB",
+                            ours["gpu_peak_save_nbytes"] <= up["gpu_peak_save_nbytes"] + 8 * MiB))
+            targets.append(("GPU allocated entering the save <= upstream's + 8 MiB",
+                            ours["gpu_before_save_nbytes"] <= up["gpu_before_save_nbytes"] + 8 * MiB))
             targets.append(("host RSS over the model <= upstream's + ring + 64 MiB",
                             rss_over <= up["peak_rss"] - up["rss_model"] + ring + 64 * MiB))
         if ours.get("spilled_nbytes"):
@@ -814,6 +920,13 @@ def main() -> int:
                    help="run the AOTI output check only at method counts up to N (default: every count)")
     p.add_argument("--second-save", type=int, choices=[0, 1], default=1,
                    help="ptdstream saves the manager again in the other write mode")
+    p.add_argument("--trim", nargs="+", choices=list(TRIM_MODES), default=["1"],
+                   help="stream_cuda_weights(trim_host_memory=...), one ptdstream run per mode, side by side "
+                        "(the first in the main table): 1 'malloc_trim' after each collect (the default), "
+                        "0 none, full upstream's gc.collect + malloc_trim")
+    p.add_argument("--fingerprint-steps", type=int, nargs="+", metavar="ROWS",
+                   help="only time the GPU fingerprint over 1 GiB with each STEP_ROWS given (speed, device "
+                        "scratch, host RSS of its kernels), then exit")
     p.add_argument("--child", choices=["raw", "raw_direct", "upstream", "ptdstream"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)
@@ -826,6 +939,9 @@ def main() -> int:
             done = json.load(f)
         print(table(done, args.layers))
         return 1 if table(done, args.layers).count("\n  FAIL ") else 0
+    if args.fingerprint_steps:
+        print("\n".join(fingerprint_steps(args.fingerprint_steps)))
+        return 0
     if args.skip_upstream and "upstream" in args.variants:
         args.variants.remove("upstream")
     if args.child:

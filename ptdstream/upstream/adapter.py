@@ -38,7 +38,6 @@ __all__ = [
     "flat_tensor_to_flatbuffer",
     "flatbuffer_to_program",
     "init_file_backed",
-    "int_mm",
     "manager_class",
     "manager_parts",
     "preload_serializer",
@@ -289,11 +288,6 @@ def cuda_backend() -> type[Any]:
     for name in ("copy_exported_program_for_preprocess", "release_moved_tensors", "move_program_to_device"):
         resolve("executorch.backends.cuda.cuda_backend", f"CudaBackend.{name}")
     return resolve("executorch.backends.cuda.cuda_backend", "CudaBackend")
-
-
-def int_mm(a: Any, b: Any) -> Any:
-    """``torch._int_mm(a, b)``: exact int8 x int8 -> int32 matrix product on CUDA."""
-    return resolve("torch", "_int_mm")(a, b)
 
 
 def fake_tensor_type() -> type:

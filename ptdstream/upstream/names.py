@@ -89,7 +89,6 @@ NAMES: tuple[PrivateName, ...] = (
                 "replaced: frees every CUDA storage of a compiled method's program (shared weights kept)"),
     PrivateName("executorch.backends.cuda.cuda_backend", "CudaBackend.move_program_to_device",
                 "wrapped by weightless: bound checkpoint weights loaded from their file to the GPU first"),
-    PrivateName("torch", "_int_mm", "exact int8 matrix product of the GPU fingerprint"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensor", "storage-less parameters (weightless export)"),
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "makes storage-less cpu tensors"),
     PrivateName("torch.utils._python_dispatch", "is_traceable_wrapper_subclass",

@@ -131,25 +131,32 @@ def test_weights_on_the_host_are_served_from_there_with_upstreams_bytes(tmp_path
     assert ours == reference_files(manager, str(tmp_path / "slow"))
 
 
-def test_gpu_fingerprint_scratch_stays_small_and_chunks_join():
-    from ptdstream.sources.cuda_fingerprint import CHUNK_ROWS, ROW_NBYTES, gpu_fingerprint
+def test_gpu_fingerprint_scratch_stays_small_and_steps_join():
+    from ptdstream.sources.cuda_fingerprint import ROW_NBYTES, STEP_ROWS, _fingerprint, gpu_fingerprint
 
-    n = 3 * CHUNK_ROWS * ROW_NBYTES + 12345  # three whole steps and a tail
+    step = STEP_ROWS * ROW_NBYTES
+    n = 3 * step + 12345  # three whole steps and a tail
     a = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     b = a.clone()
+    gpu_fingerprint(a[:10])  # the coefficient block, once per device
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fa = gpu_fingerprint(a)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= 32 << 20
-    assert fa == gpu_fingerprint(b)
-    b[2 * CHUNK_ROWS * ROW_NBYTES + 7] ^= 1  # in the third step
+    assert torch.cuda.max_memory_allocated() - base <= 6 << 20
+    assert torch.cuda.memory_allocated() == base  # nothing held after: no cuBLAS workspace, no scratch
+    assert fa == gpu_fingerprint(b) == _fingerprint(a.cpu())  # the same on the CPU
+    b[2 * step + 7] ^= 1  # in the third step
     assert fa != gpu_fingerprint(b)
+    odd = torch.zeros(n + 1, dtype=torch.uint8, device="cuda")
+    odd[1:] = a
+    assert gpu_fingerprint(odd[1:]) == fa  # an odd storage offset
     big = torch.zeros(1 << 30, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     gpu_fingerprint(big)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= 32 << 20  # was 0.33 GiB for 1 GiB
+    assert torch.cuda.max_memory_allocated() - base <= 6 << 20  # was 0.33 GiB for 1 GiB, then 21 MiB
+    assert torch.cuda.memory_allocated() == base

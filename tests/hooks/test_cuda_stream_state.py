@@ -145,3 +145,61 @@ def test_move_from_of_a_path_not_written_here_is_upstreams(collector, tmp_path):
     assert data.to_bytes() == b"written by upstream" and adapter.cached_sha256(data) == b"\x01" * 32
     assert stats == CudaWeightStats()
     data.close()
+
+
+@pytest.fixture
+def trims(monkeypatch, collector):
+    """Counts of upstream's ``trim_host_memory`` and of ptdstream's ``malloc_trim`` calls."""
+    from ptdstream.hooks.cuda import backend
+
+    calls = {"upstream": 0, "malloc_trim": 0}
+
+    def upstream_trim():
+        calls["upstream"] += 1
+
+    def ours():
+        calls["malloc_trim"] += 1
+        return True
+
+    monkeypatch.setattr(collector, "trim_host_memory", upstream_trim)
+    monkeypatch.setattr(backend, "malloc_trim", ours)
+    return calls
+
+
+@pytest.mark.parametrize("mode,want", [
+    ("malloc_trim", {"upstream": 0, "malloc_trim": 2}),  # the default: once after each collect
+    (True, {"upstream": 4, "malloc_trim": 0}),  # upstream's own, before and after each
+    (False, {"upstream": 0, "malloc_trim": 0}),
+])
+def test_trim_host_memory_modes_per_collect(collector, trims, tmp_path, mode, want):
+    weights = {"w": torch.arange(64, dtype=torch.float32)}
+    with stream_cuda_weights(trim_host_memory=mode) as stats:
+        for _ in range(2):
+            got = _materialize(collector, weights, tmp_path)
+            assert got["w"].to_bytes() == weights["w"].numpy().tobytes()
+    assert trims == want and stats.upstream == 2
+
+
+def test_the_default_trim_mode_is_malloc_trim_after_each_collect(collector, trims, tmp_path):
+    with stream_cuda_weights():
+        _materialize(collector, {"w": torch.arange(8, dtype=torch.int32)}, tmp_path)
+    assert trims == {"upstream": 0, "malloc_trim": 1}
+
+
+@pytest.mark.parametrize("mode", ["gc", 1, None])
+def test_an_unknown_trim_mode_is_refused_before_anything_is_patched(collector, mode):
+    from ptdstream.errors import ArgumentTypeError
+
+    before = _originals(collector)
+    with pytest.raises(ArgumentTypeError, match=rf"trim_host_memory={mode!r} is not one of 'malloc_trim', True, False"):
+        with stream_cuda_weights(trim_host_memory=mode):
+            pass
+    assert _originals(collector) == before
+
+
+def test_malloc_trim_runs_glibcs():
+    import sys
+
+    from ptdstream.hooks.cuda.trim import malloc_trim
+
+    assert malloc_trim() is sys.platform.startswith("linux")

@@ -63,6 +63,7 @@ from ...sources.base import Expectation, Source
 from ...upstream import adapter
 from ...upstream.patching import is_shadowed, shadowed
 from .sharing import host_weight, is_shared, sharing_weights
+from .trim import MALLOC_TRIM, check_mode, malloc_trim
 from .twins import PROBE_NBYTES, TwinFinder, probe, same_bytes
 
 __all__ = ["CudaWeightStats", "CudaWeightStream", "DEVICE_COPY_BUDGET_NBYTES", "PROBE_NBYTES", "StreamState",
@@ -134,10 +135,10 @@ class CudaWeightStream:
     Args: as :func:`stream_cuda_weights`.
     """
 
-    def __init__(self, trim_host_memory: bool = False, twins: bool = True,
+    def __init__(self, trim_host_memory: bool | str = MALLOC_TRIM, twins: bool = True,
                  device_copy_budget_nbytes: int | None = DEVICE_COPY_BUDGET_NBYTES,
                  spill_dir: str | None = None, share_weights: bool = True) -> None:
-        self.trim_host_memory = trim_host_memory
+        self.trim_host_memory = check_mode(trim_host_memory)
         self.share_weights = share_weights
         self.twins = twins
         self.device_copy_budget_nbytes = device_copy_budget_nbytes
@@ -199,7 +200,7 @@ class CudaWeightStream:
             patches.enter_context(shadowed(collector, "_write_tensor_storage", self.write_storage))
             patches.enter_context(shadowed(collector, "FileBackedData", _FileBackedData))
             patches.enter_context(shadowed(collector.CudaWeightCollector, "materialize", materialize))
-            if not self.trim_host_memory:
+            if self.trim_host_memory is not True:
                 patches.enter_context(shadowed(collector, "trim_host_memory", lambda: None))
             if self.share_weights:
                 try:
@@ -254,6 +255,8 @@ class CudaWeightStream:
         finally:
             self._finder = None
             self._fqn_of.clear()
+            if self.trim_host_memory == MALLOC_TRIM:
+                malloc_trim()  # the heap this method's compile freed (trim.py)
 
     def write_storage(self, tensor, path):
         """``_write_tensor_storage``: a CUDA storage becomes a source (kept for
@@ -379,7 +382,7 @@ class CudaWeightStream:
 
 @contextlib.contextmanager
 def stream_cuda_weights(
-    trim_host_memory: bool = False,
+    trim_host_memory: bool | str = MALLOC_TRIM,
     twins: bool = True,
     device_copy_budget_nbytes: int | None = DEVICE_COPY_BUDGET_NBYTES,
     spill_dir: str | None = None,
@@ -390,18 +393,19 @@ def stream_cuda_weights(
     Patches names of ``executorch.backends.cuda.cuda_weight_collector``
     (``_write_tensor_storage``, ``CudaWeightCollector.materialize`` (to learn
     which storages are being collected), the ``FileBackedData`` it uses and, unless
-    ``trim_host_memory``, ``trim_host_memory``) and, with ``share_weights``,
+    ``trim_host_memory`` is ``True``, ``trim_host_memory``) and, with ``share_weights``,
     ``CudaBackend.copy_exported_program_for_preprocess`` and
     ``release_moved_tensors``, and restores them when the last
     context exits (:func:`ptdstream.upstream.patching.shadowed`). Lower one model at a
     time: entering a context while another is active raises.
 
     Args:
-        trim_host_memory: keep upstream's ``gc.collect()`` + ``malloc_trim(0)``
-            before and after each method's weights. They hand back the host
-            memory of upstream's ``.cpu()`` chunks; routed weights use none, and
-            they cost two full garbage collections per method, so by default
-            they are skipped.
+        trim_host_memory: ``"malloc_trim"`` (default): upstream's ``gc.collect()``
+            + ``malloc_trim(0)`` before and after each method's weights are
+            skipped, and ``malloc_trim(0)`` alone runs after each method's
+            collect: it hands back the heap the method's compile freed, without
+            the two full garbage collections (:mod:`.trim`). ``True``: upstream's
+            own; ``False``: neither.
         twins: serve a storage from a CUDA ``nn.Parameter`` the process already
             holds with equal bytes (no device memory added) when there is one;
             ``False``: never look for one (every storage is copied or spilled).
@@ -422,6 +426,7 @@ def stream_cuda_weights(
             upstream's copy per method.
 
     Raises:
+        ArgumentTypeError: a ``trim_host_memory`` that is not one of its modes.
         ImportError: executorch's CUDA backend is not importable.
         RuntimeError: a context is already active in this process.
         OSError: at entry, a ``spill_dir`` that cannot hold a spill file; while

@@ -1,0 +1,57 @@
+"""Handing the host heap back after each method's collect (``stream_cuda_weights(trim_host_memory=)``).
+
+executorch 1.5.1's ``backends/cuda/cuda_weight_collector.py::trim_host_memory``
+runs ``gc.collect()`` and glibc's ``malloc_trim(0)`` before and after each
+method's ``materialize``. The ``malloc_trim`` is what returns to the system the
+heap each method's AOTI compile (Inductor, triton, the C++ build) freed but
+glibc kept; each full collection walks every object of the lowered programs.
+The modes:
+
+* :data:`MALLOC_TRIM` (the default): upstream's call is skipped and
+  ``malloc_trim(0)`` runs once, after each method's collect;
+* ``True``: upstream's own ``gc.collect()`` + ``malloc_trim(0)``, twice per method;
+* ``False``: neither.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+from ...errors import ArgumentTypeError
+
+__all__ = ["MALLOC_TRIM", "TRIM_MODES", "check_mode", "malloc_trim"]
+
+MALLOC_TRIM = "malloc_trim"
+TRIM_MODES = (MALLOC_TRIM, True, False)
+
+
+def check_mode(mode: Any) -> bool | str:
+    """``mode`` when it is one of :data:`TRIM_MODES`.
+
+    Raises:
+        ArgumentTypeError: any other value (names it and the modes accepted).
+    """
+    if isinstance(mode, bool) or mode == MALLOC_TRIM:
+        return mode
+    raise ArgumentTypeError(f"stream_cuda_weights: trim_host_memory={mode!r} is not one of "
+                            f"{MALLOC_TRIM!r}, True, False")
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc: nothing to hand back this way
+        return None
+
+
+def malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: free heap pages handed back to the system.
+    ``False`` where the C library has no ``malloc_trim`` (nothing done)."""
+    trim = _libc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
