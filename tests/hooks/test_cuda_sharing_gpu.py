@@ -144,7 +144,7 @@ def test_gpu_fingerprint_scratch_stays_small_and_steps_join():
     base = torch.cuda.memory_allocated()
     fa = gpu_fingerprint(a)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= 6 << 20
+    assert torch.cuda.max_memory_allocated() - base <= 8 << 20  # 4 MiB of products + 2 of level 2 + temporaries
     assert torch.cuda.memory_allocated() == base  # nothing held after: no cuBLAS workspace, no scratch
     assert fa == gpu_fingerprint(b) == _fingerprint(a.cpu())  # the same on the CPU
     b[2 * step + 7] ^= 1  # in the third step
@@ -158,5 +158,5 @@ def test_gpu_fingerprint_scratch_stays_small_and_steps_join():
     base = torch.cuda.memory_allocated()
     gpu_fingerprint(big)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= 6 << 20  # was 0.33 GiB for 1 GiB, then 21 MiB
+    assert torch.cuda.max_memory_allocated() - base <= 8 << 20  # was 0.33 GiB for 1 GiB, then 21 MiB
     assert torch.cuda.memory_allocated() == base
