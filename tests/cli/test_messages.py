@@ -33,3 +33,17 @@ def test_extract_usage_error_has_the_prefix_of_every_command_usage_error(tmp_pat
     assert _run(capsys, "pack", "-q", ptd, tmp_path / "x.zst", "-o", "y")[2] == (
         f"ptdstream pack: OUT and -o name different files ({tmp_path / 'x.zst'}, y); give one\n")
     assert_only(tmp_path, ["ref", "m.ptd.zst"])
+
+
+def test_verify_given_a_ptd_first_says_to_give_the_pte_first(tmp_path, capsys):
+    files = write_reference("external", tmp_path)
+    pte, ptd = files["model.pte"], files[EXT_PTD]
+    tail = "(a .ptd alone: --against REF or --manifest M)\n"
+    head = f"ptdstream verify: {ptd} is a .ptd (FlatTensor data), not a program: the structure check needs the .pte first"
+    assert _run(capsys, "verify", ptd) == (
+        2, "", f"{head}, then its .ptd files: ptdstream verify MODEL.pte {ptd} {tail}")
+    assert _run(capsys, "verify", ptd, pte) == (
+        2, "", f"{head}, then its .ptd files: ptdstream verify {pte} {ptd} {tail}")
+    rc, out, err = _run(capsys, "verify", pte, ptd)  # the order it asks for
+    assert (rc, out.splitlines()[-1]) == (0, "OK: structure valid"), err
+    assert_only(tmp_path, ["model.pte", EXT_PTD])
