@@ -198,16 +198,27 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
         except Exception:  # noqa: BLE001 - the outputs themselves were the problem
             outputs = ()
     code, message = exit_for(error, getattr(args, "command", None), outputs)
+    problems = isinstance(error, CheckpointMismatchError)  # its problems, one per line
+    one_line = problems and bool(getattr(args, "quiet", False))  # -q: the first of them
+    line = _quiet_line(error) if one_line else message
     spool = getattr(args, "stdin_spool", None)
     if spool:
-        message = message.replace(spool, STDIN_NAME)
-    print_error(message, per_line=isinstance(error, CheckpointMismatchError))  # its problems, one per line
+        message, line = message.replace(spool, STDIN_NAME), line.replace(spool, STDIN_NAME)
+    print_error(line, per_line=problems and not one_line)
     if args is not None and getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
             print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
         except BrokenPipeError:
             silence_stdout()
     return code
+
+
+def _quiet_line(error: CheckpointMismatchError) -> str:
+    """The one line ``-q`` prints for a checkpoint that does not fit: the first
+    problem and how many more there are (as verify's one line for a failed check)."""
+    first, n = error.problems[0] if error.problems else "", len(error.problems)
+    more = f" (and {n - 1} more problem{'s' * (n != 2)})" if n > 1 else ""
+    return f"ptdstream: {error.checkpoint} does not fit {error.program} (nothing written): {first}{more}"
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:

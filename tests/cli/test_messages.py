@@ -47,3 +47,33 @@ def test_verify_given_a_ptd_first_says_to_give_the_pte_first(tmp_path, capsys):
     rc, out, err = _run(capsys, "verify", pte, ptd)  # the order it asks for
     assert (rc, out.splitlines()[-1]) == (0, "OK: structure valid"), err
     assert_only(tmp_path, ["model.pte", EXT_PTD])
+
+
+def _mismatch(tmp_path):
+    """The external-constants program and a checkpoint of it with one key left out
+    and another of the wrong dtype."""
+    from _models_rv import model
+    from safetensors.torch import save_file
+
+    files = write_reference("external", tmp_path / "ref")
+    state = {k: v.detach().contiguous() for k, v in model("external").state_dict().items()}
+    names = sorted(state)
+    wrong = {k: v for k, v in state.items() if k != names[0]}
+    wrong[names[1]] = state[names[1]].double()
+    save_file(wrong, str(tmp_path / "wrong.safetensors"))
+    save_file(state, str(tmp_path / "ck.safetensors"))
+    return files["model.pte"], tmp_path / "wrong.safetensors", tmp_path / "ck.safetensors"
+
+
+def test_weights_quiet_prints_one_line_for_a_mismatch_and_nothing_when_it_writes(tmp_path, capsys):
+    pte, wrong, ck = _mismatch(tmp_path)
+    first = "dtype: 'a.weight' is DOUBLE (torch.float64) in the checkpoint, the program expects FLOAT"
+    assert _run(capsys, "weights", "-q", pte, "--from", wrong, "-o", tmp_path / "out") == (
+        1, "", f"ptdstream: {wrong} does not fit {pte} (nothing written): {first} (and 1 more problem)\n")
+    rc, out, err = _run(capsys, "weights", pte, "--from", wrong, "-o", tmp_path / "out")  # without -q: all of them
+    assert (rc, out, err.splitlines()) == (1, "", [
+        f"ptdstream: {wrong} does not fit {pte} (2 problem(s); nothing written):", f"  {first}",
+        f"  missing: 'a.bias' (FLOAT[4] dim order [0]) is not in {wrong}"])
+    assert not (tmp_path / "out").exists()
+    assert _run(capsys, "weights", "-q", pte, "--from", ck, "-o", tmp_path / "out") == (0, "", "")
+    assert os.listdir(tmp_path / "out") == [EXT_PTD]
