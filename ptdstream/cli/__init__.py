@@ -197,10 +197,10 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
             outputs = tuple(args.outputs(args))
         except Exception:  # noqa: BLE001 - the outputs themselves were the problem
             outputs = ()
-    code, message = exit_for(error, getattr(args, "command", None), outputs)
+    code, message = exit_for(error, getattr(args, "command", None), outputs, _output_folders(args, error))
     problems = isinstance(error, CheckpointMismatchError)  # its problems, one per line
     one_line = problems and bool(getattr(args, "quiet", False))  # -q: the first of them
-    line = _quiet_line(error) if one_line else message
+    line = _quiet_line(error) if one_line and isinstance(error, CheckpointMismatchError) else message
     spool = getattr(args, "stdin_spool", None)
     if spool:
         message, line = message.replace(spool, STDIN_NAME), line.replace(spool, STDIN_NAME)
@@ -211,6 +211,20 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
         except BrokenPipeError:
             silence_stdout()
     return code
+
+
+def _output_folders(args: argparse.Namespace | None, error: BaseException) -> tuple[str, ...]:
+    """The command's output folders, none when the error is about one of its inputs
+    (an input may lie in an output folder)."""
+    if args is None or getattr(error, "filename", None) is None:
+        return ()
+    try:
+        filename = os.path.abspath(os.fspath(error.filename))  # type: ignore[attr-defined]  # checked above
+        if filename in {os.path.abspath(i) for i in args.inputs(args)}:
+            return ()
+        return tuple(args.output_folders(args))
+    except Exception:  # noqa: BLE001 - the arguments themselves were the problem
+        return ()
 
 
 def _quiet_line(error: CheckpointMismatchError) -> str:

@@ -77,3 +77,22 @@ def test_weights_quiet_prints_one_line_for_a_mismatch_and_nothing_when_it_writes
     assert not (tmp_path / "out").exists()
     assert _run(capsys, "weights", "-q", pte, "--from", ck, "-o", tmp_path / "out") == (0, "", "")
     assert os.listdir(tmp_path / "out") == [EXT_PTD]
+
+
+def test_weights_names_an_output_folder_it_cannot_create_as_not_written(tmp_path, capsys):
+    pte, _, ck = _mismatch(tmp_path)
+    (tmp_path / "afile").write_bytes(b"kept")
+    for out in (tmp_path / "afile" / "sub", tmp_path / "afile" / "a" / "b"):  # the folder, or a parent of it
+        assert _run(capsys, "weights", pte, "--from", ck, "-o", out) == (
+            2, "", f"ptdstream: cannot write {out}: Not a directory\n")
+    assert (tmp_path / "afile").read_bytes() == b"kept"
+    assert_only(tmp_path, ["ref", "wrong.safetensors", "ck.safetensors", "afile"])
+    # a file in the folder (a temp file it could not create) names the folder too; an input there stays an input
+    from ptdstream.cli.common import exit_for
+
+    out = str(tmp_path / "out")
+    temp = PermissionError(13, "Permission denied", os.path.join(out, ".ptdstream-1234-model.ptd"))
+    assert exit_for(temp, "weights", (), [out]) == (2, f"ptdstream: cannot write {out}: Permission denied")
+    assert exit_for(temp, "weights", ()) == (2, f"ptdstream: cannot read {temp.filename}: Permission denied")
+    rc, _, err = _run(capsys, "weights", tmp_path / "out" / "absent.pte", "--from", ck, "-o", out)
+    assert (rc, err) == (2, f"ptdstream: cannot read {tmp_path / 'out' / 'absent.pte'}: No such file or directory\n")
