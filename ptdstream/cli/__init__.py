@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(parser, argv)
         if args is None:
             return EXIT_USAGE
+        _preload()
         _end_startup()  # before any file is touched: Ctrl-C raises KeyboardInterrupt, clean-up runs
         with contextlib.ExitStack() as stack:
             _read_stdin(args, stack)
@@ -109,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         if args is None and "--json" in (sys.argv[1:] if argv is None else argv):
             args = argparse.Namespace(json=True, command=None)  # a usage error of a --json run
         return _report_error(e, args)
+
+
+def _preload() -> None:
+    """Import the readers and ``pack`` (flatbuffers, numpy, zstandard) while start-up's
+    SIGINT handler is in place (``ptdstream._entry``): a ``KeyboardInterrupt`` inside an
+    import can be swallowed by importlib ("Exception ignored in ... _get_module_lock")
+    or leave the process to die by the signal. ``--help`` has exited before: it
+    imports none of them."""
+    import importlib
+
+    importlib.import_module("ptdstream.pack")
 
 
 def _end_startup() -> None:

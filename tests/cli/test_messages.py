@@ -39,7 +39,8 @@ def test_verify_given_a_ptd_first_says_to_give_the_pte_first(tmp_path, capsys):
     files = write_reference("external", tmp_path)
     pte, ptd = files["model.pte"], files[EXT_PTD]
     tail = "(a .ptd alone: --against REF or --manifest M)\n"
-    head = f"ptdstream verify: {ptd} is a .ptd (FlatTensor data), not a program: the structure check needs the .pte first"
+    head = (f"ptdstream verify: {ptd} is a .ptd (FlatTensor data), not a program: the structure check needs the "
+            ".pte first")
     assert _run(capsys, "verify", ptd) == (
         2, "", f"{head}, then its .ptd files: ptdstream verify MODEL.pte {ptd} {tail}")
     assert _run(capsys, "verify", ptd, pte) == (
@@ -96,3 +97,24 @@ def test_weights_names_an_output_folder_it_cannot_create_as_not_written(tmp_path
     assert exit_for(temp, "weights", ()) == (2, f"ptdstream: cannot read {temp.filename}: Permission denied")
     rc, _, err = _run(capsys, "weights", tmp_path / "out" / "absent.pte", "--from", ck, "-o", out)
     assert (rc, err) == (2, f"ptdstream: cannot read {tmp_path / 'out' / 'absent.pte'}: No such file or directory\n")
+
+
+def test_help_imports_neither_numpy_nor_flatbuffers_nor_torch():
+    """``-X importtime`` lists every module the process imported, to its exit."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for argv in (["--help"], ["verify", "--help"], ["pack", "--help"]):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream", *argv], capture_output=True,
+                              text=True, env=env, timeout=120)
+        modules = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                   if line.startswith("import time:")}
+        assert proc.returncode == 0 and "ptdstream" in modules and "exit codes:" in proc.stdout, proc.stderr[-2000:]
+        assert modules & {"numpy", "torch", "flatbuffers", "executorch", "zstandard"} == set(), argv
+
+
+def test_pack_help_gives_the_level_pack_uses(capsys):
+    from ptdstream.cli import cmd_pack
+    from ptdstream.pack import compress
+
+    assert cmd_pack.DEFAULT_LEVEL == compress.DEFAULT_LEVEL
+    rc, out, _ = _run(capsys, "pack", "--help")
+    assert rc == 0 and f"zstd level, -7..22 (default {compress.DEFAULT_LEVEL})" in " ".join(out.split())
