@@ -163,7 +163,8 @@ def _refuse_data_first(args) -> None:
     program = shown[programs[0]] if programs else "MODEL.pte"
     data = [f for i, f in enumerate(shown) if not programs or i != programs[0]]
     line = " ".join(shlex.quote(f) if f != "MODEL.pte" else f for f in ["ptdstream", "verify", program, *data])
-    raise UsageError(f"ptdstream verify: {shown[0]} is a .ptd (FlatTensor data), not a program: the structure check "
+    first = STDIN_NAME if args.files[0] == spool else args.files[0]  # as reports and errors name stdin
+    raise UsageError(f"ptdstream verify: {first} is a .ptd (FlatTensor data), not a program: the structure check "
                      f"needs the .pte first, then its .ptd files: {line} (a .ptd alone: --against REF or "
                      "--manifest M)")
 

@@ -35,7 +35,7 @@ def test_extract_usage_error_has_the_prefix_of_every_command_usage_error(tmp_pat
     assert_only(tmp_path, ["ref", "m.ptd.zst"])
 
 
-def test_verify_given_a_ptd_first_says_to_give_the_pte_first(tmp_path, capsys):
+def test_verify_given_a_ptd_first_says_to_give_the_pte_first(tmp_path, capsys, monkeypatch):
     files = write_reference("external", tmp_path)
     pte, ptd = files["model.pte"], files[EXT_PTD]
     tail = "(a .ptd alone: --against REF or --manifest M)\n"
@@ -45,6 +45,11 @@ def test_verify_given_a_ptd_first_says_to_give_the_pte_first(tmp_path, capsys):
         2, "", f"{head}, then its .ptd files: ptdstream verify MODEL.pte {ptd} {tail}")
     assert _run(capsys, "verify", ptd, pte) == (
         2, "", f"{head}, then its .ptd files: ptdstream verify {pte} {ptd} {tail}")
+    with open(ptd) as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert _run(capsys, "verify", "-") == (2, "", (
+            "ptdstream verify: - (stdin) is a .ptd (FlatTensor data), not a program: the structure check needs the "
+            f".pte first, then its .ptd files: ptdstream verify MODEL.pte - {tail}"))
     rc, out, err = _run(capsys, "verify", pte, ptd)  # the order it asks for
     assert (rc, out.splitlines()[-1]) == (0, "OK: structure valid"), err
     assert_only(tmp_path, ["model.pte", EXT_PTD])
