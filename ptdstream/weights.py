@@ -50,7 +50,8 @@ from typing import Any
 from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from .errors import CheckpointMismatchError
 from .reports import Report
-from .sources.checkpoint import Checkpoint, open_checkpoint
+from .sources.checkpoint import open_checkpoint
+from .sources.checkpoint_base import Checkpoint
 from .weights_check import KeyMap, check_keys, mapper, tags_and_order
 
 __all__ = ["DEFAULT_TAG", "WeightsReport", "read_program_weights", "write_ptd"]
@@ -257,7 +258,7 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
         checkpoint: a path (``.safetensors``, a Hugging Face index or folder, a
             ``torch.save`` file, a DCP folder with ``format="dcp"``; see
             :func:`~ptdstream.sources.checkpoint.open_checkpoint`) or an open
-            :class:`~ptdstream.sources.checkpoint.Checkpoint`.
+            :class:`~ptdstream.sources.checkpoint_base.Checkpoint`.
         out_dir: existing folder for the ``<tag>.ptd`` files.
         like: the ``.ptd`` files of the original export: each key's tag is the
             name of the file holding it and the key order is theirs.

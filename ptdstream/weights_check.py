@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from .sources.checkpoint import Checkpoint
+from .sources.checkpoint_base import Checkpoint
 
 __all__ = ["Located", "check_keys", "describe_layout", "mapper", "tags_and_order"]
 

@@ -90,26 +90,26 @@ def _scenario(name, rank, world, mesh, writer):
             tensors = {"a": a}
         target = "b" if name == "change-shard-dedup-unwritten" else "a"
         if rank == 1:
-            original = writer._write_pieces
+            original = writer.write_pieces
 
             def changing(*args, **kwargs):
                 tensors[target].to_local().view(-1).view(torch.uint8)[5] ^= 1
                 return original(*args, **kwargs)
-            writer._write_pieces = changing
-            restore.append(lambda: setattr(writer, "_write_pieces", original))
+            writer.write_pieces = changing
+            restore.append(lambda: setattr(writer, "write_pieces", original))
         return tensors, kw, restore
     if name == "change-replicate-owner":
         t = distribute_tensor(full.clone(), mesh, [Replicate()])
         import zlib
         owner = zlib.crc32(b"r") % world
         if rank == owner:
-            original = writer._write_pieces
+            original = writer.write_pieces
 
             def changing(*args, **kwargs):
                 t.to_local().view(-1).view(torch.uint8)[70] ^= 1
                 return original(*args, **kwargs)
-            writer._write_pieces = changing
-            restore.append(lambda: setattr(writer, "_write_pieces", original))
+            writer.write_pieces = changing
+            restore.append(lambda: setattr(writer, "write_pieces", original))
         return {"r": t}, kw, restore
     if name == "change-between-describe-and-plan":
         # a non-candidate changed between describe and plan (during the fingerprint step)
@@ -126,20 +126,20 @@ def _scenario(name, rank, world, mesh, writer):
     if name == "freed-storage":
         mine = {f"p{rank}": full.clone() + rank}
         if rank == 1:
-            original = writer._write_pieces
+            original = writer.write_pieces
 
             def freeing(*args, **kwargs):
                 mine["p1"].untyped_storage().resize_(0)
                 return original(*args, **kwargs)
-            writer._write_pieces = freeing
-            restore.append(lambda: setattr(writer, "_write_pieces", original))
+            writer.write_pieces = freeing
+            restore.append(lambda: setattr(writer, "write_pieces", original))
         return mine, kw, restore
     if name == "kill-rank0-in-write":
         mine = {f"p{rank}": full.clone() + rank}
         if rank == 0:
             def dying(*a, **k):
                 os._exit(3)
-            writer._write_pieces = dying
+            writer.write_pieces = dying
         return mine, kw, restore
     if name == "kill-rank1-in-plan":
         mine = {f"p{rank}": full.clone() + rank}

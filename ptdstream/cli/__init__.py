@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(parser, argv)
         if args is None:
             return EXIT_USAGE
+        _preload()
         _end_startup()  # before any file is touched: Ctrl-C raises KeyboardInterrupt, clean-up runs
         with contextlib.ExitStack() as stack:
             _read_stdin(args, stack)
@@ -109,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         if args is None and "--json" in (sys.argv[1:] if argv is None else argv):
             args = argparse.Namespace(json=True, command=None)  # a usage error of a --json run
         return _report_error(e, args)
+
+
+def _preload() -> None:
+    """Import the readers and ``pack`` (flatbuffers, numpy, zstandard) while start-up's
+    SIGINT handler is in place (``ptdstream._entry``): a ``KeyboardInterrupt`` inside an
+    import can be swallowed by importlib ("Exception ignored in ... _get_module_lock")
+    or leave the process to die by the signal. ``--help`` has exited before: it
+    imports none of them."""
+    import importlib
+
+    importlib.import_module("ptdstream.pack")
 
 
 def _end_startup() -> None:
@@ -197,17 +209,42 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
             outputs = tuple(args.outputs(args))
         except Exception:  # noqa: BLE001 - the outputs themselves were the problem
             outputs = ()
-    code, message = exit_for(error, getattr(args, "command", None), outputs)
+    code, message = exit_for(error, getattr(args, "command", None), outputs, _output_folders(args, error))
+    problems = isinstance(error, CheckpointMismatchError)  # its problems, one per line
+    one_line = problems and bool(getattr(args, "quiet", False))  # -q: the first of them
+    line = _quiet_line(error) if one_line and isinstance(error, CheckpointMismatchError) else message
     spool = getattr(args, "stdin_spool", None)
     if spool:
-        message = message.replace(spool, STDIN_NAME)
-    print_error(message, per_line=isinstance(error, CheckpointMismatchError))  # its problems, one per line
+        message, line = message.replace(spool, STDIN_NAME), line.replace(spool, STDIN_NAME)
+    print_error(line, per_line=problems and not one_line)
     if args is not None and getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
             print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
         except BrokenPipeError:
             silence_stdout()
     return code
+
+
+def _output_folders(args: argparse.Namespace | None, error: BaseException) -> tuple[str, ...]:
+    """The command's output folders, none when the error is about one of its inputs
+    (an input may lie in an output folder)."""
+    if args is None or getattr(error, "filename", None) is None:
+        return ()
+    try:
+        filename = os.path.abspath(os.fspath(error.filename))  # type: ignore[attr-defined]  # checked above
+        if filename in {os.path.abspath(i) for i in args.inputs(args)}:
+            return ()
+        return tuple(args.output_folders(args))
+    except Exception:  # noqa: BLE001 - the arguments themselves were the problem
+        return ()
+
+
+def _quiet_line(error: CheckpointMismatchError) -> str:
+    """The one line ``-q`` prints for a checkpoint that does not fit: the first
+    problem and how many more there are (as verify's one line for a failed check)."""
+    first, n = error.problems[0] if error.problems else "", len(error.problems)
+    more = f" (and {n - 1} more problem{'s' * (n != 2)})" if n > 1 else ""
+    return f"ptdstream: {error.checkpoint} does not fit {error.program} (nothing written): {first}{more}"
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:

@@ -30,7 +30,7 @@ def run(args) -> int:
     from ..pack.extract import PackedArtifact
 
     if not args.list and (args.key is None) == (args.segment is None):
-        raise UsageError("ptdstream extract: error: give exactly one of KEY or --segment INDEX (or --list)")
+        raise UsageError("ptdstream extract: give exactly one of KEY or --segment INDEX (or --list)")
     with PackedArtifact(args.packed) as packed:
         if args.list:
             return _list(packed.artifact, args)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from ..defaults import CHUNK_NBYTES
-from ..pack.compress import DEFAULT_LEVEL
 from .common import EXIT_OK, UsageError, add_command, binary_stdout, parse_nbytes, print_report, progress_wanted
 
-__all__ = ["output_path", "register", "run"]
+__all__ = ["DEFAULT_LEVEL", "output_path", "register", "run"]
+
+#: ``pack``'s zstd level (:data:`ptdstream.pack.compress.DEFAULT_LEVEL`, which a test
+#: compares), for ``--help``: importing ``ptdstream.pack`` imports flatbuffers and numpy.
+DEFAULT_LEVEL = 3
 
 
 def register(subparsers) -> None:

@@ -122,6 +122,7 @@ def _check(args) -> int:
     else:
         from ..check.structure import check_structure
 
+        _refuse_data_first(args)
         report = check_structure(args.files[0], args.files[1:], kernels=args.kernels)
     print_report(args, report)
     if not report.ok and args.quiet:
@@ -129,6 +130,43 @@ def _check(args) -> int:
     if args.against is None and args.manifest is None and not args.quiet:
         print_error(INTEGRITY_HINT)
     return EXIT_OK if report.ok else EXIT_INVALID
+
+
+def _kind(path: str) -> str | None:
+    """``"pte"`` or ``"ptd"`` from a file's identifier (bytes 4..8), else None (the
+    structure check reports what is wrong with it)."""
+    from ..format.identity import kind_of
+
+    try:
+        with open(path, "rb") as f:
+            return kind_of(f.read(8)[4:])
+    except OSError:
+        return None
+
+
+def _refuse_data_first(args) -> None:
+    """The structure check reads a program first, then its data files.
+
+    Raises:
+        UsageError: the first FILE is a .ptd (FlatTensor data), naming it and the
+            command line to run: the .pte first (one of the other FILEs if one
+            is, else ``MODEL.pte``), or ``--against`` / ``--manifest`` for the
+            .ptd alone.
+    """
+    import shlex
+
+    if _kind(args.files[0]) != "ptd":
+        return
+    spool = getattr(args, "stdin_spool", None)
+    shown = ["-" if f == spool else f for f in args.files]
+    programs = [i for i, f in enumerate(args.files[1:], 1) if _kind(f) == "pte"]
+    program = shown[programs[0]] if programs else "MODEL.pte"
+    data = [f for i, f in enumerate(shown) if not programs or i != programs[0]]
+    line = " ".join(shlex.quote(f) if f != "MODEL.pte" else f for f in ["ptdstream", "verify", program, *data])
+    first = STDIN_NAME if args.files[0] == spool else args.files[0]  # as reports and errors name stdin
+    raise UsageError(f"ptdstream verify: {first} is a .ptd (FlatTensor data), not a program: the structure check "
+                     f"needs the .pte first, then its .ptd files: {line} (a .ptd alone: --against REF or "
+                     "--manifest M)")
 
 
 def _failure_line(report, args) -> str:

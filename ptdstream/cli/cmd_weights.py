@@ -42,10 +42,11 @@ def register(subparsers) -> None:
                    "torch.save state dict (read with weights_only=True), a torch.distributed.checkpoint folder "
                    "only with --format dcp (its metadata is a pickle that runs code: trusted checkpoints only)\n"
                    "exit codes: 0 written, 1 the checkpoint does not fit the program (nothing written), "
-                   "2 usage error or unreadable input",
+                   "2 usage error, unreadable input or an -o folder that cannot be created or written",
         progress=True,
         run=run, inputs=lambda a: [a.program, *a.like, *files_of(a.checkpoint), *files_of(a.old_checkpoint)],
         outputs=lambda a: (),  # the file names come from the program: write_ptd refuses existing ones (-f)
+        output_folders=lambda a: [a.out],
         stdin=("program",), imports_torch=True, check=check)
     p.add_argument("program", help="the .pte (only its metadata is read; - for stdin)")
     p.add_argument("--from", dest="checkpoint", required=True, help="the checkpoint (file or folder)")

@@ -3,7 +3,7 @@ from errors to exit codes and messages, output and input helpers.
 
 Exit codes: 0 ok; 1 mismatch or invalid file, an output that could not be
 written (disk full: ENOSPC, EDQUOT, EFBIG), or a failure inside a command;
-2 usage error or unreadable input; 130 interrupted.
+2 usage error, unreadable input or an output that cannot be created; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ examples:
 exit codes:
   0  ok
   1  files differ, a file is not a valid .pte/.ptd, or an output could not be written (disk full)
-  2  usage error, or an input cannot be read (missing file, permission)
+  2  usage error, an input that cannot be read (missing file, permission), or an output that cannot be
+     created (its folder missing or not writable)
   130  interrupted (Ctrl-C): one line, no temp file left
 """
 
 #: The exit codes line of a command's own epilog.
-EXIT_LINE = ("exit codes: 0 ok, 1 corrupt input, mismatch or output not written (disk full), 2 usage error or "
-             "unreadable input, 130 interrupted")
+EXIT_LINE = ("exit codes: 0 ok, 1 corrupt input, mismatch or output not written (disk full), 2 usage error, "
+             "unreadable input or an output that cannot be created, 130 interrupted")
 
 
 class UsageError(Exception):
@@ -69,6 +70,7 @@ def add_command(subparsers, name: str, *, help: str, description: str,
                 examples: Sequence[tuple[str, str]], run: Callable[[argparse.Namespace], int],
                 inputs: Callable[[argparse.Namespace], Sequence[str]] = lambda a: (),
                 outputs: Callable[[argparse.Namespace], Sequence[str | None]] | None = None,
+                output_folders: Callable[[argparse.Namespace], Sequence[str]] = lambda a: (),
                 stdin: Sequence[str] = (), reports: bool = True, progress: bool = False,
                 imports_torch: bool = False, exit_codes: str = EXIT_LINE,
                 check: Callable[[argparse.Namespace], None] = lambda a: None) -> argparse.ArgumentParser:
@@ -83,6 +85,9 @@ def add_command(subparsers, name: str, *, help: str, description: str,
             outputs gets ``-f/--force``; ``main`` refuses (exit 2) an output that is
             an input, or that exists without ``--force``
             (:func:`ptdstream.system.files.refuse_overwrite`).
+        output_folders: the folders it writes files into whose names it learns only
+            while it runs: an error on such a folder, a file in it or a parent it
+            creates names the folder as an output that cannot be written.
         stdin: names of arguments (a path or a list of paths) where ``-`` means
             standard input (spooled to a temp file: the readers need random access).
         reports: the command prints a report: ``--json`` prints it as JSON, and
@@ -98,7 +103,8 @@ def add_command(subparsers, name: str, *, help: str, description: str,
     epilog = "examples:\n" + "\n".join(f"  {cmd:<{width}}{what}" for cmd, what in examples)
     parser = subparsers.add_parser(name, help=help, description=description, epilog=f"{epilog}\n\n{exit_codes}",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.set_defaults(run=run, inputs=inputs, outputs=outputs or (lambda a: ()), force=False, json=False,
+    parser.set_defaults(run=run, inputs=inputs, outputs=outputs or (lambda a: ()), output_folders=output_folders,
+                        force=False, json=False,
                         progress=None, stdin=tuple(stdin), imports_torch=imports_torch, check=check)
     if reports:
         parser.add_argument("--json", action="store_true", help="print the report (or the error) as JSON on stdout")
@@ -159,14 +165,15 @@ def spool_stdin(folder: str | None = None) -> str:
 
 
 def exit_for(error: BaseException, command: str | None,
-             outputs: Sequence[str | None] = ()) -> tuple[int, str]:
+             outputs: Sequence[str | None] = (), folders: Sequence[str] = ()) -> tuple[int, str]:
     """The one mapping from an error to ``(exit code, one-line message)``.
 
     Usage errors, bad parameters and keys a file does not hold exit 2; invalid or
     corrupt input and mismatches exit 1; a write that fails for want of room
     (``ENOSPC``, ``EDQUOT``, ``EFBIG``: an output, file or stdout, not written)
     exits 1; an input that cannot be read or an output that cannot be opened
-    (``outputs``: the command's output paths, None for stdout) exits 2; Ctrl-C 130.
+    (``outputs``: the command's output paths, None for stdout; ``folders``: its
+    output folders, see :func:`add_command`) exits 2; Ctrl-C 130.
     Anything else is a failure inside the command (1), in one line.
     """
     if isinstance(error, UsageError):
@@ -183,13 +190,13 @@ def exit_for(error: BaseException, command: str | None,
         what = error.strerror or str(error) or type(error).__name__
         if error.errno in OUTPUT_FULL_ERRNOS:
             if error.filename:
-                written = _output_of(os.fspath(error.filename), outputs) or error.filename
+                written = _output_of(os.fspath(error.filename), outputs, folders) or error.filename
                 return EXIT_INVALID, f"ptdstream: cannot write {written}: {what}"
             if None in outputs:
                 return EXIT_INVALID, f"ptdstream: cannot write standard output: {what}"
             return EXIT_INVALID, f"ptdstream: {what}"
         if error.filename:
-            written = _output_of(os.fspath(error.filename), outputs)
+            written = _output_of(os.fspath(error.filename), outputs, folders)
             if written is not None:
                 return EXIT_USAGE, f"ptdstream: cannot write {written}: {what}"
             return EXIT_USAGE, f"ptdstream: cannot read {error.filename}: {what}"
@@ -202,9 +209,14 @@ def exit_for(error: BaseException, command: str | None,
                           "(-v or PTDSTREAM_DEBUG=1 for a traceback)")
 
 
-def _output_of(path: str, outputs: Sequence[str | None]) -> str | None:
-    """The output that ``path`` is (or whose temp file or folder it is), else None."""
+def _output_of(path: str, outputs: Sequence[str | None], folders: Sequence[str] = ()) -> str | None:
+    """The output that ``path`` is (or whose temp file or folder it is), or the
+    output folder that ``path`` is, is in or is a parent of; else None."""
     real = os.path.abspath(path)
+    for folder in folders:
+        target = os.path.abspath(folder)
+        if real == target or os.path.dirname(real) == target or target.startswith(real.rstrip(os.sep) + os.sep):
+            return folder
     for output in outputs:
         if output is None:
             continue

@@ -36,29 +36,19 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
-from ..errors import IntegrityError, LayoutError
+from ..defaults import CHUNK_NBYTES
 from ..progress import check_progress, progress_callback
 from ..reports import Report
-from ..sources import BufferRing, Source, as_source
-from ..sources.fingerprint import StreamingDigest, check_expected
+from ..sources import BufferRing, Source
 from .collective import Collective, DistributedIntegrityError, DistributedWriteError
-from .fingerprint import combine, digest_piece
-from .plan import (
-    PREFIX_NBYTES,
-    PieceInfo,
-    check_local_shape,
-    collate,
-    dedup_candidates,
-    plan_files,
-    store_layout,
-    wire_plan,
-)
+from .fingerprint import combine
+from .local import candidate_digest, local_pieces
+from .plan import PieceInfo, collate, dedup_candidates, plan_files, wire_plan
+from .temp_files import create_temp_files, write_pieces
 
 __all__ = ["DistributedIntegrityError", "DistributedReport", "DistributedWriteError", "write_data_files"]
 
@@ -78,203 +68,6 @@ class DistributedReport(Report):
         lines.append(f"{self.rank_nbytes:,} bytes written by this rank in {self.seconds:.2f} s; "
                      f"dedup saved {self.dedup_saved_nbytes:,} bytes")
         return "\n".join(lines)
-
-
-def _local_pieces(tensors: Mapping[str, Any], tag_of: Callable[[str], str], alignment: int, rank: int):
-    """``[PieceInfo]`` and ``{key: (source, tensor, first bytes)}`` of this rank's
-    pieces, taken at hand-over: a CPU piece the caller can still change carries its
-    xxh3-128 digest (:meth:`~ptdstream.sources.base.Source.hand_over`), a CUDA piece its
-    GPU fingerprint, checked again when the piece is written.
-
-    A 0-dim DTensor is written whole by one rank (a ``Partial`` one is first
-    redistributed to ``Replicate``); a shard that holds no rows is a piece of 0 bytes.
-    A ``Replicate`` DTensor has its local tensor's layout (channels_last kept), a
-    ``Shard(0)`` one the row-major layout of its whole.
-
-    Raises:
-        LayoutError: a key that is not a str, a value that is not a tensor, a
-            layout the single-process store refuses, a DTensor on a mesh of more
-            than one dimension, a local tensor of another shape than its placement
-            gives, a ``Shard(0)`` DTensor or local tensor that is not row-major.
-    """
-    import torch
-    from executorch.exir.tensor import scalar_type_enum
-
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:  # pragma: no cover - torch without DTensor
-        DTensor = ()  # type: ignore[misc, assignment]  # no DTensor class: isinstance(x, ()) is False
-    infos: list[PieceInfo] = []
-    local: dict[str, tuple[Source, Any, bytes]] = {}
-    for key, tensor in tensors.items():
-        if not isinstance(key, str):
-            raise LayoutError(f"key {key!r} is not a str")
-        private = False  # a copy made here, which the caller cannot change
-        if isinstance(tensor, DTensor):
-            mesh = tensor.device_mesh
-            if mesh.ndim != 1:
-                raise LayoutError(f"key {key!r}: a DTensor on a {mesh.ndim}-D mesh; only 1-D meshes are supported")
-            placement = tensor.placements[0]
-            strides = list(tensor.stride())  # the whole's, as the caller passed it
-            dense = torch.empty_strided(tensor.shape, tensor.stride(), device="meta").is_contiguous()
-            if tensor.dim() == 0 and not placement.is_replicate():
-                tensor, private = tensor.redistribute(mesh, [Replicate()]), True  # a scalar has no rows
-                placement = tensor.placements[0]
-            elif not (placement.is_replicate() or placement.is_shard(dim=0)):
-                # Rows of a Shard(0) tensor are byte ranges of the whole: DTensor moves the data.
-                tensor, private = tensor.redistribute(mesh, [Shard(0)]), True
-                placement = tensor.placements[0]
-            coordinate = mesh.get_coordinate()[0]  # type: ignore[index]  # None only off the mesh; this rank is on it
-            piece = tensor.to_local()
-            scalar = int(scalar_type_enum(tensor.dtype))
-            sizes, dim_order = tuple(int(s) for s in tensor.shape), tuple(range(tensor.dim()))
-            check_local_shape(key, tuple(piece.shape), sizes, placement.is_shard(), mesh.size(), coordinate)
-            if placement.is_replicate():
-                dim_order = store_layout(key, piece)[2]  # as one process: contiguous or channels_last
-                # One rank writes a replicated tensor, the same on every rank whatever the
-                # order of its other keys; spread over the ranks by the key's CRC-32.
-                owner = zlib.crc32(key.encode()) % mesh.size()
-                if coordinate != owner:
-                    piece = piece.new_empty(0)  # no bytes
-                coordinate = 0 if coordinate == owner else 1
-            elif not (dense and (private or piece.numel() == 0 or piece.is_contiguous())):
-                raise LayoutError(f"key {key!r}: a Shard(0) DTensor of strides {strides}, its local "
-                                  f"tensor of strides {list(piece.stride())}: not contiguous, so its rows are not "
-                                  "byte ranges of the whole as one process writes it (channels_last included); make "
-                                  "the tensor contiguous before sharding it, or pass a Replicate() DTensor")
-            total = tensor.numel() * tensor.element_size()
-            sharded = True
-            if placement.is_shard() and not piece.is_contiguous():  # redistributed by DTensor from a row-major whole
-                piece, private = piece.contiguous(), True
-            if piece.numel() == 0:  # no bytes; its storage offset may lie past its (empty) storage
-                piece, private = piece.new_empty(piece.shape), True
-        elif isinstance(tensor, torch.Tensor):
-            piece, coordinate, sharded = tensor.detach(), 0, False
-            scalar, sizes, dim_order = store_layout(key, piece)
-            total = piece.numel() * piece.element_size()
-        else:
-            raise LayoutError(f"key {key!r}: a {type(tensor).__name__}, not a tensor or DTensor")
-        source = _handed_over(piece, f"rank {rank} key {key!r}", fingerprint=not private)
-        head = source.prefix(PREFIX_NBYTES)
-        infos.append(PieceInfo(key, tag_of(key), alignment, scalar, sizes, dim_order, total, coordinate,
-                               sharded, source.nbytes, head, rank, str(placement) if sharded else ""))
-        local[key] = (source, piece, head)
-    return infos, local
-
-
-def _handed_over(piece, label: str, fingerprint: bool) -> Source:
-    """The source of a piece, with the fingerprint it is checked against when
-    written: the xxh3-128 of a CPU piece (:meth:`~ptdstream.sources.base.Source.hand_over`),
-    the GPU fingerprint of a CUDA piece (checked once its bytes are copied out, as
-    :mod:`ptdstream.hooks.cuda.backend` does). ``fingerprint=False`` for a copy the
-    writer made itself (nobody else can change it)."""
-    if not (fingerprint and piece.numel()):
-        return as_source(piece, label=label)
-    if piece.is_cuda:
-        import torch
-
-        from ..sources.base import Expectation
-        from ..sources.cuda import CudaTensorSource
-        from ..sources.cuda_fingerprint import gpu_fingerprint
-
-        now = gpu_fingerprint(piece.reshape(-1).view(torch.uint8))
-        return CudaTensorSource(piece, label=label, expectation=Expectation(gpu_fingerprint=now))
-    return as_source(piece, label=label).hand_over()
-
-
-def _candidate_digest(source: Source, offset: int, ring: BufferRing):
-    """The composable digest of a dedup candidate's piece at ``offset`` (bytes) in
-    the whole, checked in the same pass against the xxh3-128 taken at hand-over.
-
-    Raises:
-        IntegrityError: the bytes are no longer those handed over (both digests).
-    """
-    seen = StreamingDigest()
-
-    def tee():
-        for piece in source.pieces(ring):
-            seen.update(piece)
-            yield piece
-
-    part = digest_piece(tee(), offset)
-    now, expected = seen.finish(), source.expectation.fingerprint
-    if expected is not None and now != expected:
-        raise IntegrityError(f"{source.describe()} changed after it was handed over (digest {now.hex} before the "
-                             f"plan != {expected.hex} when handed over); nothing was published")
-    return part
-
-
-def _write_pieces(wire, local, offsets, rank: int, chunk_nbytes: int, progress: Callable[[int], object]) -> int:
-    """pwrite this rank's pieces into the temp files, window by window to disk and
-    out of the page cache (:class:`~ptdstream.system.writeback.WritebackWindows`),
-    digesting each piece as written, ``progress(bytes)`` after each; fsync; drop
-    their pages.
-
-    Raises:
-        IntegrityError: a piece whose first bytes, size or digest differ from
-            those taken at hand-over (naming rank, key, file and offset).
-        OSError: a write failed (naming rank and file).
-    """
-    from ..system.files import pwrite_all
-    from ..system.pagecache import drop_pages
-    from ..system.writeback import WritebackWindows
-
-    ring = BufferRing(chunk_nbytes, count=1)
-    written = 0
-    for target, temp, _, writes in wire:
-        mine = [(key, at) for key, at, _ in writes if key in local and local[key][0].nbytes]
-        if not mine:
-            continue
-        fd = os.open(temp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-        writeback = WritebackWindows(fd)
-        try:
-            for key, at in mine:
-                source, _, head = local[key]
-                position = at + offsets[(key, rank)]
-                where = f"{target} at offset {position}: "
-                digest = StreamingDigest()
-                for piece in _pieces_of(source, ring, where):
-                    if digest.nbytes == 0 and bytes(piece[: len(head)]) != head[: len(piece)]:
-                        raise IntegrityError(f"{where}{source.describe()} changed after it was handed over (its "
-                                             "first bytes differ from the plan's); nothing was published")
-                    if digest.nbytes + len(piece) > source.nbytes:
-                        raise IntegrityError(f"{where}{source.describe()} gave more than the {source.nbytes} "
-                                             "bytes planned; nothing was published")
-                    n = pwrite_all(fd, piece, position)
-                    writeback.written(position, n)
-                    digest.update(piece)  # the bytes as written (or later)
-                    position += n
-                    written += n
-                    progress(n)
-                if digest.nbytes != source.nbytes:
-                    raise IntegrityError(f"{where}{source.describe()} gave {digest.nbytes} bytes, "
-                                         f"{source.nbytes} planned; nothing was published")
-                check_expected(source, digest.finish(), where)
-            writeback.close()
-            os.fsync(fd)
-            drop_pages(fd, 0, 0)
-        except OSError as e:
-            raise OSError(e.errno, f"rank {rank}: writing {temp} (for {target}) failed: {e.strerror}") from e
-        finally:
-            try:
-                writeback.close()  # its thread has ended, even when Ctrl-C comes
-            finally:
-                os.close(fd)
-    return written
-
-
-def _pieces_of(source: Source, ring: BufferRing, where: str):
-    """``source.pieces(ring)``, its IntegrityError (storage freed, GPU fingerprint
-    changed) prefixed with the file and offset."""
-    pieces = source.pieces(ring)
-    while True:
-        try:
-            piece = next(pieces)
-        except StopIteration:
-            return
-        except IntegrityError as e:
-            raise IntegrityError(f"{where}{e}") from e
-        yield piece
 
 
 class _RankWrite:
@@ -297,14 +90,14 @@ class _RankWrite:
         check_progress(self.progress)
         if not os.path.isdir(self.folder):
             raise FileNotFoundError(f"{self.folder}: output folder does not exist (rank {self.rank})")
-        infos, self.local = _local_pieces(self.tensors, self.tag_of, self.alignment, self.rank)
+        infos, self.local = local_pieces(self.tensors, self.tag_of, self.alignment, self.rank)
         return infos
 
     def fingerprint(self, all_infos: list[list[PieceInfo]]) -> dict[str, Any]:
         self.order, self.pieces, self.offsets = collate(all_infos)
         self.heads, self.candidates = dedup_candidates(self.order, self.pieces)
         ring = BufferRing(self.chunk_nbytes, count=1)
-        return {key: _candidate_digest(self.local[key][0], self.offsets[(key, self.rank)], ring)
+        return {key: candidate_digest(self.local[key][0], self.offsets[(key, self.rank)], ring)
                 for key in self.order if key in self.candidates and key in self.local}
 
     def plan(self, all_partials: list[dict[str, Any]]):
@@ -313,14 +106,14 @@ class _RankWrite:
                         for key in self.candidates}
         self.files, dedup = plan_files(self.order, self.pieces, self.heads, fingerprints, self.segment_alignment,
                                        self.folder)
-        self.sinks = _create_temp_files(self.files)
+        self.sinks = create_temp_files(self.files)
         return wire_plan(self.files, self.sinks), dedup
 
     def write(self, wire) -> int:
         mine = sum(self.local[key][0].nbytes for _, _, _, writes in wire for key, _, _ in writes if key in self.local)
         with contextlib.ExitStack() as stack:
             update = progress_callback(stack, self.progress, mine, f"rank {self.rank}: writing its pieces")
-            written = _write_pieces(wire, self.local, self.offsets, self.rank, self.chunk_nbytes, update)
+            written = write_pieces(wire, self.local, self.offsets, self.rank, self.chunk_nbytes, update)
         if self.rank == 0:
             for (_, plan), sink in zip(self.files, self.sinks, strict=True):
                 sink.write(plan.extents[0].data)  # the head: header + FlatTensor flatbuffer + padding
@@ -412,22 +205,3 @@ def write_data_files(
         save.abort()
         raise
     return DistributedReport(tuple(published), written, time.perf_counter() - start, dedup)
-
-
-def _create_temp_files(files):
-    """Rank 0: a sink (temp file) per file, at its full size (the gaps read as zeros)."""
-    from ..write.publish import prepare_folders
-    from ..write.sink import ChunkedFileSink
-
-    prepare_folders(target for target, _ in files)  # once per folder, before any temp file
-    sinks = []
-    try:
-        for target, plan in files:
-            sink = ChunkedFileSink(target, window_nbytes=WINDOW_NBYTES, clean_folder=False)
-            sinks.append(sink)
-            os.truncate(sink.temp_path, plan.nbytes)
-    except BaseException:
-        for sink in sinks:
-            sink.abort()
-        raise
-    return sinks

@@ -158,7 +158,7 @@ def _describe(entry: Any) -> str:
 def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[str, str] | None = None,
                  allow_extra: bool = False) -> BindingPlan:
     """Match every storage-less constant of ``programs`` ({method: ExportedProgram})
-    to a key of ``checkpoint`` (a :class:`~ptdstream.sources.checkpoint.Checkpoint`).
+    to a key of ``checkpoint`` (a :class:`~ptdstream.sources.checkpoint_base.Checkpoint`).
 
     A group of tied names takes the first of its names (in program order, after
     ``key_map``) that the checkpoint holds; each of its names the checkpoint

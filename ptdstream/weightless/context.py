@@ -93,7 +93,8 @@ from typing import Any
 from ..errors import IntegrityError, StateError
 from ..hooks.emitter import constants_by_reference
 from ..sources.base import FileIdentity
-from ..sources.checkpoint import Checkpoint, open_checkpoint
+from ..sources.checkpoint import open_checkpoint
+from ..sources.checkpoint_base import Checkpoint
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
 from .binding import UnboundConstantError, bind_programs, plan_binding, unbound_constants

@@ -106,7 +106,7 @@ class DeviceLoadStats:
 class DeviceLoads:
     """The bound constants of one weights_from context and the device copies made of them.
 
-    ``checkpoint``: the context's :class:`~ptdstream.sources.checkpoint.Checkpoint`;
+    ``checkpoint``: the context's :class:`~ptdstream.sources.checkpoint_base.Checkpoint`;
     ``identities``: each of its files -> its identity when the context opened it;
     ``staging``: device -> the staging ring to load through (default: the
     pinned ring of a CUDA device, a :class:`HostStaging` for another).

@@ -84,8 +84,11 @@ def test_manifest_is_written_read_and_verified_and_a_bad_key_is_named_escaped(pt
     assert code == 1 and [k.encode("utf-8", "surrogateescape") for k in check["bad_keys"]] == [b"k\xff\xfek"]
 
 
-def test_verify_names_the_keys_it_resolves(ptd, capsys):
-    code, out, _ = _cli(capsys, "verify", ptd)
+def test_verify_names_the_keys_it_resolves(ptd, capsys, tmp_path):
+    from _models_rv import write_reference
+
+    pte = write_reference("plain", tmp_path / "p")["model.pte"]
+    code, out, _ = _cli(capsys, "verify", pte, ptd)  # a program first: each .ptd after it is checked too
     assert "ok   " + str(ptd) + ": named keys: 3 keys resolve to segments" in out
     assert "ok   " + str(ptd) + ": keys unique: no key repeats" in out
 

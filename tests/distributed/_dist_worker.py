@@ -65,11 +65,11 @@ def change_tensors(rank: int):
 
 #: scenario: (rank, key, byte flipped, the writer function it is flipped before).
 CHANGES = {
-    "change-head": (1, "mine", 0, "_write_pieces"),
-    "change-middle": (1, "mine", 512, "_write_pieces"),
-    "change-last": (1, "mine", 1023, "_write_pieces"),
-    "change-dedup-first": (0, "shared", 600, "_write_pieces"),
-    "change-dedup-second": (1, "shared_copy", 600, "_write_pieces"),
+    "change-head": (1, "mine", 0, "write_pieces"),
+    "change-middle": (1, "mine", 512, "write_pieces"),
+    "change-last": (1, "mine", 1023, "write_pieces"),
+    "change-dedup-first": (0, "shared", 600, "write_pieces"),
+    "change-dedup-second": (1, "shared_copy", 600, "write_pieces"),
     "change-before-fingerprint": (1, "near", 500, "collate"),
 }
 
@@ -142,15 +142,15 @@ def _inject(scenario: str, rank: int, world: int, tensors, writer) -> None:
     if scenario == "raise" and rank == world - 1:
         def failing(*args, **kwargs):
             raise OSError(28, "No space left on device (injected)")
-        writer._write_pieces = failing
+        writer.write_pieces = failing
     if scenario == "raise-everywhere":
         def failing_here(*args, **kwargs):
             raise OSError(28, f"No space left on device (injected on rank {rank})")
-        writer._write_pieces = failing_here
+        writer.write_pieces = failing_here
     if scenario == "kill" and rank == world - 1:
         def dying(*args, **kwargs):
             os._exit(3)
-        writer._write_pieces = dying
+        writer.write_pieces = dying
     if scenario in CHANGES and CHANGES[scenario][0] == rank:
         _, key, byte, name = CHANGES[scenario]
         original = getattr(writer, name)
@@ -182,7 +182,7 @@ def worker(rank: int, world: int, init_file: str, out_root: str, scenarios, resu
         for scenario in scenarios:
             tensors, kwargs = _lie(scenario, rank, mesh) if scenario in LIES else (
                 _tensors(scenario, rank, world, mesh, device), {})
-            saved = (writer._write_pieces, writer.collate)
+            saved = (writer.write_pieces, writer.collate)
             _inject(scenario, rank, world, tensors, writer)
             try:
                 report = write_data_files(tensors, os.path.join(out_root, scenario),
@@ -192,7 +192,7 @@ def worker(rank: int, world: int, init_file: str, out_root: str, scenarios, resu
             except Exception as e:  # noqa: BLE001 - any failure is the scenario's outcome, checked by the test
                 outcome = f"error {type(e).__name__}: {e}"
             finally:
-                writer._write_pieces, writer.collate = saved
+                writer.write_pieces, writer.collate = saved
             with open(os.path.join(result_dir, f"{scenario}.rank{rank}"), "w") as f:
                 f.write(outcome)
     except Exception:  # noqa: BLE001 - any failure of the worker: its traceback and exit 1

@@ -325,15 +325,15 @@ def test_a_plain_tensor_the_single_process_store_refuses_is_refused_by_key():
     """Contiguous or channels_last only, as executorch's TensorLayout.from_tensor
     (and so StreamingNamedDataStore) accepts: a transposed tensor is refused,
     naming its key, before any rank plans or writes."""
-    from ptdstream.distributed.writer import _local_pieces
+    from ptdstream.distributed.local import local_pieces
     from ptdstream.errors import LayoutError
 
     base = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     channels_last = torch.zeros(1, 3, 2, 2).contiguous(memory_format=torch.channels_last)
-    infos, _ = _local_pieces({"w": base, "cl": channels_last}, lambda key: "model", 16, 0)
+    infos, _ = local_pieces({"w": base, "cl": channels_last}, lambda key: "model", 16, 0)
     assert [(i.key, i.dim_order) for i in infos] == [("w", (0, 1)), ("cl", (0, 2, 3, 1))]
     with pytest.raises(LayoutError, match=r"^key 'w.t': Tensor is not contiguous\. Please call \.contiguous\(\)"):
-        _local_pieces({"w.t": base.t()}, lambda key: "model", 16, 0)
+        local_pieces({"w.t": base.t()}, lambda key: "model", 16, 0)
 
 
 def test_a_group_failing_after_rank_0_published_says_the_set_was_published(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ from _checkpoints import rewrite_in_place
 
 from ptdstream.errors import FormatError, IntegrityError
 from ptdstream.sources import BufferRing
-from ptdstream.sources.checkpoint import DcpTensorSource, open_checkpoint
+from ptdstream.sources.checkpoint import open_checkpoint
+from ptdstream.sources.checkpoint_dcp import DcpTensorSource
 
 
 def _bytes(source) -> bytes:
@@ -118,7 +119,7 @@ def test_mapped_checkpoints_are_read_from_the_file_while_it_is_the_mapped_one(tm
 
 def test_torch_save_of_native_byte_order_is_read_from_the_file(tmp_path, monkeypatch):
     from ptdstream.sources import file as file_module
-    from ptdstream.sources.checkpoint import _archive_byteorder
+    from ptdstream.sources.checkpoint_mapped import _archive_byteorder
 
     reads = []
     real_pread = file_module.pread_exact

@@ -1,0 +1,231 @@
+"""The memory-mapped checkpoint kinds: a ``.safetensors`` file or Hugging Face
+shards (``safetensors.safe_open``), and a ``torch.save`` state dict
+(``torch.load(mmap=True, weights_only=True)``); each key's bytes read from the
+file with ``pread`` (:class:`~ptdstream.sources.mapped.MappedTensorSource`),
+each file's identity taken once, when it is opened.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..errors import FormatError, IntegrityError
+from .base import Expectation, FileIdentity, Source
+from .checkpoint_base import Checkpoint, CheckpointEntry
+from .safetensors_header import check_safetensors_header
+from .tensor import TensorSource
+
+if TYPE_CHECKING:
+    import torch
+    from safetensors import safe_open
+
+__all__ = ["SafetensorsCheckpoint", "TorchCheckpoint"]
+
+
+def _dim_order(tensor: torch.Tensor) -> tuple[int, ...]:
+    from executorch.exir.tensor import dim_order_from_stride
+
+    if tensor.dim() == 0:
+        return ()
+    return tuple(int(d) for d in dim_order_from_stride(tensor.stride()))
+
+
+def _entry(key: str, tensor: torch.Tensor, where: str) -> CheckpointEntry:
+    return CheckpointEntry(
+        key, tensor.dtype, tuple(int(s) for s in tensor.shape), _dim_order(tensor),
+        tensor.numel() * tensor.element_size(), where,
+    )
+
+
+def _opened(path: str, open_file: Callable[[], None]) -> FileIdentity:
+    """Run ``open_file()`` (which maps the checkpoint file at ``path``) and return
+    the file's identity, the same before and after it (what each source checks).
+
+    Raises:
+        IntegrityError: the file was replaced or written to while it was opened.
+    """
+    before = FileIdentity.of(os.stat(path))
+    open_file()
+    after = FileIdentity.of(os.stat(path))
+    if after != before:
+        raise IntegrityError(
+            f"checkpoint file {path}: changed while it was opened (device, inode, size, modification "
+            f"and change time {tuple(before)} before, {tuple(after)} after); a checkpoint must not "
+            "change while it is saved"
+        )
+    return before
+
+
+def _mapped_source(tensor: torch.Tensor, label: str, opened: FileIdentity, read_file: bool = True) -> Source:
+    """A source read from the file with ``pread`` when the tensor lies in a file
+    mapping (the mapping is the checkpoint's own, never handed out, so it holds
+    the file's bytes), else a plain tensor source. ``opened``: the checkpoint
+    file's identity when it was opened, checked at every read."""
+    from ..system.pagecache import file_mapping
+    from .mapped import MappedTensorSource
+
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes:
+        mapping = file_mapping(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if mapping is not None:
+            return MappedTensorSource(tensor, mapping, label, read_file=read_file,
+                                      expectation=Expectation(file=opened))
+    return TensorSource(tensor, label)
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """One ``.safetensors`` file, or the shards named by a Hugging Face index.
+
+    Every file's header is checked first (:func:`check_safetensors_header`).
+
+    Raises:
+        FormatError: an index that is not JSON or has no ``weight_map``, a shard
+            that does not hold the key its index names, a header that lies, or
+            a file safetensors refuses.
+    """
+
+    kind = "safetensors"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._handles: dict[str, safe_open] = {}
+        self._tensors: dict[str, torch.Tensor] = {}
+        #: each file -> its identity when it was opened (checked at every read)
+        self._opened: dict[str, FileIdentity] = {}
+        if path.endswith(".json"):
+            shards = _hf_weight_map(path)
+            folder = os.path.dirname(path)
+        else:
+            shards, folder = None, os.path.dirname(path)
+        files = [os.path.basename(path)] if shards is None else list(dict.fromkeys(shards.values()))
+        try:
+            for name in files:
+                file = os.path.join(folder, name)
+                self._opened[file] = _opened(file, functools.partial(self._open_file, file, name, shards))
+        except (FormatError, IntegrityError):
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError), reported
+            raise FormatError(f"{path}: safetensors could not read it: {type(e).__name__}: {e}") from None
+        if shards is not None:
+            lost = [k for k in shards if k not in self.entries]
+            if lost:
+                raise FormatError(
+                    f"{path}: {len(lost)} key(s) named by the index are not in their shard: "
+                    + ", ".join(f"{k!r} ({shards[k]})" for k in lost[:20])
+                )
+
+    def _open_file(self, file: str, name: str, shards: dict[str, str] | None) -> None:
+        from safetensors import safe_open
+
+        check_safetensors_header(file)
+        handle = safe_open(file, framework="pt")
+        self._handles[file] = handle
+        for key in handle.keys():  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
+            if shards is not None and shards.get(key) != name:
+                continue  # the index names another shard for it
+            # a view of the mapping: nothing read yet
+            tensor = handle.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
+            self._tensors[key] = tensor
+            self.entries[key] = _entry(key, tensor, file)
+
+    def files(self) -> list[str]:
+        return [*([self.path] if self.path.endswith(".json") else []), *self._opened]
+
+    def _mapped(self) -> dict[str, torch.Tensor]:
+        return self._tensors
+
+    def source(self, key: str) -> Source:
+        where = self.entries[key].where
+        return _mapped_source(self._tensors[key], f"{where}: key {key!r}", self._opened[where])
+
+    def close(self) -> None:
+        self._tensors.clear()
+        self._handles.clear()
+
+
+def _hf_weight_map(path: str) -> dict[str, str]:
+    try:
+        with open(path, "rb") as f:
+            index = json.load(f)
+        shards = index["weight_map"]
+        if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
+            raise TypeError("weight_map is not {key: file name}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{path}: not a Hugging Face safetensors index: {type(e).__name__}: {e}") from None
+    for name in set(shards.values()):
+        if os.path.basename(name) != name or name in (".", ".."):
+            raise FormatError(f"{path}: shard name {name!r} is not a file name in the index's folder")
+    return shards
+
+
+def _archive_byteorder(path: str) -> str:
+    """The byte order a ``torch.save`` archive records (``<archive>/byteorder``;
+    little when absent, as ``torch.load`` assumes); "unknown" if unreadable."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/byteorder") and n.count("/") == 1]
+            return archive.read(names[0]).decode("ascii").strip() if names else "little"
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError):
+        return "unknown"
+
+
+class TorchCheckpoint(Checkpoint):
+    """A ``torch.save`` state dict, loaded with ``torch.load(mmap=True,
+    weights_only=True)``: a flat ``{str: tensor}`` dict. Keys whose tensor is the
+    very same memory as an earlier key's (tied weights saved twice) are listed in
+    ``aliases``: every key of such a group -> the group's first key.
+
+    Raises:
+        FormatError: not a state dict, or values that are not CPU tensors.
+    """
+
+    kind = "torch"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        import torch
+
+        loaded: list[object] = []
+        try:
+            self._opened = _opened(path, lambda: loaded.append(
+                torch.load(path, mmap=True, weights_only=True, map_location="cpu")))
+        except IntegrityError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of torch.load is reported as FormatError
+            raise FormatError(f"{path}: torch.load(mmap=True, weights_only=True) failed: "
+                              f"{type(e).__name__}: {e}") from None
+        state = loaded[0]
+        if not isinstance(state, dict):
+            raise FormatError(f"{path}: holds a {type(state).__name__}, not a state dict {{key: tensor}}")
+        bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise FormatError(f"{path}: {len(bad)} entries are not str -> tensor: {bad[:20]!r}")
+        self._tensors = state
+        self._native = _archive_byteorder(path) == sys.byteorder
+        seen: dict[tuple[object, ...], str] = {}
+        for key, tensor in state.items():
+            ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+                     tuple(tensor.shape), tuple(tensor.stride()))
+            if tensor.numel() and ident in seen:
+                self.aliases[key] = self.aliases[seen[ident]] = seen[ident]
+            seen.setdefault(ident, key)
+            self.entries[key] = _entry(key, tensor, path)
+
+    def source(self, key: str) -> Source:
+        # torch.load byte-swaps (in its private mapping) an archive saved with the
+        # other byte order: then only the mapping has the bytes to write.
+        return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", self._opened,
+                              read_file=self._native)
+
+    def _mapped(self) -> dict[str, torch.Tensor]:
+        return self._tensors
+
+    def close(self) -> None:
+        self._tensors = {}
