@@ -32,14 +32,15 @@ class MappedTensorSource(TensorSource):
 
     With ``read_file=True`` (a mapping only ptdstream holds, so its memory is the
     file's bytes: the checkpoints of :mod:`ptdstream.sources.checkpoint`), or
-    where no page of the tensor's range is a private copy made by a write
-    (``/proc/self/pagemap``: the memory shows the file's bytes), the pieces are
-    read from the file with ``pread`` instead
+    with ``read_file=None`` (the default) where no page of the tensor's range is
+    a private copy made by a write (``/proc/self/pagemap``: the memory shows the
+    file's bytes), the pieces are read from the file with ``pread`` instead
     (:class:`~ptdstream.sources.file.FileRangeSource`: nothing mapped in, the
     pages read dropped from the page cache), while the file at the mapped path
     is still the mapped inode (a cold mapping is faulted in a page at a time;
     ``pread`` reads each 8 MiB piece in one call). A file replaced since is
-    read through the mapping, which keeps the old one.
+    read through the mapping, which keeps the old one, as is everything with
+    ``read_file=False`` (a mapping whose memory may differ from its file).
 
     :meth:`pieces_keeping_cache` is the read for bytes read again soon (the
     emitter's and XNNPACK's hash during export, before the save reads them):
@@ -60,7 +61,7 @@ class MappedTensorSource(TensorSource):
     """
 
     def __init__(self, tensor: torch.Tensor, mapping: FileMapping, label: str = "tensor",
-                 read_file: bool = False, expectation: Expectation = NO_EXPECTATION) -> None:
+                 read_file: bool | None = None, expectation: Expectation = NO_EXPECTATION) -> None:
         super().__init__(tensor, label)
         self.mapping = mapping
         self.read_file = read_file
@@ -111,9 +112,10 @@ class MappedTensorSource(TensorSource):
 
     def _readable_range(self) -> FileRangeSource | None:
         """:meth:`_file_range` when the memory shows the file's bytes: ``read_file``,
-        or no page of the range is a private copy made by a write
-        (:func:`~ptdstream.system.pagecache.private_copies`)."""
-        if not self.read_file and private_copies(self._address(), self.nbytes) is not False:
+        or (``read_file=None``) no page of the range is a private copy made by a
+        write (:func:`~ptdstream.system.pagecache.private_copies`)."""
+        if self.read_file is False or (self.read_file is None
+                                       and private_copies(self._address(), self.nbytes) is not False):
             return None
         return self._file_range()
 
