@@ -210,4 +210,4 @@ def release_mapped(address: int, nbytes: int, bounds: tuple[int, int]) -> bool:
     if end <= start or private_copies(start, end - start) is not False:
         page_out(address, nbytes, bounds)
         return False
-    return _libc.madvise(start, end - start, _MADV_DONTNEED) == 0
+    return bool(_libc.madvise(start, end - start, _MADV_DONTNEED) == 0)
