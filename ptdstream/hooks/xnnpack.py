@@ -7,6 +7,9 @@ executorch 1.5.1's XNNPACK backend serializes every constant it takes in
 permutes it), then calls ``bytes(array)`` twice on a ``ctypes`` view of the
 result's storage: once for the SHA-256 that names it, once for the copy it
 adds to the ``NamedDataStore``, where it stays until the manager is dropped.
+Both calls for one weight get the same reference: the one the ``NamedDataStore``
+keeps is the one hashed (its SHA-256 cached, and the xxh3-128 of that read
+handed to the save, which refuses bytes changed since).
 For a float model that is one more copy of nearly every weight.
 
 Inside :func:`xnnpack_constants_by_reference`, a ``bytes(array)`` call of that
@@ -66,6 +69,7 @@ def _tracking(real):
         tensor = real(*args, **kwargs)
         if _active():
             _last.tensor = tensor
+            _last.reference = None
         return tensor
 
     return get_param_tensor
@@ -91,7 +95,12 @@ def _node_visitor_bytes(*args, **kwargs):
             and ctypes.addressof(view) == storage.data_ptr()
             and ctypes.sizeof(view) == storage.nbytes()
         ):
-            return reference(storage)
+            last = getattr(_last, "reference", None)
+            if last is not None and last[0] is tensor:
+                return last[1]  # the second call (the NamedDataStore's copy): the reference just hashed
+            ref = reference(storage)
+            _last.reference = (tensor, ref)
+            return ref
     return builtins.bytes(*args, **kwargs)
 
 
@@ -123,6 +132,7 @@ def xnnpack_constants_by_reference() -> Iterator[None]:
     finally:
         _open.discard(context_id)
         _last.tensor = None
+        _last.reference = None
         try:
             _entered.reset(token)
         except ValueError:
