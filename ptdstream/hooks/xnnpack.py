@@ -7,9 +7,6 @@ executorch 1.5.1's XNNPACK backend serializes every constant it takes in
 permutes it), then calls ``bytes(array)`` twice on a ``ctypes`` view of the
 result's storage: once for the SHA-256 that names it, once for the copy it
 adds to the ``NamedDataStore``, where it stays until the manager is dropped.
-Both calls for one weight get the same reference: the one the ``NamedDataStore``
-keeps is the one hashed (its SHA-256 cached, and the xxh3-128 of that read
-handed to the save, which refuses bytes changed since).
 For a float model that is one more copy of nearly every weight.
 
 Inside :func:`xnnpack_constants_by_reference`, a ``bytes(array)`` call of that
@@ -22,7 +19,11 @@ key), and the ``NamedDataStore`` takes it as it takes a file
 (``FileBackedData``). A converted weight (quantized, packed, permuted, cast)
 is a new tensor at another address: it is copied as upstream does. A storage
 mapped from a file (safetensors, ``torch.load(mmap=True)``) is read piece by
-piece with its pages dropped, as under :func:`ptdstream.constants_by_reference`.
+piece, as under :func:`ptdstream.constants_by_reference` (the hash keeping its
+page cache for the save, the save dropping it). Both calls for one weight get
+the same reference: the one the ``NamedDataStore`` keeps is the one hashed (its
+SHA-256 cached, and the xxh3-128 of that read handed to the save, which refuses
+bytes changed since).
 
 The XNNPACK lowering runs in ``to_edge_transform_and_lower``: wrap that call
 (optimum-executorch: the whole ``main_export``). ``ptdstream.save`` and
