@@ -28,9 +28,11 @@ names are registered in :mod:`ptdstream.upstream.names` (checked against each
 release); the patches are scoped (:mod:`ptdstream.upstream.patching`).
 
 A storage mapped from a file (``torch.load(mmap=True)``, safetensors) is read
-piece by piece into a ring and each piece's pages are paged out of the process
-(``MADV_PAGEOUT``) at once, both for the emitter's hash and for the save, so a
-memory-mapped checkpoint is never resident as a whole.
+piece by piece into a ring and each piece is unmapped from the process at once,
+so a memory-mapped checkpoint is never resident as a whole: the emitter's hash
+keeps its pages in the page cache (the save reads them again soon), the save
+pages them out (``MADV_PAGEOUT``; see
+:meth:`~ptdstream.sources.mapped.MappedTensorSource.pieces_keeping_cache`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import itertools
 import threading
 from collections.abc import Iterator
 
+from ..sources import BufferRing
 from ..sources.fingerprint import StreamingDigest
 from ..sources.mapped import MappedTensorSource
 from ..sources.tensor import TensorSource
@@ -80,7 +83,10 @@ class StorageReference(ByReference, SourceBackedData):
         cached = adapter.cached_sha256(self)
         if cached is None:
             sha, xxh = hashlib.sha256(), StreamingDigest()
-            for piece in self._pieces():
+            # a mapped storage is hashed while exporting and read again by the save: its page cache is kept
+            pieces = (self.source.pieces_keeping_cache(BufferRing(self._chunk_nbytes, count=3))
+                      if isinstance(self.source, MappedTensorSource) else self._pieces())
+            for piece in pieces:
                 sha.update(piece)
                 xxh.update(piece)
             cached = sha.digest()

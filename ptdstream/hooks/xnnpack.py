@@ -19,7 +19,11 @@ key), and the ``NamedDataStore`` takes it as it takes a file
 (``FileBackedData``). A converted weight (quantized, packed, permuted, cast)
 is a new tensor at another address: it is copied as upstream does. A storage
 mapped from a file (safetensors, ``torch.load(mmap=True)``) is read piece by
-piece with its pages dropped, as under :func:`ptdstream.constants_by_reference`.
+piece, as under :func:`ptdstream.constants_by_reference` (the hash keeping its
+page cache for the save, the save dropping it). Both calls for one weight get
+the same reference: the one the ``NamedDataStore`` keeps is the one hashed (its
+SHA-256 cached, and the xxh3-128 of that read handed to the save, which refuses
+bytes changed since).
 
 The XNNPACK lowering runs in ``to_edge_transform_and_lower``: wrap that call
 (optimum-executorch: the whole ``main_export``). ``ptdstream.save`` and
@@ -66,6 +70,7 @@ def _tracking(real):
         tensor = real(*args, **kwargs)
         if _active():
             _last.tensor = tensor
+            _last.reference = None
         return tensor
 
     return get_param_tensor
@@ -91,7 +96,12 @@ def _node_visitor_bytes(*args, **kwargs):
             and ctypes.addressof(view) == storage.data_ptr()
             and ctypes.sizeof(view) == storage.nbytes()
         ):
-            return reference(storage)
+            last = getattr(_last, "reference", None)
+            if last is not None and last[0] is tensor:
+                return last[1]  # the second call (the NamedDataStore's copy): the reference just hashed
+            ref = reference(storage)
+            _last.reference = (tensor, ref)
+            return ref
     return builtins.bytes(*args, **kwargs)
 
 
@@ -123,6 +133,7 @@ def xnnpack_constants_by_reference() -> Iterator[None]:
     finally:
         _open.discard(context_id)
         _last.tensor = None
+        _last.reference = None
         try:
             _entered.reset(token)
         except ValueError:

@@ -74,7 +74,8 @@ class FileRangeSource(Source):
             drop_pages(f.fileno(), self.offset, min(self.nbytes, READAHEAD_NBYTES))
             return head
 
-    def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+    def pieces(self, ring: BufferRing, keep_cache: bool = False) -> Iterator[memoryview]:
+        """``keep_cache``: leave the pages read in the page cache (bytes read again soon)."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
             # taken at hand-over by someone else: it must not have changed since either
@@ -83,17 +84,17 @@ class FileRangeSource(Source):
             yield from pread_pieces(fd, self.offset, self.nbytes, ring, lambda end: IntegrityError(
                 f"file {self.path}: ended at offset {end}, "
                 f"expected {self.nbytes} bytes from offset {self.offset}"
-            ))
+            ), keep_cache)
             self._check_identity(fd, "while it was read")
         finally:
             os.close(fd)
 
 
 def pread_pieces(fd: int, offset: int, nbytes: int, ring: BufferRing,
-                 ended: Callable[[int], Exception]) -> Iterator[memoryview]:
+                 ended: Callable[[int], Exception], keep_cache: bool = False) -> Iterator[memoryview]:
     """``nbytes`` bytes of ``fd`` from ``offset``, read with pread into the ring's
     buffers and yielded piece by piece; each piece's pages are dropped once the
-    next one is asked for (:func:`~ptdstream.system.pagecache.drop_read`).
+    next one is asked for (:func:`~ptdstream.system.pagecache.drop_read`), unless ``keep_cache``.
 
     Raises:
         Exception: ``ended(offset where the file ended)`` when it ends early.
@@ -106,6 +107,7 @@ def pread_pieces(fd: int, offset: int, nbytes: int, ring: BufferRing,
         if got < want:
             raise ended(offset + done + got)
         yield buf[:want]
-        drop_read(fd, offset + done, want, last=done + want == nbytes)
+        if not keep_cache:
+            drop_read(fd, offset + done, want, last=done + want == nbytes)
         done += want
 

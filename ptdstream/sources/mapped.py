@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError, LayoutError
-from ..system.pagecache import FileMapping, page_out, will_need
+from ..system.pagecache import FileMapping, page_out, private_copies, release_mapped, will_need
 from .base import NO_EXPECTATION, BufferRing, Expectation, FileIdentity
 from .file import FileRangeSource
 from .tensor import TensorSource
@@ -24,19 +24,29 @@ class MappedTensorSource(TensorSource):
     checkpoint loaded with ``mmap``).
 
     Each piece is copied into the ring and its pages are paged out of this
-    process at once (read-ahead keeps two pieces ahead), so reading a whole
+    process at once (through the mapping) (read-ahead keeps two pieces ahead), so reading a whole
     checkpoint leaves about one piece resident. Before reading, the file is
     checked to be the one mapped and still long enough: a checkpoint shrunk
     under a mapping would otherwise kill the process with SIGBUS (a file
     replaced by rename is fine: the mapping keeps the old one).
 
     With ``read_file=True`` (a mapping only ptdstream holds, so its memory is the
-    file's bytes: the checkpoints of :mod:`ptdstream.sources.checkpoint`) the
-    pieces are read from the file with ``pread`` instead
-    (:class:`~ptdstream.sources.file.FileRangeSource`), while the file at the
-    mapped path is still the mapped inode (a cold mapping is faulted in a page
-    at a time; ``pread`` reads each 8 MiB piece in one call).
-    A file replaced since is read through the mapping, which keeps the old one.
+    file's bytes: the checkpoints of :mod:`ptdstream.sources.checkpoint`), or
+    with ``read_file=None`` (the default) where no page of the tensor's range is
+    a private copy made by a write (``/proc/self/pagemap``: the memory shows the
+    file's bytes), the pieces are read from the file with ``pread`` instead
+    (:class:`~ptdstream.sources.file.FileRangeSource`: nothing mapped in, the
+    pages read dropped from the page cache), while the file at the mapped path
+    is still the mapped inode (a cold mapping is faulted in a page at a time;
+    ``pread`` reads each 8 MiB piece in one call). A file replaced since is
+    read through the mapping, which keeps the old one, as is everything with
+    ``read_file=False`` (a mapping whose memory may differ from its file).
+
+    :meth:`pieces_keeping_cache` is the read for bytes read again soon (the
+    emitter's and XNNPACK's hash during export, before the save reads them):
+    the same, but the file's pages are left in the page cache (the kernel's,
+    reclaimable, not this process's RSS), so the save's :meth:`pieces` reads
+    them from memory, not the disk, and drops them.
 
     ``expectation.file``: the checkpoint file's identity when it was opened
     (mapped). While the mapped path is still that inode, the file must still
@@ -51,7 +61,7 @@ class MappedTensorSource(TensorSource):
     """
 
     def __init__(self, tensor: torch.Tensor, mapping: FileMapping, label: str = "tensor",
-                 read_file: bool = False, expectation: Expectation = NO_EXPECTATION) -> None:
+                 read_file: bool | None = None, expectation: Expectation = NO_EXPECTATION) -> None:
         super().__init__(tensor, label)
         self.mapping = mapping
         self.read_file = read_file
@@ -100,26 +110,50 @@ class MappedTensorSource(TensorSource):
                 f"it was mapped (needs {needed:,} bytes, has {st.st_size:,})"
             )
 
+    def _readable_range(self) -> FileRangeSource | None:
+        """:meth:`_file_range` when the memory shows the file's bytes: ``read_file``,
+        or (``read_file=None``) no page of the range is a private copy made by a
+        write (:func:`~ptdstream.system.pagecache.private_copies`)."""
+        if self.read_file is False or (self.read_file is None
+                                       and private_copies(self._address(), self.nbytes) is not False):
+            return None
+        return self._file_range()
+
     def pieces(self, ring: BufferRing) -> Iterator[memoryview]:
+        yield from self._pieces(ring, keep_cache=False)
+
+    def pieces_keeping_cache(self, ring: BufferRing) -> Iterator[memoryview]:
+        """The pieces of :meth:`pieces` (same checks, same errors), the file's
+        pages left in the page cache: read with ``pread`` where the memory shows
+        the file's bytes (nothing mapped in), else through the mapping, each
+        piece unmapped once copied
+        (:func:`~ptdstream.system.pagecache.release_mapped`)."""
+        yield from self._pieces(ring, keep_cache=True)
+
+    def _pieces(self, ring: BufferRing, keep_cache: bool) -> Iterator[memoryview]:
         self._check_file()
-        file_range = self._file_range() if self.read_file else None
+        file_range = self._readable_range()
         if file_range is not None:
             try:
-                yield from file_range.pieces(ring)
+                yield from file_range.pieces(ring, keep_cache=keep_cache)
             except IntegrityError as e:
                 raise IntegrityError(f"{self.describe()}: {e}") from None
             return
+        yield from self._mapped_pieces(ring, keep_cache)
+
+    def _mapped_pieces(self, ring: BufferRing, keep_cache: bool) -> Iterator[memoryview]:
         view = self._view()
         address = self._address()
         step = ring.chunk_nbytes
         bounds = (self.mapping.start, self.mapping.stop)
+        release = release_mapped if keep_cache else page_out
         will_need(address, 2 * step, bounds)
         for start in range(0, self.nbytes, step):
             will_need(address + start + 2 * step, step, bounds)  # keep two pieces ahead
             piece = view[start : start + step]
             buf = ring.next()[: len(piece)]
             buf[:] = piece
-            page_out(address + start, len(piece), bounds)
+            release(address + start, len(piece), bounds)
             yield buf
         self._check_file()  # the mapping shows a file written to in place: not torn
 
@@ -130,7 +164,8 @@ class MappedTensorSource(TensorSource):
             head = file_range.prefix(nbytes)
         else:
             head = super().prefix(nbytes)
-            # The fault maps (and reads ahead) more than the page it needs.
-            page_out(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
+            # The fault maps (and reads ahead) more than the page it needs: unmapped again, the page
+            # cache kept (the prefix is read while exporting, right before the hash reads the rest).
+            release_mapped(self._address(), min(self.nbytes, 1 << 20), (self.mapping.start, self.mapping.stop))
         self._check_file()
         return head

@@ -1,5 +1,5 @@
-"""The page cache: dropping a file's pages, paging out file-mapped memory, and
-measuring how much of a file is resident."""
+"""The page cache: dropping a file's pages, paging out file-mapped memory (or
+unmapping it with the page cache kept), and measuring how much of a file is resident."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ __all__ = [
     "drop_read",
     "file_mapping",
     "page_out",
+    "private_copies",
+    "release_mapped",
     "resident_nbytes",
     "will_need",
 ]
@@ -35,6 +37,11 @@ FOLIO_NBYTES = 2 << 20
 #: default, a few MiB at most).
 READAHEAD_NBYTES = 8 << 20
 _MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4
+_MADV_DONTNEED = mmap.MADV_DONTNEED
+#: ``/proc/self/pagemap`` entry bits (``Documentation/admin-guide/mm/pagemap.rst``)
+_PM_PRESENT = 1 << 63
+_PM_SWAPPED = 1 << 62
+_PM_FILE = 1 << 61  # a file page or shared anonymous: not a private copy-on-write page
 
 
 def resident_nbytes(path: str) -> int:
@@ -152,3 +159,55 @@ def page_out(address: int, nbytes: int, bounds: tuple[int, int]) -> None:
     end = min(bounds[1], end + (-end) % FOLIO_NBYTES)
     start -= start % _PAGE_NBYTES
     _libc.madvise(start, end - start, _MADV_PAGEOUT)
+
+
+def private_copies(address: int, nbytes: int) -> bool | None:
+    """Whether a page of ``[address, address + nbytes)`` is a private copy made by
+    a write to a ``MAP_PRIVATE`` mapping (present or swapped, and not a file
+    page, per ``/proc/self/pagemap``): where none is, the memory shows the
+    mapped file's bytes. None when ``pagemap`` cannot be read. Reads 8 bytes
+    per page of the range."""
+    start = address - address % _PAGE_NBYTES
+    end = address + nbytes
+    end += (-end) % _PAGE_NBYTES
+    pages = (end - start) // _PAGE_NBYTES
+    if pages <= 0:
+        return False
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, 8 * pages, 8 * (start // _PAGE_NBYTES))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) != 8 * pages:
+        return None
+    entries = memoryview(raw).cast("Q")
+    return any(e & (_PM_PRESENT | _PM_SWAPPED) and not e & _PM_FILE for e in entries)
+
+
+def release_mapped(address: int, nbytes: int, bounds: tuple[int, int]) -> bool:
+    """Hand the pages of ``[address, address + nbytes)`` of a file mapping back
+    (out of this process's RSS) while keeping them in the page cache, for bytes
+    that will be read again soon (a hash before the save).
+
+    ``MADV_DONTNEED`` only unmaps a file page (the page cache keeps it; the next
+    access maps it again from memory), but it would discard a private page
+    made by a write to a ``MAP_PRIVATE`` mapping: so it is used only when no
+    page of the range is such a copy (``/proc/self/pagemap``), else the range
+    goes through :func:`page_out`, as when ``pagemap`` cannot be read. The
+    range is widened to whole pages, clipped to ``bounds``. Returns whether
+    the pages were released with the page cache kept. Errors are ignored (it
+    is advice)."""
+    if nbytes <= 0:
+        return False
+    start = max(bounds[0], address - address % _PAGE_NBYTES)
+    end = address + nbytes
+    end = min(bounds[1], end + (-end) % _PAGE_NBYTES)
+    if end <= start or private_copies(start, end - start) is not False:
+        page_out(address, nbytes, bounds)
+        return False
+    return bool(_libc.madvise(start, end - start, _MADV_DONTNEED) == 0)

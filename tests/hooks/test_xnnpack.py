@@ -31,6 +31,11 @@ def test_fp32_weights_are_references_and_the_files_are_upstreams(tmp_path):
     assert len(refs) == len(plain_buffers) == 3
     assert sorted(len(r) for r in refs) == sorted(len(b) for b in plain_buffers) == [256, 64 * 64 * 4, 512 * 64 * 4]
     # (references to the partition's copy: executorch's to_backend deep-copies the program before preprocess)
+    # the reference kept is the one hashed for the key: SHA-256 cached, its xxh3-128 handed to the save
+    # (before: a second, never-hashed reference per weight)
+    for r in refs:
+        assert _upstream.cached_sha256(r) is not None
+        assert r.source.expectation.fingerprint is not None
     # the key XNNPACK names each constant by is the SHA-256 of its bytes, as without the context
     keys = sorted(_upstream.manager_parts(by_ref).named_data.pte_data)
     assert keys == sorted(_upstream.manager_parts(plain).named_data.pte_data)
