@@ -3,8 +3,12 @@
 Elementwise products and sums only (no cuBLAS: no GEMM kernels loaded, no
 cuBLAS workspace allocated), in two levels of linear hashing over the prime
 field ``p = 2^61 - 1``, ``HASHES`` (4) independent hashes, each ``h`` with its own
-coefficients, all drawn uniformly from ``[0, 2^31)`` by CPU generators seeded
-from a per-process seed (``secrets``), the same on every device:
+coefficients, all in ``[0, 2^31)``, derived on the CPU (the same on every
+device) from a 256-bit per-process key drawn from ``secrets``: each block of
+coefficients is ``SHAKE-256(key || domain || index)`` read as little-endian
+32-bit words with the top bit masked off (uniform output words give uniform
+values on ``[0, 2^31)``), the first level and each second-level block from
+distinct inputs of the extendable-output function (:func:`_coefficients`):
 
 1. The bytes, zero-padded to whole rows of ``ROW_NBYTES`` (128 KiB), are read
    in place as little-endian signed 16-bit words ``w[k, i]`` (row ``k``, word
@@ -20,7 +24,7 @@ from a per-process seed (``secrets``), the same on every device:
 
 The fingerprint is the length in bytes and ``F[0..3]``. Collision probability
 for a fixed pair of distinct inputs of equal length, over the random choice of
-the coefficients (the generators' outputs taken as uniform and independent):
+the coefficients, when the coefficients are truly uniform and independent:
 the inputs differ in a word ``w[k, i]`` of some row ``k``, by ``d`` with
 ``0 < |d| < 2^16 < p``, so ``d`` is invertible mod ``p``. For one hash, fixing
 every coefficient but ``a[h, i]``, the two ``r[h, k]`` agree for exactly one
@@ -32,18 +36,25 @@ numbers below ``2^64``) differ in some position by ``d'`` with
 independently of ``a``) bounds the probability that the ``F[h]`` agree by
 ``2^-31``. So one hash agrees with probability at most
 ``2^-31 + 2^-31 = 2^-30``; the 4 hashes draw independent coefficients, so all 4
-agree with probability at most ``2^-120``. No arithmetic is plain mod 2^64:
+agree with probability at most ``2^-120``. With the coefficients taken from
+SHAKE-256 under the secret key, the same bound holds for any pair of inputs
+chosen without knowledge of the key (the key never leaves the process: not in
+:data:`ALGO`, which names it by a separate SHAKE-256 output, nor in any
+fingerprint); an input chosen by someone who knows the coefficients can collide
+at will (the hash is linear). No arithmetic is plain mod 2^64:
 every sum is exact (the bounds above) and every reduction is mod ``p``.
 
-Fingerprints are comparable only within one process (the seed is per process,
+Fingerprints are comparable only within one process (the key is per process,
 nothing persists them) and only between inputs of the same length (the length
 is part of the fingerprint).
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import struct
+import sys
 from typing import TYPE_CHECKING
 
 from .fingerprint import Fingerprint
@@ -66,39 +77,45 @@ HASHES = 4
 LIMBS = 4
 PRIME = (1 << 61) - 1
 _COEFFICIENT_BOUND = 1 << 31
-_SEED = secrets.randbits(62)
-ALGO = f"words16-p61x4-2level:{_SEED:016x}"
-_BLOCKS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+#: The per-process key of every coefficient (256 bits; never written anywhere).
+_KEY = secrets.token_bytes(32)
+#: The domains of :func:`_coefficients`: the first level's block, the second level's blocks.
+_LEVEL1 = b"\x01"
+_LEVEL2 = b"\x02"
+_KEY_ID = b"\x03"
+ALGO = f"words16-p61x4-2level-shake256:{hashlib.shake_256(_KEY + _KEY_ID).hexdigest(8)}"
+_BLOCKS: dict[tuple[bytes, str, int | None, int], torch.Tensor] = {}
+
+
+def _coefficients(domain: bytes, index: int, count: int) -> torch.Tensor:
+    """``count`` coefficients in ``[0, 2^31)``, int64 on the CPU: the first ``4 * count``
+    bytes of ``SHAKE-256(_KEY || domain || index as 8 little-endian bytes)`` as
+    little-endian 32-bit words, the top bit of each masked off."""
+    import torch
+
+    stream = bytearray(hashlib.shake_256(_KEY + domain + index.to_bytes(8, "little")).digest(4 * count))
+    if sys.byteorder != "little":  # torch.frombuffer reads native order
+        stream[:] = b"".join(stream[i : i + 4][::-1] for i in range(0, len(stream), 4))
+    words = torch.frombuffer(stream, dtype=torch.int32) if count else torch.empty(0, dtype=torch.int32)
+    return (words & (_COEFFICIENT_BOUND - 1)).to(torch.int64)
 
 
 def _row_coefficients(words: int) -> torch.Tensor:
-    """First-level coefficients ``a``: ``(HASHES, words)`` int64 in ``[0, 2^31)`` on the CPU."""
-    import torch
-
-    g = torch.Generator()
-    g.manual_seed(_SEED)
-    return torch.randint(0, _COEFFICIENT_BOUND, (HASHES, words), generator=g, dtype=torch.int64)
+    """First-level coefficients ``a``: ``(HASHES, words)`` int64 in ``[0, 2^31)`` on the CPU
+    (domain ``_LEVEL1``, index ``words``; ``a[h, i]`` is value ``h * words + i``)."""
+    return _coefficients(_LEVEL1, words, HASHES * words).view(HASHES, words)
 
 
-def _level2_generator() -> torch.Generator:
-    """The CPU generator of the second-level coefficients ``b``, drawn in blocks of
-    ``(rows, HASHES, LIMBS)`` (:func:`_level2_block`), in order, from row 0."""
-    import torch
-
-    g = torch.Generator()
-    g.manual_seed((_SEED * 1_000_003 + 1) % (1 << 63))
-    return g
-
-
-def _level2_block(g: torch.Generator, rows: int) -> torch.Tensor:
-    import torch
-
-    return torch.randint(0, _COEFFICIENT_BOUND, (rows, HASHES, LIMBS), generator=g, dtype=torch.int64)
+def _level2_block(index: int, rows: int) -> torch.Tensor:
+    """Second-level coefficients ``b`` of rows ``index * LEVEL2_ROWS`` onwards:
+    ``(rows, HASHES, LIMBS)`` int64 in ``[0, 2^31)`` on the CPU (domain ``_LEVEL2``,
+    index ``index``; ``b[k, h, j]`` is value ``(k * HASHES + h) * LIMBS + j``)."""
+    return _coefficients(_LEVEL2, index, rows * HASHES * LIMBS).view(rows, HASHES, LIMBS)
 
 
 def _block(device: torch.device, words: int) -> torch.Tensor:
     """``_row_coefficients(words)`` on ``device``, as ``(1, HASHES, words)`` (cached)."""
-    key = (device.type, device.index, words)
+    key = (_KEY, device.type, device.index, words)
     found = _BLOCKS.get(key)
     if found is None:
         found = _BLOCKS[key] = _row_coefficients(words).to(device).view(1, HASHES, words)
@@ -111,7 +128,7 @@ def _fingerprint(flat: torch.Tensor) -> Fingerprint:
 
     Memory added on the tensor's device: ``STEP_ROWS * HASHES * ROW_NBYTES * 4``
     bytes of product (4 MiB), one row of padding (128 KiB; the whole step when the
-    address is odd), ``HASHES * 8`` bytes per row of row hashes (1/4096 of
+    address or the storage offset is odd), ``HASHES * 8`` bytes per row of row hashes (1/4096 of
     the input) and, after the first level's scratch is freed, the second level's
     ``min(rows, LEVEL2_ROWS) * 512`` bytes (2 MiB at most); plus the coefficient
     block, 2 MiB kept per device. Reads the bytes once;
@@ -133,14 +150,14 @@ def _fingerprint(flat: torch.Tensor) -> Fingerprint:
     row_hashes = torch.empty(rows, HASHES, dtype=torch.int64, device=device)
     step = min(STEP_ROWS, max(rows, 1))
     product = torch.empty(step, HASHES, words, dtype=torch.int64, device=device)
-    if flat.data_ptr() % 2 == 0:
+    if flat.data_ptr() % 2 == 0 and flat.storage_offset() % 2 == 0:  # what .view(int16) takes
         rows_in_place = flat[: full * ROW_NBYTES].view(torch.int16).view(full, 1, words)
         for first in range(0, full, step):  # the steps' few calls are what bound the speed
             last = min(first + step, full)
             out = product if last - first == step else product[: last - first]
             torch.mul(rows_in_place[first:last], block, out=out)  # |a * w| < 2^46
             torch.sum(out, dim=2, out=row_hashes[first:last])  # exact: 2^16 terms
-    else:  # an odd address: each step is copied to an aligned buffer first
+    else:  # an odd address or storage offset: each step is copied to an aligned buffer first
         staging = torch.empty(step * ROW_NBYTES, dtype=torch.uint8, device=device)
         for first in range(0, full, step):
             n = min(step, full - first)
@@ -157,12 +174,11 @@ def _fingerprint(flat: torch.Tensor) -> Fingerprint:
     del product
     row_hashes.remainder_(PRIME)  # [0, p)
     shifts = torch.arange(0, 16 * LIMBS, 16, dtype=torch.int64, device=device)
-    g = _level2_generator()
     acc = torch.zeros(HASHES, dtype=torch.int64, device=device)
     for first in range(0, rows, LEVEL2_ROWS):
         n = min(LEVEL2_ROWS, rows - first)
         limbs = (row_hashes[first : first + n].unsqueeze(2) >> shifts) & 0xFFFF  # (n, HASHES, LIMBS)
-        terms = limbs * _level2_block(g, n).to(device)  # < 2^47
+        terms = limbs * _level2_block(first // LEVEL2_ROWS, n).to(device)  # < 2^47
         acc = (acc + terms.sum(dim=(0, 2)) % PRIME) % PRIME  # exact: n * 4 <= 2^16 terms
     digest = b"".join(struct.pack("<Q", int(v)) for v in acc.tolist())
     return Fingerprint(nbytes, ALGO, digest)
