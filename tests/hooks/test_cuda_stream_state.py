@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,10 +192,35 @@ def test_an_unknown_trim_mode_is_refused_before_anything_is_patched(collector, m
     from ptdstream.errors import ArgumentTypeError
 
     before = _originals(collector)
-    with pytest.raises(ArgumentTypeError, match=rf"trim_host_memory={mode!r} is not one of 'malloc_trim', True, False"):
+    with pytest.raises(ArgumentTypeError, match=rf"trim_host_memory={mode!r} \(a {type(mode).__name__}\) "
+                                                r"is not one of 'malloc_trim', True, False"):
         with stream_cuda_weights(trim_host_memory=mode):
             pass
     assert _originals(collector) == before
+
+
+class _Mode(str):
+    pass
+
+
+@pytest.mark.parametrize(("mode", "kind"), [
+    (np.array("malloc_trim"), "numpy.ndarray"),  # == "malloc_trim" is a true 0-d array
+    (np.array(["malloc_trim", "x"]), "numpy.ndarray"),  # == raises numpy's ValueError
+    (np.bool_(True), "numpy.bool"),
+    (_Mode("malloc_trim"), f"{__name__}._Mode"),
+    (1, "int"),
+    (0.0, "float"),
+])
+def test_only_the_str_malloc_trim_and_bools_are_trim_modes(mode, kind):
+    from ptdstream.errors import ArgumentTypeError
+    from ptdstream.hooks.cuda.trim import check_mode
+
+    with pytest.raises(ArgumentTypeError) as caught:
+        check_mode(mode)
+    message = str(caught.value)
+    assert f"(a {kind}) is not one of 'malloc_trim', True, False" in message
+    assert message.startswith(f"stream_cuda_weights: trim_host_memory={mode!r}"[:60])
+    assert check_mode("malloc_trim") == "malloc_trim" and check_mode(True) is True and check_mode(False) is False
 
 
 def test_malloc_trim_runs_glibcs():

@@ -28,15 +28,20 @@ TRIM_MODES = (MALLOC_TRIM, True, False)
 
 
 def check_mode(mode: Any) -> bool | str:
-    """``mode`` when it is one of :data:`TRIM_MODES`.
+    """``mode`` when it is one of :data:`TRIM_MODES`: exactly the ``str``
+    ``"malloc_trim"`` or a ``bool`` (no subclass, no array, nothing compared with ``==``).
 
     Raises:
-        ArgumentTypeError: any other value (names it and the modes accepted).
+        ArgumentTypeError: any other value (names it, its type and the modes accepted).
     """
-    if isinstance(mode, bool) or mode == MALLOC_TRIM:
+    if type(mode) is bool or (type(mode) is str and mode == MALLOC_TRIM):
         return mode
-    raise ArgumentTypeError(f"stream_cuda_weights: trim_host_memory={mode!r} is not one of "
-                            f"{MALLOC_TRIM!r}, True, False")
+    kind = type(mode)
+    kind_name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    shown = repr(mode)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise ArgumentTypeError(f"stream_cuda_weights: trim_host_memory={shown} (a {kind_name}) is not one of "
+                            f"{MALLOC_TRIM!r}, True, False; pass one of those")
 
 
 @functools.lru_cache(maxsize=1)
