@@ -37,11 +37,11 @@ independently of ``a``) bounds the probability that the ``F[h]`` agree by
 ``2^-31``. So one hash agrees with probability at most
 ``2^-31 + 2^-31 = 2^-30``; the 4 hashes draw independent coefficients, so all 4
 agree with probability at most ``2^-120``. With the coefficients taken from
-SHAKE-256 under the secret key, the same bound holds for any pair of inputs
-chosen without knowledge of the key (the key never leaves the process: not in
-:data:`ALGO`, which names it by a separate SHAKE-256 output, nor in any
-fingerprint); an input chosen by someone who knows the coefficients can collide
-at will (the hash is linear). No arithmetic is plain mod 2^64:
+SHAKE-256 under the secret key, the same bound holds (up to any advantage in
+telling SHAKE-256's output from uniform) for any pair of inputs chosen without
+knowledge of the key: the key never leaves the process (:data:`ALGO` names it by
+a separate SHAKE-256 output; nothing persists fingerprints). Inputs chosen
+by someone who knows the coefficients can collide at will (the hash is linear). No arithmetic is plain mod 2^64:
 every sum is exact (the bounds above) and every reduction is mod ``p``.
 
 Fingerprints are comparable only within one process (the key is per process,
