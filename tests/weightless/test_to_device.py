@@ -217,3 +217,36 @@ def test_a_converted_key_is_loaded_once_for_programs_bound_one_by_one(tmp_path, 
         stats = weights.device_loads.stats
         n = len(model.state_dict())
         assert (stats.loaded, stats.reused, stats.converted) == (n, n, n)
+
+
+@pytest.mark.parametrize("second", ["weights_from", "stream_cuda_weights"])
+@pytest.mark.parametrize("first_out", ["older", "newer"])
+def test_no_registration_outlives_the_contexts_in_any_exit_order(tmp_path, monkeypatch, second, first_out):
+    """weights_from A, then B (another weights_from, or stream_cuda_weights, which
+    shares too) open at once; one exits, the other's program is lowered (copy, move),
+    then it exits: no shared storage nor host name is left registered."""
+    import contextlib
+
+    from ptdstream.hooks.cuda.backend import CudaWeightStream
+
+    model, path = _checkpoint(tmp_path)
+    other = tmp_path / "other.safetensors"
+    st.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, other)
+    monkeypatch.setattr(adapter, "cuda_backend", lambda: _Backend)
+    monkeypatch.setattr(DeviceLoads, "staging_for", lambda self, device: HostStaging(CHUNK))
+    _Backend.moved, _Backend.released = [], []
+    originals = {n: vars(_Backend)[n] for n in _NAMES}
+    a, b = contextlib.ExitStack(), contextlib.ExitStack()
+    wa = a.enter_context(weights_from(path))
+    wb = b.enter_context(weights_from(other)) if second == "weights_from" else None
+    if wb is None:
+        b.enter_context(CudaWeightStream())
+    exported = (wb or wa).export((wb or wa).model(Mlp), (torch.randn(2, 64),))
+    (a if first_out == "older" else b).close()
+    c = _Backend.copy_exported_program_for_preprocess(exported, [])
+    assert all(c.state_dict[k] is v for k, v in exported.state_dict.items())
+    _Backend.move_program_to_device(c, "cuda", [])
+    assert sharing.shared_count() > 0
+    (b if first_out == "older" else a).close()
+    assert sharing.shared_count() == 0 and sharing._hosts == {} and sharing._contexts == {}
+    assert {n: vars(_Backend)[n] for n in _NAMES} == originals and not to_device._active
