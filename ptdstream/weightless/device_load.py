@@ -24,6 +24,11 @@ Checks: the file's identity (device, inode, size, modification and change
 time) given in the :class:`DeviceLoad`, compared with the open file's before
 and after the read, and every read's length: ``IntegrityError`` naming the
 file, the key and (short read) the offset; a failed load returns nothing.
+The file stands for the bound tensor's memory only while no page of it is a
+private copy: the caller reads a tensor written in place from its memory
+instead, and a write while the file is read (``DeviceLoad.memory`` has a
+private copy after the load) is refused with ``IntegrityError`` naming the key:
+the same class as writing a tensor while it is saved.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from ..defaults import CHUNK_NBYTES
 from ..errors import IntegrityError
 from ..sources.base import BufferRing, FileIdentity, Source
 from ..system.files import pread_exact
-from ..system.pagecache import drop_read
+from ..system.pagecache import drop_read, private_copies
 
 __all__ = ["DeviceLoad", "HostStaging", "PinnedStaging", "itemsize", "load_to_device"]
 
@@ -132,6 +137,9 @@ class DeviceLoad:
     tensor stored there as ``stored``, converted per piece when it differs from
     ``dtype``; ``identity``: the file's when the context opened it), or else
     from ``source``'s pieces (already in ``dtype``). ``label`` names file and key.
+    ``memory``: ``(address, nbytes)`` of the bound tensor whose bytes the file
+    (or a source reading the file) stands for, in its ``MAP_PRIVATE`` mapping:
+    no page of it may have become a private copy (a write) by the end of the load.
     """
 
     label: str
@@ -143,6 +151,7 @@ class DeviceLoad:
     stored: Any = None
     identity: FileIdentity | None = None
     source: Source | None = None
+    memory: tuple[int, int] | None = None
 
 
 def itemsize(dtype: Any) -> int:
@@ -262,4 +271,10 @@ def load_to_device(load: DeviceLoad, staging: HostStaging) -> Any:
         staging.finish()
     if done != nbytes:
         raise IntegrityError(f"{load.label}: its source gave {done} bytes, the tensor needs {nbytes}")
+    if load.memory is not None and private_copies(*load.memory) is not False:
+        address, size = load.memory
+        raise IntegrityError(
+            f"{load.label}: the bound tensor (memory {address:#x}, {size} bytes) was written to while it was loaded "
+            f"to the device from {load.path or load.source.describe()}: nothing loaded; a bound weight must not "
+            "change while it is loaded, as while it is saved: lower again without writing it meanwhile")
     return dst

@@ -250,3 +250,66 @@ def test_no_registration_outlives_the_contexts_in_any_exit_order(tmp_path, monke
     (b if first_out == "older" else a).close()
     assert sharing.shared_count() == 0 and sharing._hosts == {} and sharing._contexts == {}
     assert {n: vars(_Backend)[n] for n in _NAMES} == originals and not to_device._active
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_a_bound_constant_written_in_place_is_loaded_with_its_new_bytes(tmp_path, monkeypatch, stored):
+    """The bound constants are views of a copy-on-write mapping (the checkpoint's, or
+    the converted copy's): one edited in place is loaded from its memory (what
+    ``.to("cuda")`` copies) (as is one sharing a page with it)."""
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    path = tmp_path / "mlp.safetensors"
+    st.save_file({k: v.to(stored).contiguous() for k, v in model.state_dict().items()}, path)
+    monkeypatch.setattr(adapter, "cuda_backend", lambda: _Backend)
+    monkeypatch.setattr(DeviceLoads, "staging_for", lambda self, device: HostStaging(CHUNK))
+    _Backend.moved, _Backend.released = [], []
+    with weights_from(path) as weights:
+        ep = weights.export(weights.model(Mlp), (torch.randn(2, 64),))
+        with torch.no_grad():
+            ep.state_dict["l2.bias"].add_(1)
+            ep.state_dict["l1.weight"][3, 5] = 7.5
+        expected = {k: v.detach().clone() for k, v in ep.state_dict.items()}
+        plans = {k: weights.device_loads.plan(k, v) for k, v in ep.state_dict.items()}
+        for k in ("l2.bias", "l1.weight"):
+            assert plans[k].path is None and plans[k].source.read_file is False, k  # its memory
+        _Backend.move_program_to_device(_Backend.copy_exported_program_for_preprocess(ep, []), "cuda", [])
+        got = _Backend.moved[0]
+        for k, v in expected.items():
+            assert got[k].untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+            assert _bytes(got[k]) == _bytes(v), k
+        file_bias = model.l2.bias.detach().to(stored).to(torch.float32)
+        assert not torch.equal(got["l2.bias"].detach(), file_bias)
+        assert float(got["l1.weight"][3, 5]) == 7.5
+        assert weights.device_loads.stats.loaded == len(expected)
+
+
+class _WritingStaging(HostStaging):
+    """A staging that writes to the bound tensor while its first piece is sent."""
+
+    def __init__(self, victim: torch.Tensor) -> None:
+        super().__init__(CHUNK)
+        self.victim = victim
+
+    def send(self, i, dst, nbytes):
+        if i == 0:
+            self.victim[-1] = 42.0
+        super().send(i, dst, nbytes)
+
+
+def test_a_bound_constant_written_while_loaded_from_the_file_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "w.safetensors"
+    st.save_file({"w": torch.ones(4 * CHUNK)}, path)
+    ck, loads = _open(path)
+    with ck:
+        view = ck.tensor("w")
+        load = loads.plan("w", view)
+        assert load.path == str(path) and load.memory == (view.data_ptr(), 16 * CHUNK)
+        with pytest.raises(IntegrityError) as e:
+            load_to_device(load, _WritingStaging(view))
+        msg = str(e.value)
+        assert f"{path}: key 'w'" in msg and f"{16 * CHUNK} bytes) was written to while it was loaded" in msg
+        assert f"to the device from {path}: nothing loaded" in msg
+        assert float(view[-1]) == 42.0 and path.read_bytes().count(b"\x00\x00\x80\x3f") == 4 * CHUNK
+        again = loads.plan("w", view)  # written: now loaded from its memory
+        assert again.path is None and _bytes(load_to_device(again, HostStaging(CHUNK))) == _bytes(view.clone())
