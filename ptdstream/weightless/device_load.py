@@ -11,13 +11,15 @@ done. Each piece's pages are dropped behind the read
 serves every method and the save), so cached pages would only fill the page
 cache. A tensor stored in another float dtype is converted per piece on the
 host into the pinned buffer with the copy kernel
-:mod:`ptdstream.weightless.convert` uses (element by element: the same bytes as
-the converted copy the binding made). A tensor the file cannot give directly (a
+:mod:`ptdstream.weightless.convert` uses (element by element: the bytes of the
+converted copy the binding made and of ``.to(dtype)``, identical for every
+non-NaN value; a NaN stays a NaN, its sign and payload bits may differ, as they
+do between torch's own conversions on different thread counts: see there). A tensor the file cannot give directly (a
 ``torch.save`` archive of the other byte order; a DCP tensor's converted copy)
 is read from a :class:`~ptdstream.sources.Source` instead (its mapping, each
 piece paged out: :class:`~ptdstream.sources.mapped.MappedTensorSource`). The
 device tensor has the given dtype, shape and strides, storage offset 0: for a
-dense tensor, the bytes of ``tensor.to(device)``. :class:`HostStaging` is the
+dense tensor, the bytes of ``tensor.to(device)`` (converted: as above). :class:`HostStaging` is the
 same interface over plain host buffers with synchronous copies (a CPU target).
 
 Checks: the file's identity (device, inode, size, modification and change
@@ -245,7 +247,8 @@ def load_to_device(load: DeviceLoad, staging: HostStaging) -> Any:
     Raises:
         IntegrityError: the file changed since ``load.identity`` (before or
             while it was read), a read came short (names file, key, offset),
-            or a source gave another number of bytes than the tensor needs.
+            or a source gave another number of bytes than the tensor needs,
+            or ``load.memory`` had a private copy (was written) after the load.
         OSError: the file cannot be opened or read.
     """
     import torch
@@ -273,8 +276,9 @@ def load_to_device(load: DeviceLoad, staging: HostStaging) -> Any:
         raise IntegrityError(f"{load.label}: its source gave {done} bytes, the tensor needs {nbytes}")
     if load.memory is not None and private_copies(*load.memory) is not False:
         address, size = load.memory
+        read = load.path if load.path is not None else load.source.describe() if load.source is not None else "?"
         raise IntegrityError(
             f"{load.label}: the bound tensor (memory {address:#x}, {size} bytes) was written to while it was loaded "
-            f"to the device from {load.path or load.source.describe()}: nothing loaded; a bound weight must not "
+            f"to the device from {read}: nothing loaded; a bound weight must not "
             "change while it is loaded, as while it is saved: lower again without writing it meanwhile")
     return dst

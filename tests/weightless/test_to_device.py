@@ -11,6 +11,7 @@ import safetensors.torch as st
 import torch
 from conftest import Mlp, mapped_rss
 
+from ptdstream.defaults import CHUNK_NBYTES
 from ptdstream.errors import IntegrityError
 from ptdstream.hooks.cuda import sharing
 from ptdstream.sources.base import FileIdentity
@@ -313,3 +314,53 @@ def test_a_bound_constant_written_while_loaded_from_the_file_is_refused_naming_t
         assert float(view[-1]) == 42.0 and path.read_bytes().count(b"\x00\x00\x80\x3f") == 4 * CHUNK
         again = loads.plan("w", view)  # written: now loaded from its memory
         assert again.path is None and _bytes(load_to_device(again, HostStaging(CHUNK))) == _bytes(view.clone())
+
+
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _same_but_nan_payloads(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Every non-NaN element bit-identical, every NaN a NaN (sign and payload free)."""
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(_BITS[got.dtype])[~nan], want.view(_BITS[want.dtype])[~nan])
+
+
+@pytest.mark.parametrize("piece", [24, CHUNK, CHUNK_NBYTES])
+@pytest.mark.parametrize(("stored", "wanted"), [(a, b) for a in _BITS for b in _BITS if a != b])
+def test_converted_bytes_are_tos_for_every_non_nan_value(tmp_path, stored, wanted, piece):
+    """The binding's piecewise conversion and the device load's give ``.to``'s bits
+    for every non-NaN value (random bit patterns: subnormals, infinities, both
+    zeros) and a NaN for every NaN; a NaN's sign and payload bits are torch's
+    vectorized or scalar loop's, which differ (so does ``.to`` itself across
+    thread counts). Larger than two pieces of the device load at the real size."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # .to splits among threads: a NaN's bits differ at the split
+    try:
+        _compare_conversions(tmp_path, stored, wanted, piece)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_conversions(tmp_path, stored, wanted, piece):
+    n = 2 * (CHUNK_NBYTES // 4) + 1001 if piece == CHUNK_NBYTES else 40 * CHUNK // 4 + 3
+    g = torch.Generator().manual_seed(piece)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(_BITS[stored])
+    values = bits.view(stored).clone()
+    assert 0 < int(values.isnan().sum()) < n
+    path = tmp_path / "w.safetensors"
+    st.save_file({"w": values}, path)
+    ck, loads = _open(path)
+    with ck:
+        convert = ConvertDir()
+        entry = ck.entries["w"]
+        bound = convert.convert(ck.source("w"), stored, wanted, entry.shape, entry.dim_order, "w", piece)
+        want = ck.tensor("w").to(wanted)
+        _same_but_nan_payloads(bound, want)
+        loads.add("w", bound)
+        load = loads.plan("w", bound)
+        assert load.path == str(path) and (load.stored, load.dtype) == (stored, wanted)
+        out = load_to_device(load, HostStaging(piece))
+        _same_but_nan_payloads(out, want)
+        _same_but_nan_payloads(out, bound)
+        convert.close()
