@@ -6,7 +6,13 @@ float16, bfloat16, to one another), or one that is loaded rather than mapped
 checkpoint's :class:`~ptdstream.sources.Source` of the key in pieces
 (:data:`~ptdstream.defaults.CHUNK_NBYTES`), converts each piece with torch
 (``piece.to(dtype)``: element by element, so the bytes are those of the whole
-tensor's ``.to(dtype)``), and writes it to a new file in the folder, with
+tensor's ``.to(dtype)``: identical for every non-NaN value; a NaN stays a NaN,
+its sign and payload bits may differ, as they do between torch's own
+conversions on different thread counts: torch's CPU cast gives a NaN other bits
+in its vectorized loop than in its scalar tail, e.g. float16 ``0xfe01`` to
+float32 ``0xffc02000`` vectorized, ``0x7fffffff`` scalar, and splits a tensor
+among threads at ``ceil(n / threads)`` elements, so which elements take which
+loop depends on the piece and the thread count), and writes it to a new file in the folder, with
 bounded writeback (:class:`~ptdstream.system.writeback.WritebackWindows`), its
 pages dropped once on disk. The file is then mapped back (``MAP_PRIVATE``,
 never written) and viewed as the export's dtype, shape and the checkpoint's dim

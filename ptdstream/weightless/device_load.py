@@ -11,19 +11,26 @@ done. Each piece's pages are dropped behind the read
 serves every method and the save), so cached pages would only fill the page
 cache. A tensor stored in another float dtype is converted per piece on the
 host into the pinned buffer with the copy kernel
-:mod:`ptdstream.weightless.convert` uses (element by element: the same bytes as
-the converted copy the binding made). A tensor the file cannot give directly (a
+:mod:`ptdstream.weightless.convert` uses (element by element: the bytes of the
+converted copy the binding made and of ``.to(dtype)``, identical for every
+non-NaN value; a NaN stays a NaN, its sign and payload bits may differ, as they
+do between torch's own conversions on different thread counts: see there). A tensor the file cannot give directly (a
 ``torch.save`` archive of the other byte order; a DCP tensor's converted copy)
 is read from a :class:`~ptdstream.sources.Source` instead (its mapping, each
 piece paged out: :class:`~ptdstream.sources.mapped.MappedTensorSource`). The
 device tensor has the given dtype, shape and strides, storage offset 0: for a
-dense tensor, the bytes of ``tensor.to(device)``. :class:`HostStaging` is the
+dense tensor, the bytes of ``tensor.to(device)`` (converted: as above). :class:`HostStaging` is the
 same interface over plain host buffers with synchronous copies (a CPU target).
 
 Checks: the file's identity (device, inode, size, modification and change
 time) given in the :class:`DeviceLoad`, compared with the open file's before
 and after the read, and every read's length: ``IntegrityError`` naming the
 file, the key and (short read) the offset; a failed load returns nothing.
+The file stands for the bound tensor's memory only while no page of it is a
+private copy: the caller reads a tensor written in place from its memory
+instead, and a write while the file is read (``DeviceLoad.memory`` has a
+private copy after the load) is refused with ``IntegrityError`` naming the key:
+the same class as writing a tensor while it is saved.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from ..defaults import CHUNK_NBYTES
 from ..errors import IntegrityError
 from ..sources.base import BufferRing, FileIdentity, Source
 from ..system.files import pread_exact
-from ..system.pagecache import drop_read
+from ..system.pagecache import drop_read, private_copies
 
 __all__ = ["DeviceLoad", "HostStaging", "PinnedStaging", "itemsize", "load_to_device"]
 
@@ -132,6 +139,9 @@ class DeviceLoad:
     tensor stored there as ``stored``, converted per piece when it differs from
     ``dtype``; ``identity``: the file's when the context opened it), or else
     from ``source``'s pieces (already in ``dtype``). ``label`` names file and key.
+    ``memory``: ``(address, nbytes)`` of the bound tensor whose bytes the file
+    (or a source reading the file) stands for, in its ``MAP_PRIVATE`` mapping:
+    no page of it may have become a private copy (a write) by the end of the load.
     """
 
     label: str
@@ -143,6 +153,7 @@ class DeviceLoad:
     stored: Any = None
     identity: FileIdentity | None = None
     source: Source | None = None
+    memory: tuple[int, int] | None = None
 
 
 def itemsize(dtype: Any) -> int:
@@ -236,7 +247,8 @@ def load_to_device(load: DeviceLoad, staging: HostStaging) -> Any:
     Raises:
         IntegrityError: the file changed since ``load.identity`` (before or
             while it was read), a read came short (names file, key, offset),
-            or a source gave another number of bytes than the tensor needs.
+            or a source gave another number of bytes than the tensor needs,
+            or ``load.memory`` had a private copy (was written) after the load.
         OSError: the file cannot be opened or read.
     """
     import torch
@@ -262,4 +274,11 @@ def load_to_device(load: DeviceLoad, staging: HostStaging) -> Any:
         staging.finish()
     if done != nbytes:
         raise IntegrityError(f"{load.label}: its source gave {done} bytes, the tensor needs {nbytes}")
+    if load.memory is not None and private_copies(*load.memory) is not False:
+        address, size = load.memory
+        read = load.path if load.path is not None else load.source.describe() if load.source is not None else "?"
+        raise IntegrityError(
+            f"{load.label}: the bound tensor (memory {address:#x}, {size} bytes) was written to while it was loaded "
+            f"to the device from {read}: nothing loaded; a bound weight must not "
+            "change while it is loaded, as while it is saved: lower again without writing it meanwhile")
     return dst

@@ -35,8 +35,15 @@ for a backend class:
 Loading (:mod:`ptdstream.weightless.device_load`): the tensor's file range read
 with ``preadv`` into the reused pinned ring, an asynchronous host-to-device copy
 per piece, pages dropped behind, a conversion per piece for another dtype, the
-file's identity checked before and after; see there. An empty or non-dense
-bound constant is left to upstream's ``.to`` (listed in
+file's identity checked before and after; see there. The bound constants are
+views of a copy-on-write (``MAP_PRIVATE``) mapping, writable: one written in
+place since it was bound (a pass, or the user editing ``ep.state_dict``: a
+page of its range is a private copy, per
+:func:`~ptdstream.system.pagecache.private_copies`; or ``/proc/self/pagemap``
+cannot be read) is loaded from its own memory (its mapping, each piece paged
+out), so the device holds the bytes the tensor has, as ``.to`` would copy;
+a write while it is read from the file is refused (see there). An empty or
+non-dense bound constant is left to upstream's ``.to`` (listed in
 ``DeviceLoadStats.left_to_upstream``).
 """
 
@@ -52,7 +59,7 @@ from ..defaults import CHUNK_NBYTES
 from ..hooks.cuda.sharing import register_shared, sharing_weights, unregister_shared
 from ..sources.base import FileIdentity
 from ..sources.mapped import MappedTensorSource
-from ..system.pagecache import file_mapping
+from ..system.pagecache import file_mapping, private_copies
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .device_load import DeviceLoad, HostStaging, PinnedStaging, itemsize, load_to_device
@@ -145,6 +152,9 @@ class DeviceLoads:
         entry = self.checkpoint.entries[key]
         label = f"{entry.where}: key {key!r}"
         shape, stride = tuple(bound.shape), tuple(bound.stride())
+        memory = (bound.data_ptr(), bound.numel() * bound.element_size())
+        if private_copies(*memory) is not False:  # written in place (or unknown): its memory, as .to reads
+            return self._from_memory(label, bound, read_file=False)
         if self.checkpoint.kind in ("safetensors", "torch"):
             source = self.checkpoint.source(key)
             view = self.checkpoint.tensor(key)
@@ -153,14 +163,22 @@ class DeviceLoads:
                     and source.mapping.inode == identity.inode and _dense(view) and tuple(view.stride()) == stride):
                 offset = source.mapping.offset + (view.data_ptr() - source.mapping.start)
                 return DeviceLoad(label, shape, stride, bound.dtype, path=entry.where, offset=offset,
-                                  stored=entry.dtype, identity=identity)
+                                  stored=entry.dtype, identity=identity, memory=memory)
             if entry.dtype == bound.dtype and view is bound:
-                return DeviceLoad(label, shape, stride, bound.dtype, source=source)  # the mapping, paged out
+                return DeviceLoad(label, shape, stride, bound.dtype, source=source,
+                                  memory=memory)  # the mapping, paged out
+        return self._from_memory(label, bound)
+
+    @staticmethod
+    def _from_memory(label: str, bound: Any, read_file: bool | None = None) -> DeviceLoad | None:
+        """A load of ``bound``'s own mapping (``read_file``: as
+        :class:`~ptdstream.sources.mapped.MappedTensorSource`), or None: in no mapping."""
         storage = bound.untyped_storage()
         mapping = file_mapping(storage.data_ptr(), storage.nbytes())
         if mapping is None:
             return None
-        return DeviceLoad(label, shape, stride, bound.dtype, source=MappedTensorSource(bound, mapping, label))
+        source = MappedTensorSource(bound, mapping, label, read_file=read_file)
+        return DeviceLoad(label, tuple(bound.shape), tuple(bound.stride()), bound.dtype, source=source)
 
     def device_copy(self, table: str, fqn: str, tensor: Any, device: Any) -> Any:
         """The device copy of ``tensor`` (``table``'s ``fqn`` of a program being

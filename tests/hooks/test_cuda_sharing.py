@@ -259,3 +259,39 @@ def test_a_device_copy_of_a_host_weight_is_served_from_the_host_before_any_twin(
         source = route(other, "not.a.weight")  # no host weight of that name: the twin
         assert not isinstance(source, HostWeightSource) and _Finder.asked == 1
         assert (other.stats.hosted_nbytes, other.stats.twin_nbytes) == (0, nbytes)
+
+
+@pytest.mark.parametrize("first_out", ["older", "newer"])
+def test_registrations_end_with_their_context_whatever_the_exit_order(first_out):
+    """Two contexts open at once: the copy made after one has exited belongs to the
+    one still active (the installed patch is the first context's), and is released
+    when that one exits; after both, nothing is registered."""
+    import contextlib
+
+    originals = _originals()
+    program = _program()
+    n = len(program.state_dict)
+    older, newer = contextlib.ExitStack(), contextlib.ExitStack()
+    older.enter_context(sharing.sharing_weights(_Backend))
+    newer.enter_context(sharing.sharing_weights(_Backend))
+    staying = newer if first_out == "older" else older
+    (older if first_out == "older" else newer).close()
+    c = _Backend.copy_exported_program_for_preprocess(program, [])
+    assert c.state_dict["l1.weight"] is program.state_dict["l1.weight"]  # still shared
+    assert sharing.shared_count() == n and sharing.host_weight("l2.bias") is program.state_dict["l2.bias"]
+    staying.close()
+    assert sharing.shared_count() == 0 and sharing._hosts == {} and sharing._contexts == {}
+    assert sharing.host_weight("l2.bias") is None and not sharing.is_shared(program.state_dict["l1.weight"])
+    assert _originals() == originals
+
+
+def test_a_copy_made_while_two_are_active_is_released_by_the_newer_ones_exit():
+    program = _program()
+    with sharing.sharing_weights(_Backend):
+        with sharing.sharing_weights(_Backend):
+            _Backend.copy_exported_program_for_preprocess(program, [])
+            assert sharing.shared_count() == len(program.state_dict)
+        assert sharing.shared_count() == 0 and sharing._hosts == {}
+        _Backend.copy_exported_program_for_preprocess(program, [])  # the older one's own
+        assert sharing.shared_count() == len(program.state_dict)
+    assert sharing.shared_count() == 0 and sharing._contexts == {}

@@ -11,6 +11,7 @@ import safetensors.torch as st
 import torch
 from conftest import Mlp, mapped_rss
 
+from ptdstream.defaults import CHUNK_NBYTES
 from ptdstream.errors import IntegrityError
 from ptdstream.hooks.cuda import sharing
 from ptdstream.sources.base import FileIdentity
@@ -217,3 +218,149 @@ def test_a_converted_key_is_loaded_once_for_programs_bound_one_by_one(tmp_path, 
         stats = weights.device_loads.stats
         n = len(model.state_dict())
         assert (stats.loaded, stats.reused, stats.converted) == (n, n, n)
+
+
+@pytest.mark.parametrize("second", ["weights_from", "stream_cuda_weights"])
+@pytest.mark.parametrize("first_out", ["older", "newer"])
+def test_no_registration_outlives_the_contexts_in_any_exit_order(tmp_path, monkeypatch, second, first_out):
+    """weights_from A, then B (another weights_from, or stream_cuda_weights, which
+    shares too) open at once; one exits, the other's program is lowered (copy, move),
+    then it exits: no shared storage nor host name is left registered."""
+    import contextlib
+
+    from ptdstream.hooks.cuda.backend import CudaWeightStream
+
+    model, path = _checkpoint(tmp_path)
+    other = tmp_path / "other.safetensors"
+    st.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, other)
+    monkeypatch.setattr(adapter, "cuda_backend", lambda: _Backend)
+    monkeypatch.setattr(DeviceLoads, "staging_for", lambda self, device: HostStaging(CHUNK))
+    _Backend.moved, _Backend.released = [], []
+    originals = {n: vars(_Backend)[n] for n in _NAMES}
+    a, b = contextlib.ExitStack(), contextlib.ExitStack()
+    wa = a.enter_context(weights_from(path))
+    wb = b.enter_context(weights_from(other)) if second == "weights_from" else None
+    if wb is None:
+        b.enter_context(CudaWeightStream())
+    exported = (wb or wa).export((wb or wa).model(Mlp), (torch.randn(2, 64),))
+    (a if first_out == "older" else b).close()
+    c = _Backend.copy_exported_program_for_preprocess(exported, [])
+    assert all(c.state_dict[k] is v for k, v in exported.state_dict.items())
+    _Backend.move_program_to_device(c, "cuda", [])
+    assert sharing.shared_count() > 0
+    (b if first_out == "older" else a).close()
+    assert sharing.shared_count() == 0 and sharing._hosts == {} and sharing._contexts == {}
+    assert {n: vars(_Backend)[n] for n in _NAMES} == originals and not to_device._active
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_a_bound_constant_written_in_place_is_loaded_with_its_new_bytes(tmp_path, monkeypatch, stored):
+    """The bound constants are views of a copy-on-write mapping (the checkpoint's, or
+    the converted copy's): one edited in place is loaded from its memory (what
+    ``.to("cuda")`` copies) (as is one sharing a page with it)."""
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    path = tmp_path / "mlp.safetensors"
+    st.save_file({k: v.to(stored).contiguous() for k, v in model.state_dict().items()}, path)
+    monkeypatch.setattr(adapter, "cuda_backend", lambda: _Backend)
+    monkeypatch.setattr(DeviceLoads, "staging_for", lambda self, device: HostStaging(CHUNK))
+    _Backend.moved, _Backend.released = [], []
+    with weights_from(path) as weights:
+        ep = weights.export(weights.model(Mlp), (torch.randn(2, 64),))
+        with torch.no_grad():
+            ep.state_dict["l2.bias"].add_(1)
+            ep.state_dict["l1.weight"][3, 5] = 7.5
+        expected = {k: v.detach().clone() for k, v in ep.state_dict.items()}
+        plans = {k: weights.device_loads.plan(k, v) for k, v in ep.state_dict.items()}
+        for k in ("l2.bias", "l1.weight"):
+            assert plans[k].path is None and plans[k].source.read_file is False, k  # its memory
+        _Backend.move_program_to_device(_Backend.copy_exported_program_for_preprocess(ep, []), "cuda", [])
+        got = _Backend.moved[0]
+        for k, v in expected.items():
+            assert got[k].untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+            assert _bytes(got[k]) == _bytes(v), k
+        file_bias = model.l2.bias.detach().to(stored).to(torch.float32)
+        assert not torch.equal(got["l2.bias"].detach(), file_bias)
+        assert float(got["l1.weight"][3, 5]) == 7.5
+        assert weights.device_loads.stats.loaded == len(expected)
+
+
+class _WritingStaging(HostStaging):
+    """A staging that writes to the bound tensor while its first piece is sent."""
+
+    def __init__(self, victim: torch.Tensor) -> None:
+        super().__init__(CHUNK)
+        self.victim = victim
+
+    def send(self, i, dst, nbytes):
+        if i == 0:
+            self.victim[-1] = 42.0
+        super().send(i, dst, nbytes)
+
+
+def test_a_bound_constant_written_while_loaded_from_the_file_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "w.safetensors"
+    st.save_file({"w": torch.ones(4 * CHUNK)}, path)
+    ck, loads = _open(path)
+    with ck:
+        view = ck.tensor("w")
+        load = loads.plan("w", view)
+        assert load.path == str(path) and load.memory == (view.data_ptr(), 16 * CHUNK)
+        with pytest.raises(IntegrityError) as e:
+            load_to_device(load, _WritingStaging(view))
+        msg = str(e.value)
+        assert f"{path}: key 'w'" in msg and f"{16 * CHUNK} bytes) was written to while it was loaded" in msg
+        assert f"to the device from {path}: nothing loaded" in msg
+        assert float(view[-1]) == 42.0 and path.read_bytes().count(b"\x00\x00\x80\x3f") == 4 * CHUNK
+        again = loads.plan("w", view)  # written: now loaded from its memory
+        assert again.path is None and _bytes(load_to_device(again, HostStaging(CHUNK))) == _bytes(view.clone())
+
+
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _same_but_nan_payloads(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Every non-NaN element bit-identical, every NaN a NaN (sign and payload free)."""
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(_BITS[got.dtype])[~nan], want.view(_BITS[want.dtype])[~nan])
+
+
+@pytest.mark.parametrize("piece", [24, CHUNK, CHUNK_NBYTES])
+@pytest.mark.parametrize(("stored", "wanted"), [(a, b) for a in _BITS for b in _BITS if a != b])
+def test_converted_bytes_are_tos_for_every_non_nan_value(tmp_path, stored, wanted, piece):
+    """The binding's piecewise conversion and the device load's give ``.to``'s bits
+    for every non-NaN value (random bit patterns: subnormals, infinities, both
+    zeros) and a NaN for every NaN; a NaN's sign and payload bits are torch's
+    vectorized or scalar loop's, which differ (so does ``.to`` itself across
+    thread counts). Larger than two pieces of the device load at the real size."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # .to splits among threads: a NaN's bits differ at the split
+    try:
+        _compare_conversions(tmp_path, stored, wanted, piece)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_conversions(tmp_path, stored, wanted, piece):
+    n = 2 * (CHUNK_NBYTES // 4) + 1001 if piece == CHUNK_NBYTES else 40 * CHUNK // 4 + 3
+    g = torch.Generator().manual_seed(piece)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(_BITS[stored])
+    values = bits.view(stored).clone()
+    assert 0 < int(values.isnan().sum()) < n
+    path = tmp_path / "w.safetensors"
+    st.save_file({"w": values}, path)
+    ck, loads = _open(path)
+    with ck:
+        convert = ConvertDir()
+        entry = ck.entries["w"]
+        bound = convert.convert(ck.source("w"), stored, wanted, entry.shape, entry.dim_order, "w", piece)
+        want = ck.tensor("w").to(wanted)
+        _same_but_nan_payloads(bound, want)
+        loads.add("w", bound)
+        load = loads.plan("w", bound)
+        assert load.path == str(path) and (load.stored, load.dtype) == (stored, wanted)
+        out = load_to_device(load, HostStaging(piece))
+        _same_but_nan_payloads(out, want)
+        _same_but_nan_payloads(out, bound)
+        convert.close()

@@ -38,7 +38,7 @@ import contextlib
 import copy
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...upstream.patching import shadowed
@@ -49,6 +49,7 @@ __all__ = ["host_weight", "is_shared", "register_shared", "shared_count", "shari
 _lock = threading.Lock()
 _shared: dict[tuple[str, int], list] = {}  # (device, storage data pointer) -> [contexts, tensor kept alive]
 _hosts: dict[str, list] = {}  # FQN -> [contexts, the host tensor, or None when two storages claim it]
+_contexts: dict[int, list[list]] = {}  # id(backend) -> the registration lists of its active contexts, oldest first
 
 
 def _storage_key(tensor: Any) -> tuple[str, int] | None:
@@ -100,8 +101,17 @@ def sharing_copy(program: Any, registered: list) -> Any:
     host one by name (see :func:`host_weight`), and appends what it registered
     to ``registered`` (the caller unregisters them).
     """
+    return _sharing_copy(program, lambda: registered)
+
+
+def _sharing_copy(program: Any, owner: Callable[[], list | None]) -> Any:
+    """:func:`sharing_copy` into the list ``owner()`` gives (called under the
+    registry's lock); ``None`` and nothing registered when it gives ``None``."""
     tensors = _program_tensors(program)
     with _lock:
+        registered = owner()
+        if registered is None:
+            return None
         for fqn, t in tensors:
             key = _storage_key(t)
             if key is None:
@@ -138,15 +148,20 @@ def unregister_shared(registered: list) -> None:
 
 def _unregister(registered: list) -> None:
     with _lock:
-        for key in registered:
-            table: dict = _hosts if isinstance(key, str) else _shared
-            entry = table.get(key)
-            if entry is None:
-                continue
-            entry[0] -= 1
-            if entry[0] <= 0:
-                del table[key]
-        registered.clear()
+        _release(registered)
+
+
+def _release(registered: list) -> None:
+    """Release ``registered``'s registrations (then cleared); the caller holds ``_lock``."""
+    for key in registered:
+        table: dict = _hosts if isinstance(key, str) else _shared
+        entry = table.get(key)
+        if entry is None:
+            continue
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del table[key]
+    registered.clear()
 
 
 def _without_shared(program: Any) -> types.SimpleNamespace:
@@ -167,23 +182,41 @@ def sharing_weights(backend: Any) -> Iterator[None]:
     ``backend`` is an executorch ``BackendDetails`` subclass with
     ``copy_exported_program_for_preprocess`` and ``release_moved_tensors``
     classmethods (executorch's ``CudaBackend``; any ``AotiBackend``). Both are
-    replaced while a context is active and restored when the last one exits;
-    the storages registered by copies made inside the context are released
-    from the registry at exit (the tensors themselves are not touched).
-    Thread-safe; lower one model at a time.
+    replaced while a context is active and restored when the last one exits.
+    A copy's registrations belong to the newest context for ``backend`` active
+    when it is made, and are released from the registry when that context
+    exits (the tensors themselves are not touched): contexts may exit in any
+    order, and once every one has exited none remains. Thread-safe; lower one
+    model at a time.
     """
     release = backend.release_moved_tensors
+    upstream_copy = backend.copy_exported_program_for_preprocess
+    owner = id(backend)
     registered: list = []
 
+    def newest() -> list | None:
+        lists = _contexts.get(owner)
+        return lists[-1] if lists else None
+
     def copy_for_preprocess(cls, edge_program, compile_specs):
-        return sharing_copy(edge_program, registered)
+        # the one installed patch (the first context's) serves every context for backend
+        copied = _sharing_copy(edge_program, newest)
+        return upstream_copy(edge_program, compile_specs) if copied is None else copied
 
     def release_moved_tensors(cls, device_edge_program, compile_specs):
         return release(_without_shared(device_edge_program), compile_specs)
 
+    with _lock:
+        _contexts.setdefault(owner, []).append(registered)
     try:
         with shadowed(backend, "copy_exported_program_for_preprocess", classmethod(copy_for_preprocess)), \
                 shadowed(backend, "release_moved_tensors", classmethod(release_moved_tensors)):
             yield
     finally:
-        _unregister(registered)
+        with _lock:
+            lists = [r for r in _contexts.get(owner, []) if r is not registered]
+            if lists:
+                _contexts[owner] = lists
+            else:
+                _contexts.pop(owner, None)
+            _release(registered)
