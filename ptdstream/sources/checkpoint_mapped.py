@@ -121,7 +121,7 @@ class SafetensorsCheckpoint(Checkpoint):
                 self._opened[file] = _opened(file, functools.partial(self._open_file, file, name, shards))
         except (FormatError, IntegrityError):
             raise
-        except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError), reported
+        except Exception as e:  # safetensors' own errors (SafetensorError, OSError), reported
             if _unreadable(e, path) is not None:  # cannot be read: not a bad file
                 raise
             raise FormatError(f"{path}: safetensors could not read it: {type(e).__name__}: {e}") from None
@@ -213,7 +213,7 @@ class TorchCheckpoint(Checkpoint):
                 torch.load(path, mmap=True, weights_only=True, map_location="cpu")))
         except IntegrityError:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of torch.load is reported as FormatError
+        except Exception as e:  # any other failure of torch.load is reported as FormatError
             if _unreadable(e, path) is not None:  # cannot be read: not a bad file
                 raise
             raise FormatError(f"{path}: torch.load(mmap=True, weights_only=True) failed: "
