@@ -201,3 +201,15 @@ def test_extract_list_refuses_a_key_or_a_segment(tmp_path, capsys):
     rc, out, err = _run(capsys, "extract", packed, "--list")
     assert (rc, out.splitlines()[0], err) == (0, f"{packed}: ptd, {os.path.getsize(ptd):,} bytes, 4 segments", "")
     assert_only(tmp_path, ["ref", "m.ptd.zst"])
+
+
+def test_an_empty_path_is_a_usage_error_naming_the_option(tmp_path, capsys):
+    ptd = write_reference("external", tmp_path / "ref")[EXT_PTD]
+    write = "an empty path, cannot write there; give a file name\n"
+    assert _run(capsys, "manifest", ptd, "-o", "") == (2, "", f"ptdstream manifest: -o: {write}")
+    assert _run(capsys, "pack", ptd, "") == (2, "", f"ptdstream pack: OUT: {write}")
+    assert _run(capsys, "pack", ptd, "-o", "") == (2, "", f"ptdstream pack: -o: {write}")
+    for argv in (["verify", ""], ["inspect", ptd, ""]):
+        assert _run(capsys, *argv) == (
+            2, "", f"ptdstream {argv[0]}: an empty path as an input file; give a file name\n")
+    assert_only(tmp_path / "ref", ["model.pte", EXT_PTD])  # no manifest at its default path, no .zst
