@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         _end_startup()  # before any file is touched: Ctrl-C raises KeyboardInterrupt, clean-up runs
         with contextlib.ExitStack() as stack:
             _read_stdin(args, stack)
+            _refuse_empty_paths(args)
             check_regular_inputs(args.inputs(args))
             if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
                 refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
@@ -173,6 +174,20 @@ def _require_inputs(paths) -> None:
     for path in paths:
         if not os.path.exists(path):
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+
+def _refuse_empty_paths(args: argparse.Namespace) -> None:
+    """Refuse an empty path (``""``) as the output or an input: it names no file.
+
+    Raises:
+        UsageError: naming the option (``-o``, ``OUT``), or the input.
+    """
+    for name, option in (("output", "-o"), ("output_arg", "OUT")):
+        if getattr(args, name, None) == "":
+            raise UsageError(f"ptdstream {args.command}: {option}: an empty path, cannot write there; "
+                             "give a file name")
+    if "" in _inputs(args):
+        raise UsageError(f"ptdstream {args.command}: an empty path as an input file; give a file name")
 
 
 def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:

@@ -6,7 +6,7 @@ import sys
 
 from .common import EXIT_OK, UsageError, add_command, binary_stdout, print_json, print_report
 
-__all__ = ["register", "run"]
+__all__ = ["check", "register", "run"]
 
 
 def register(subparsers) -> None:
@@ -18,7 +18,7 @@ def register(subparsers) -> None:
         examples=[("ptdstream extract model.ptd.zst --list", "segments and keys"),
                   ("ptdstream extract model.ptd.zst pos_embeddings -o pos.bin", "one key into a file"),
                   ("ptdstream extract model.pte.zst --segment 0 > delegate.bin", "one segment to stdout")],
-        run=run, inputs=lambda a: [a.packed], outputs=lambda a: [_output(a)], stdin=("packed",))
+        run=run, inputs=lambda a: [a.packed], outputs=lambda a: [_output(a)], stdin=("packed",), check=check)
     e.add_argument("packed", help="packed .pte/.ptd")
     e.add_argument("key", nargs="?", help="named-data key")
     e.add_argument("--segment", type=int, help="segment index instead of a key")
@@ -26,11 +26,23 @@ def register(subparsers) -> None:
     e.add_argument("--list", action="store_true", help="list segments and keys, extract nothing")
 
 
+def check(args) -> None:
+    """The arguments, before the packed file is read.
+
+    Raises:
+        UsageError: ``--list`` with a KEY or ``--segment``; else not exactly one of them.
+    """
+    if args.list and (args.key is not None or args.segment is not None):
+        given = f"KEY {args.key!r}" if args.key is not None else f"--segment {args.segment}"
+        raise UsageError(f"ptdstream extract: --list takes no KEY or --segment (got {given}); it extracts "
+                         "nothing: leave out --list to extract, or the key to list")
+    if not args.list and (args.key is None) == (args.segment is None):
+        raise UsageError("ptdstream extract: give exactly one of KEY or --segment INDEX (or --list)")
+
+
 def run(args) -> int:
     from ..pack.extract import PackedArtifact
 
-    if not args.list and (args.key is None) == (args.segment is None):
-        raise UsageError("ptdstream extract: give exactly one of KEY or --segment INDEX (or --list)")
     with PackedArtifact(args.packed) as packed:
         if args.list:
             return _list(packed.artifact, args)

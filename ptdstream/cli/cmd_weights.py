@@ -75,14 +75,16 @@ def check(args) -> None:
     """The arguments, before torch is imported.
 
     Raises:
-        UsageError: a non-positive ``--segment-alignment``, ``-o`` that is not a
-            folder, or ``--old`` with the program from stdin (the new .pte is named after it).
+        UsageError: a non-positive ``--segment-alignment``, an empty ``-o``, ``-o`` that is
+            a file, or ``--old`` with the program from stdin (the new .pte is named after it).
     """
     if args.segment_alignment <= 0:  # before the modulo by it
         raise UsageError(f"ptdstream weights: --segment-alignment must be a positive number of bytes, "
                          f"got {args.segment_alignment}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"ptdstream weights: -o {args.out} exists and is not a folder; give a folder")
+    if not args.out:  # else the folder would be "" (not created, never the current one)
+        raise UsageError("ptdstream weights: -o: an empty path, cannot write there; give a folder (. for this one)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # as an -o a file on the path of: one form
+        raise UsageError(f"ptdstream: cannot write {args.out}: Not a directory (a file: give a folder)")
     if args.old_checkpoint is not None and args.program == getattr(args, "stdin_spool", None):
         raise UsageError("ptdstream weights: --old writes a new .pte named after PROGRAM, which is - (stdin); "
                          "give the program as a file")
@@ -104,10 +106,18 @@ def run(args) -> int:
 @contextlib.contextmanager
 def _folder(path: str) -> Iterator[None]:
     """Create ``path`` and its missing parents (as ``optimum-cli --output_dir``); if the
-    body raises, remove the folders created here again when they are still empty."""
+    body raises, remove the folders created here again when they are still empty.
+
+    Raises:
+        OSError: a folder cannot be created; a symbolic link on the path that
+            leads nowhere gives its own reason (ELOOP for a loop, ENOENT for a
+            dangling link), not the ``EEXIST`` of ``mkdir`` on the link.
+    """
     created = []
     folder = os.path.abspath(path)
     while not os.path.exists(folder):
+        if os.path.lexists(folder):  # a link that does not resolve
+            os.stat(folder)  # raises ELOOP or ENOENT naming it
         created.append(folder)
         folder = os.path.dirname(folder)
     for f in reversed(created):

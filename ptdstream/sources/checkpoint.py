@@ -84,7 +84,8 @@ def open_checkpoint(path: str, format: str = "auto") -> Checkpoint:
         FileNotFoundError: nothing at ``path``, or a directory of none of these kinds.
         FormatError: a directory holding ``.metadata`` and no safetensors, without
             ``format="dcp"``; a safetensors checkpoint named as DCP; a format
-            that does not fit ``path``; the checkpoint cannot be read (see each kind).
+            that does not fit ``path``; a checkpoint that reads but is malformed (see each kind).
+        OSError: a checkpoint file that cannot be opened or read (permission, a missing shard), naming it.
         ValueError: ``format`` is none of :data:`FORMATS`.
     """
     path = os.fspath(path)

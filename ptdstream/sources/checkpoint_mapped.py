@@ -61,6 +61,17 @@ def _opened(path: str, open_file: Callable[[], None]) -> FileIdentity:
     return before
 
 
+def _unreadable(error: BaseException, path: str) -> OSError | None:
+    """``error`` when it says the file could not be opened or read (an ``OSError``
+    with an errno: permission, missing, a folder), naming ``path`` if it names no
+    file; else None (the file reads but is not a checkpoint)."""
+    if not isinstance(error, OSError) or error.errno is None:
+        return None
+    if error.filename is None:
+        error.filename = path
+    return error
+
+
 def _mapped_source(tensor: torch.Tensor, label: str, opened: FileIdentity, read_file: bool = True) -> Source:
     """A source read from the file with ``pread`` when the tensor lies in a file
     mapping (the mapping is the checkpoint's own, never handed out, so it holds
@@ -87,6 +98,7 @@ class SafetensorsCheckpoint(Checkpoint):
         FormatError: an index that is not JSON or has no ``weight_map``, a shard
             that does not hold the key its index names, a header that lies, or
             a file safetensors refuses.
+        OSError: a file that cannot be opened or read (permission, missing shard), naming it.
     """
 
     kind = "safetensors"
@@ -109,7 +121,9 @@ class SafetensorsCheckpoint(Checkpoint):
                 self._opened[file] = _opened(file, functools.partial(self._open_file, file, name, shards))
         except (FormatError, IntegrityError):
             raise
-        except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError, OSError), reported
+        except Exception as e:  # safetensors' own errors (SafetensorError, OSError), reported
+            if _unreadable(e, path) is not None:  # cannot be read: not a bad file
+                raise
             raise FormatError(f"{path}: safetensors could not read it: {type(e).__name__}: {e}") from None
         if shards is not None:
             lost = [k for k in shards if k not in self.entries]
@@ -184,6 +198,7 @@ class TorchCheckpoint(Checkpoint):
 
     Raises:
         FormatError: not a state dict, or values that are not CPU tensors.
+        OSError: the file cannot be opened or read (permission), naming it.
     """
 
     kind = "torch"
@@ -198,7 +213,9 @@ class TorchCheckpoint(Checkpoint):
                 torch.load(path, mmap=True, weights_only=True, map_location="cpu")))
         except IntegrityError:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure of torch.load is reported as FormatError
+        except Exception as e:  # any other failure of torch.load is reported as FormatError
+            if _unreadable(e, path) is not None:  # cannot be read: not a bad file
+                raise
             raise FormatError(f"{path}: torch.load(mmap=True, weights_only=True) failed: "
                               f"{type(e).__name__}: {e}") from None
         state = loaded[0]

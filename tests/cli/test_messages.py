@@ -123,3 +123,93 @@ def test_pack_help_gives_the_level_pack_uses(capsys):
     assert cmd_pack.DEFAULT_LEVEL == compress.DEFAULT_LEVEL
     rc, out, _ = _run(capsys, "pack", "--help")
     assert rc == 0 and f"zstd level, -7..22 (default {compress.DEFAULT_LEVEL})" in " ".join(out.split())
+
+
+def _unreadable_link(folder, name):
+    """A file at ``folder/name`` that exists and cannot be opened, also by root (a
+    link to ``/proc/1/environ``, mode 0400 root, where root cannot read it either),
+    else None."""
+    import pytest
+
+    path = folder / name
+    path.write_bytes(b"x")
+    path.chmod(0)
+    try:
+        open(path, "rb").close()
+    except PermissionError:
+        return path
+    path.unlink()  # root: chmod does not stop it
+    try:
+        open("/proc/1/environ", "rb").close()
+    except PermissionError:
+        os.symlink("/proc/1/environ", path)
+        return path
+    except OSError:
+        pass
+    pytest.skip("no file here that exists and cannot be read")
+
+
+def test_weights_checkpoint_that_cannot_be_read_is_cannot_read_and_a_malformed_one_invalid(tmp_path, capsys):
+    import json
+
+    pte, _, _ = _mismatch(tmp_path)
+    out = tmp_path / "out"
+    for name in ("u.safetensors", "u.pt"):  # safetensors, torch.load
+        ck = _unreadable_link(tmp_path, name)
+        assert _run(capsys, "weights", pte, "--from", ck, "-o", out) == (
+            2, "", f"ptdstream: cannot read {ck}: Permission denied\n")
+    index = tmp_path / "model.safetensors.index.json"  # a shard it names is missing: ENOENT, naming the shard
+    index.write_text(json.dumps({"weight_map": {"a.weight": "absent.safetensors"}}))
+    assert _run(capsys, "weights", pte, "--from", index, "-o", out) == (
+        2, "", f"ptdstream: cannot read {tmp_path / 'absent.safetensors'}: No such file or directory\n")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x08" + bytes(7) + b"not json")  # reads, but malformed: exit 1
+    (tmp_path / "bad.pt").write_bytes(b"not a zip archive")
+    rc, out_text, err = _run(capsys, "weights", pte, "--from", tmp_path / "bad.safetensors", "-o", out)
+    assert (rc, out_text, err.startswith(f"ptdstream: invalid file: {tmp_path / 'bad.safetensors'}: ")) == (
+        1, "", True), err
+    rc, out_text, err = _run(capsys, "weights", pte, "--from", tmp_path / "bad.pt", "-o", out)
+    assert (rc, out_text, err.startswith(f"ptdstream: invalid file: {tmp_path / 'bad.pt'}: torch.load(mmap=True, "
+                                         "weights_only=True) failed: ")) == (1, "", True), err
+    assert not out.exists()
+
+
+def test_weights_output_folder_errors_are_one_form(tmp_path, capsys):
+    pte, _, ck = _mismatch(tmp_path)
+    (tmp_path / "afile").write_bytes(b"kept")
+    os.symlink("loop", tmp_path / "loop")  # a link to itself: ELOOP, not mkdir's EEXIST on the link
+    assert _run(capsys, "weights", pte, "--from", ck, "-o", tmp_path / "afile") == (
+        2, "", f"ptdstream: cannot write {tmp_path / 'afile'}: Not a directory (a file: give a folder)\n")
+    for out in (tmp_path / "loop", tmp_path / "loop" / "sub"):
+        assert _run(capsys, "weights", pte, "--from", ck, "-o", out) == (
+            2, "", f"ptdstream: cannot write {out}: Too many levels of symbolic links\n")
+    assert _run(capsys, "weights", pte, "--from", ck, "-o", "") == (
+        2, "", "ptdstream weights: -o: an empty path, cannot write there; give a folder (. for this one)\n")
+    assert (tmp_path / "afile").read_bytes() == b"kept"
+    assert os.readlink(tmp_path / "loop") == "loop"
+    assert_only(tmp_path, ["ref", "wrong.safetensors", "ck.safetensors", "afile", "loop"])
+
+
+def test_extract_list_refuses_a_key_or_a_segment(tmp_path, capsys):
+    ptd = write_reference("external", tmp_path / "ref")[EXT_PTD]
+    packed = tmp_path / "m.ptd.zst"
+    assert _run(capsys, "pack", "-q", ptd, "-o", packed)[0] == 0
+    tail = "; it extracts nothing: leave out --list to extract, or the key to list\n"
+    assert _run(capsys, "extract", packed, "a.weight", "--list") == (
+        2, "", f"ptdstream extract: --list takes no KEY or --segment (got KEY 'a.weight'){tail}")
+    assert _run(capsys, "extract", packed, "--list", "--segment", "0") == (
+        2, "", f"ptdstream extract: --list takes no KEY or --segment (got --segment 0){tail}")
+    rc, out, err = _run(capsys, "extract", packed, "--list")
+    assert (rc, out.splitlines()[0], err) == (0, f"{packed}: ptd, {os.path.getsize(ptd):,} bytes, 4 segments", "")
+    assert_only(tmp_path, ["ref", "m.ptd.zst"])
+
+
+def test_an_empty_path_is_a_usage_error_naming_the_option(tmp_path, capsys):
+    ptd = write_reference("external", tmp_path / "ref")[EXT_PTD]
+    write = "an empty path, cannot write there; give a file name\n"
+    assert _run(capsys, "manifest", ptd, "-o", "") == (2, "", f"ptdstream manifest: -o: {write}")
+    assert _run(capsys, "pack", ptd, "") == (2, "", f"ptdstream pack: OUT: {write}")
+    assert _run(capsys, "pack", ptd, "-o", "") == (2, "", f"ptdstream pack: -o: {write}")
+    for argv in (["verify", ""], ["inspect", ptd, ""]):
+        assert _run(capsys, *argv) == (
+            2, "", f"ptdstream {argv[0]}: an empty path as an input file; give a file name\n")
+    assert_only(tmp_path / "ref", ["model.pte", EXT_PTD])  # no manifest at its default path, no .zst
