@@ -3,10 +3,11 @@
 A module fixture builds the demo (``ptdstream.demo``: export, XNNPACK lowering),
 saves it into ``out/`` with ptdstream and into ``ref/`` with executorch's own
 writer, in a temp folder that every block then runs in. Python blocks run in
-one namespace holding what a user of the snippet has at hand (``edge``,
-``config``, ``programs``, ``partitioners``, ``manager``, ``weight_tensor``, an
-open file ``f``, a folder ``outdir``); shell blocks run with bash, ``ptdstream``
-being this interpreter's command. A new file under docs/ is covered as it lands;
+the session docs/examples.md tells a user to start: the namespace its names
+block leaves (``make_edge``, ``config``, ``weight_tensor``, ``state_dict``, an
+``edge`` already lowered once, ...), nothing else, so a block that uses a name
+the docs do not make, or lowers an edge program manager twice, fails; shell
+blocks run with bash, ``ptdstream`` being this interpreter's command. A new file under docs/ is covered as it lands;
 the files run in order (README.md first), each block in the order it appears,
 and each file starts from the folder and namespace as the fixture made them (what
 one file's blocks write never reaches another's).
@@ -82,19 +83,24 @@ BLOCKS = [(f"{path.relative_to(ROOT)}:{line}", language, code)
           for path in doc_files() for line, language, code in doc_blocks(path)]
 
 
+def names_block() -> str:
+    """docs/examples.md's Python block that makes the examples' names (the one
+    defining ``make_edge``): the start of the docs' session."""
+    blocks = [code for _, language, code in doc_blocks(ROOT / "docs" / "examples.md")
+              if language == "python" and "def make_edge" in code]
+    assert len(blocks) == 1, "docs/examples.md: expected one Python block defining make_edge"
+    return blocks[0]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A folder holding the demo saved by ptdstream (out/) and by executorch (ref/),
-    an engine file, the demo model exported with portable external constants
-    (model.pte) and a fine-tuned checkpoint of it (finetuned.safetensors), a tiny
-    Hugging Face Llama (my-llama/, with the hf extra); plus the namespace Python
+    a tiny Hugging Face Llama (my-llama/, with the hf extra), and what
+    docs/examples.md's names block makes there (engine.bin, model.pte,
+    finetuned.safetensors); plus the namespace that block leaves, which Python
     blocks run in (a one-rank gloo group for the distributed block)."""
-    import io
-
     import torch
     import torch.distributed as dist
-    from executorch.exir import ExecutorchBackendConfig, to_edge
-    from safetensors.torch import save_file
 
     import ptdstream
     from ptdstream.demo import run as demo
@@ -106,21 +112,19 @@ def workdir(tmp_path_factory):
     edge = demo.lower(programs)
     config = demo.backend_config()
     manager = edge.to_executorch(config)
-    for folder in ("out", "ref", "outdir"):
+    for folder in ("out", "ref"):
         (root / folder).mkdir()
     ptdstream.save(manager, str(root / "out" / "model.pte"))
     with open(root / "ref" / "model.pte", "wb") as f:
         manager.write_to_file(f)
     manager.write_tensor_data_to_file(str(root / "ref"))
-    (root / "engine.bin").write_bytes(bytes(range(256)) * 64)
-    portable = to_edge(torch.export.export(model, (torch.zeros(1, 8, dtype=torch.long),), strict=False))
-    with open(root / "model.pte", "wb") as f:
-        portable.to_executorch(ExecutorchBackendConfig(external_constants=True)).write_to_file(f)
-    # The weights the program names: parameters and buffers (the causal masks are
-    # not persistent), the tied embedding once, under the name the export gave it.
-    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    state = {k: (v.detach() + 1).contiguous() for k, v in tensors if k != "tok_embeddings.weight"}
-    save_file(state, str(root / "finetuned.safetensors"))
+    namespace: dict = {}
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        exec(compile(names_block(), "docs/examples.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
     if _hf_installed():
         import transformers
 
@@ -130,15 +134,6 @@ def workdir(tmp_path_factory):
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(llama).save_pretrained(str(root / "my-llama"))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-
-    namespace = dict(
-        edge=edge, config=config, programs=programs, partitioners=[XnnpackPartitioner()], manager=manager,
-        weight_tensor=model.layers[0].wq.weight.detach(), f=io.BytesIO(), outdir=str(root / "outdir"),
-        ExecutorchBackendConfig=ExecutorchBackendConfig, to_edge_transform_and_lower=to_edge_transform_and_lower,
-        state_dict=dict(model.state_dict()),
-    )
     pristine = tmp_path_factory.mktemp("readme-pristine")
     shutil.copytree(root, pristine, dirs_exist_ok=True, symlinks=True)
     yield root, namespace, pristine
@@ -180,6 +175,21 @@ def test_docs_blocks_found():
     assert {"README.md", "docs/api.md", "docs/weights.md", "docs/troubleshooting.md"} <= sources
     indented = [code for where, _, code in BLOCKS if where.startswith("docs/troubleshooting.md:")]
     assert "ptdstream recover out/\n" in indented[0]
+
+
+def test_docs_session_edge_lowered_once(workdir):
+    """The session is the one docs/examples.md leaves: its ``edge`` has been lowered,
+    and lowering it again fails as it does for a user (executorch 1.5.1), so a
+    block that reuses it fails here; ``make_edge()`` gives one that lowers."""
+    from executorch.exir.pass_base import ExportPassBaseError
+
+    _, base, pristine = workdir
+    with pytest.raises(ExportPassBaseError, match="Unsupported target type"):
+        base["edge"].to_executorch(base["config"])
+    program = base["make_edge"]().to_executorch(base["config"]).buffer
+    assert program == (pristine / "model.pte").read_bytes()   # the model.pte the names block wrote
+    assert set(base) >= {"make_edge", "config", "weight_tensor", "state_dict"}
+    assert not {"programs", "partitioners", "manager", "outdir"} & set(base)
 
 
 @pytest.mark.parametrize("where,language,code", BLOCKS, ids=[b[0] for b in BLOCKS])
