@@ -234,7 +234,10 @@ def _report_error(error: BaseException, args: argparse.Namespace | None) -> int:
     print_error(line, per_line=problems and not one_line)
     if args is not None and getattr(args, "json", False) and stdout_input(_inputs(args)) is None:
         try:
-            print(json.dumps({"ok": False, "error": " ".join(message.split()), "exit_code": code}, indent=2))
+            obj: dict = {"ok": False, "error": " ".join(message.split()), "exit_code": code}
+            if isinstance(error, CheckpointMismatchError):  # each problem as it is, not joined
+                obj["problems"] = [p.replace(spool, STDIN_NAME) if spool else p for p in error.problems]
+            print(json.dumps(obj, indent=2))
         except BrokenPipeError:
             silence_stdout()
     return code

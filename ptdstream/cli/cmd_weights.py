@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from ..sources.checkpoint import FORMATS
 from ..system.files import files_of
-from .common import EXIT_OK, UsageError, add_command, print_report, progress_wanted
+from .common import EXIT_OK, STDIN_NAME, UsageError, add_command, print_report, progress_wanted
 
 __all__ = ["check", "register", "run"]
 
@@ -75,19 +75,108 @@ def check(args) -> None:
     """The arguments, before torch is imported.
 
     Raises:
-        UsageError: a non-positive ``--segment-alignment``, an empty ``-o``, ``-o`` that is
-            a file, or ``--old`` with the program from stdin (the new .pte is named after it).
+        UsageError: a non-positive ``--segment-alignment``, an empty ``-o``, ``-o -``
+            (a folder is needed), ``-o`` that is a file or lies under one, ``--old``
+            with the program from stdin (the new .pte is named after it), a file of
+            the wrong kind by its identifier (a .ptd as PROGRAM, a .pte or .ptd as a
+            checkpoint, a .pte as ``--like``).
+        OverwriteError: a ``.ptd`` to write exists (without ``-f``) or is an input,
+            when its name is known from the files' metadata (:func:`_known_outputs`).
     """
+    from ..system.files import refuse_overwrite
+
     if args.segment_alignment <= 0:  # before the modulo by it
         raise UsageError(f"ptdstream weights: --segment-alignment must be a positive number of bytes, "
                          f"got {args.segment_alignment}")
     if not args.out:  # else the folder would be "" (not created, never the current one)
         raise UsageError("ptdstream weights: -o: an empty path, cannot write there; give a folder (. for this one)")
+    if args.out == "-":  # elsewhere - is stdout: never a folder named "-" by surprise
+        raise UsageError("ptdstream weights: -o -: the .ptd files need a folder, not standard output; "
+                         "give a folder (./- if a folder named - is meant)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # as an -o a file on the path of: one form
         raise UsageError(f"ptdstream: cannot write {args.out}: Not a directory (a file: give a folder)")
+    above = _existing_parent(args.out)
+    if not os.path.isdir(above):
+        raise UsageError(f"ptdstream: cannot write {args.out}: Not a directory")  # as mkdir under the file says
     if args.old_checkpoint is not None and args.program == getattr(args, "stdin_spool", None):
         raise UsageError("ptdstream weights: --old writes a new .pte named after PROGRAM, which is - (stdin); "
                          "give the program as a file")
+    _refuse_wrong_kinds(args)
+    refuse_overwrite(args.inputs(args), _known_outputs(args), args.force)
+
+
+_WANTED = "the new weights (a .safetensors file, a Hugging Face folder or a torch.save state dict)"
+
+
+def _refuse_wrong_kinds(args) -> None:
+    """A .pte or .ptd where another kind of file is wanted, told by its identifier."""
+    spool = getattr(args, "stdin_spool", None)
+    program = STDIN_NAME if args.program == spool else args.program
+    if _kind(args.program) == "ptd":
+        raise UsageError(f"ptdstream weights: {program} is a .ptd (FlatTensor data), not a program: PROGRAM is "
+                         "the .pte exported with it; a .ptd of that export goes to --like (its tags and key order)")
+    for option, path in (("--from", args.checkpoint), ("--old", args.old_checkpoint)):
+        kind = _kind(path) if path is not None else None
+        if kind == "pte":
+            raise UsageError(f"ptdstream weights: {option} {path} is a .pte (an ExecuTorch program), not a "
+                             f"checkpoint: give {_WANTED}; the program goes first, as PROGRAM")
+        if kind == "ptd":
+            raise UsageError(f"ptdstream weights: {option} {path} is a .ptd (FlatTensor data), not a "
+                             f"checkpoint: give {_WANTED}; a .ptd of the original export goes to --like")
+    for path in args.like:
+        if _kind(path) == "pte":
+            raise UsageError(f"ptdstream weights: --like {path} is a .pte (an ExecuTorch program), not a .ptd: "
+                             "--like takes the .ptd files of the original export; the program goes first, as PROGRAM")
+
+
+def _kind(path: str) -> str | None:
+    """``"pte"`` or ``"ptd"`` from a regular file's identifier (bytes 4..8), else None
+    (a folder, a missing or unreadable file, or another kind: the command reports it)."""
+    from ..format.identity import kind_of
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return kind_of(f.read(8)[4:])
+    except OSError:
+        return None
+
+
+def _existing_parent(path: str) -> str:
+    """``path`` or the nearest of its parents that exists (a link that does not resolve: itself)."""
+    folder = os.path.abspath(path)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    return folder if os.path.exists(folder) else os.path.dirname(folder)
+
+
+def _known_outputs(args) -> list[str]:
+    """The ``.ptd`` files ``run`` will write, as far as the program's and the ``--like``
+    files' metadata tell them without torch: ``<tag>.ptd`` of ``--tag`` (or the default
+    tag) for a program with external weights, else the name of each ``--like`` file
+    holding keys. Empty where the files cannot be read (``run`` reports why); the new
+    .pte of ``--old`` is left to ``run`` (written only for XNNPACK keys it finds)."""
+    from ..errors import PtdstreamError
+    from ..format.ptd import ptd_file_name
+    from ..format.reader import read_artifact
+
+    try:
+        if not read_artifact(args.program).external_tensors:
+            return []
+        if not args.like:
+            from ..weights import DEFAULT_TAG
+
+            return [os.path.join(args.out, ptd_file_name(DEFAULT_TAG if args.tag is None else args.tag))]
+        names = []
+        for path in args.like:
+            name = os.path.basename(path)
+            if read_artifact(path).named:
+                names.append(os.path.join(args.out, ptd_file_name(name[: -len(".ptd")] if name.endswith(".ptd")
+                                                                  else name)))
+        return names
+    except (PtdstreamError, OSError):
+        return []
 
 
 def run(args) -> int:
