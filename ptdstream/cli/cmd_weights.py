@@ -80,11 +80,7 @@ def check(args) -> None:
             with the program from stdin (the new .pte is named after it), a file of
             the wrong kind by its identifier (a .ptd as PROGRAM, a .pte or .ptd as a
             checkpoint, a .pte as ``--like``).
-        OverwriteError: a ``.ptd`` to write exists (without ``-f``) or is an input,
-            when its name is known from the files' metadata (:func:`_known_outputs`).
     """
-    from ..system.files import refuse_overwrite
-
     if args.segment_alignment <= 0:  # before the modulo by it
         raise UsageError(f"ptdstream weights: --segment-alignment must be a positive number of bytes, "
                          f"got {args.segment_alignment}")
@@ -102,7 +98,6 @@ def check(args) -> None:
         raise UsageError("ptdstream weights: --old writes a new .pte named after PROGRAM, which is - (stdin); "
                          "give the program as a file")
     _refuse_wrong_kinds(args)
-    refuse_overwrite(args.inputs(args), _known_outputs(args), args.force)
 
 
 _WANTED = "the new weights (a .safetensors file, a Hugging Face folder or a torch.save state dict)"
@@ -149,34 +144,6 @@ def _existing_parent(path: str) -> str:
     while not os.path.lexists(folder):
         folder = os.path.dirname(folder)
     return folder if os.path.exists(folder) else os.path.dirname(folder)
-
-
-def _known_outputs(args) -> list[str]:
-    """The ``.ptd`` files ``run`` will write, as far as the program's and the ``--like``
-    files' metadata tell them without torch: ``<tag>.ptd`` of ``--tag`` (or the default
-    tag) for a program with external weights, else the name of each ``--like`` file
-    holding keys. Empty where the files cannot be read (``run`` reports why); the new
-    .pte of ``--old`` is left to ``run`` (written only for XNNPACK keys it finds)."""
-    from ..errors import PtdstreamError
-    from ..format.ptd import ptd_file_name
-    from ..format.reader import read_artifact
-
-    try:
-        if not read_artifact(args.program).external_tensors:
-            return []
-        if not args.like:
-            from ..weights import DEFAULT_TAG
-
-            return [os.path.join(args.out, ptd_file_name(DEFAULT_TAG if args.tag is None else args.tag))]
-        names = []
-        for path in args.like:
-            name = os.path.basename(path)
-            if read_artifact(path).named:
-                names.append(os.path.join(args.out, ptd_file_name(name[: -len(".ptd")] if name.endswith(".ptd")
-                                                                  else name)))
-        return names
-    except (PtdstreamError, OSError):
-        return []
 
 
 def run(args) -> int:
