@@ -83,10 +83,13 @@ def _timed(*argv: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
     modules it imported."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream", *argv], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+                          text=True, env=dict(os.environ, PYTHONPATH=ROOT, PTDSTREAM_DEBUG="1"), timeout=120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     modules = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    # PTDSTREAM_DEBUG keeps stderr open through the imports: without it the -X importtime
+    # lines are silenced with the third-party chatter and no module would be seen.
+    assert "ptdstream.cli" in modules, "no -X importtime output: the import check would see nothing"
     return proc, cpu, modules
 
 
