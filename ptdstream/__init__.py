@@ -22,7 +22,9 @@ The ways in, each by its public path:
   (optimum-executorch, needs ``ptdstream[hf]``);
 * the embedding API: :class:`StreamingNamedDataStore`, sources,
   :func:`write_data_files`, :func:`plan_pte`, :func:`plan_ptd`,
-  :class:`ChunkedFileSink`, :func:`write_plan`.
+  :class:`ChunkedFileSink`, :func:`write_plan`;
+* the built-in example: ``ptdstream.demo.model.build_tiny_lm()``, the model
+  ``ptdstream demo`` exports (the docs' examples use its weights).
 
 Everything else is reached through these; deeper modules are the
 implementation (the package map is in docs/ARCHITECTURE.md). Names load on
@@ -70,8 +72,8 @@ _LAZY = {
 
 
 #: Public submodules loaded on first use: ``ptdstream.distributed``, ``ptdstream.weights``,
-#: ``ptdstream.hf``, ``ptdstream.weightless``.
-_LAZY_MODULES = ("distributed", "hf", "weights", "weightless")
+#: ``ptdstream.hf``, ``ptdstream.weightless``, ``ptdstream.demo`` (the built-in example).
+_LAZY_MODULES = ("demo", "distributed", "hf", "weights", "weightless")
 
 
 def __getattr__(name: str):
@@ -121,6 +123,7 @@ __all__ = [
     "check_structure",
     "constants_by_reference",
     "delegate_blobs_from_files",
+    "demo",
     "distributed",
     "file_blob",
     "hf",

@@ -5,7 +5,7 @@ of the library's core: nothing else in ptdstream imports it."""
 import argparse
 import os
 
-__all__ = ["DATA_TAG", "METHODS", "add_arguments", "check_folders"]
+__all__ = ["DATA_TAG", "METHODS", "add_arguments", "check_folders", "model"]
 
 #: The data file's tag: every weight goes to ``<out>/model.ptd``.
 DATA_TAG = "model"
