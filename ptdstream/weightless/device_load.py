@@ -35,6 +35,7 @@ the same class as writing a tensor while it is saved.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -44,8 +45,7 @@ from typing import Any
 from ..defaults import CHUNK_NBYTES
 from ..errors import IntegrityError
 from ..sources.base import BufferRing, FileIdentity, Source
-from ..system.files import pread_exact
-from ..system.pagecache import drop_read, private_copies
+from ..system.pagecache import private_copies
 
 __all__ = ["DeviceLoad", "HostStaging", "PinnedStaging", "itemsize", "load_to_device"]
 
@@ -158,16 +158,11 @@ class DeviceLoad:
 
 def itemsize(dtype: Any) -> int:
     """Bytes per element of torch ``dtype``."""
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
+    return int(dtype.itemsize)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def _host_view(tensor: Any) -> memoryview:
@@ -185,41 +180,51 @@ def _check_identity(fd: int, load: DeviceLoad, when: str) -> None:
             "from an unchanged checkpoint")
 
 
+class _Slots(BufferRing):
+    """The ring :func:`~ptdstream.sources.file.pread_pieces` reads into: piece ``i``
+    into staging slot ``i`` (or, when converting, into one scratch buffer of the
+    stored dtype), ``nbytes`` (whole elements) at a time; no buffer of its own."""
+
+    def __init__(self, staging: HostStaging, nbytes: int, scratch: Any = None) -> None:
+        super().__init__(nbytes, count=1)
+        self.staging, self.nbytes, self.scratch, self.i = staging, nbytes, scratch, 0
+
+    def next(self) -> memoryview:
+        buf = self.scratch if self.scratch is not None else self.staging.slot(self.i)
+        self.i += 1
+        return _host_view(buf)[: self.nbytes]
+
+
 def _file_pieces(load: DeviceLoad, path: str, staging: HostStaging) -> Iterator[tuple[int, int]]:
     """Fill staging slot ``i`` with piece ``i`` of ``path`` (converted) and yield ``(i, nbytes)``."""
+    from ..sources.file import pread_pieces
+
     stored = load.stored if load.stored is not None else load.dtype
     size_in, size_out = itemsize(stored), itemsize(load.dtype)
     numel = _numel(load.shape)
     per = max(1, staging.chunk_nbytes // max(size_in, size_out))  # elements per piece
-    convert = stored != load.dtype
     scratch = None
-    if convert:
+    if stored != load.dtype:
         import torch
 
         scratch = torch.empty(per * size_in, dtype=torch.uint8)
+
+    def ended(at: int) -> IntegrityError:
+        return IntegrityError(
+            f"{load.label}: checkpoint file {load.path} ended at offset {at}: the tensor needs "
+            f"{numel * size_in} bytes from offset {load.offset} (to offset {load.offset + numel * size_in}); "
+            "the file was truncated: export again from a complete checkpoint")
+
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         _check_identity(fd, load, "before it was read")
-        done, i = 0, 0
-        while done < numel:
-            k = min(per, numel - done)
-            at, want = load.offset + done * size_in, k * size_in
-            slot = staging.slot(i)
-            target = slot[:want] if scratch is None else scratch[:want]
-            got = pread_exact(fd, _host_view(target), at)
-            if got < want:
-                raise IntegrityError(
-                    f"{load.label}: checkpoint file {load.path} ended at offset {at + got}: the tensor needs "
-                    f"{numel * size_in} bytes from offset {load.offset} (to offset {load.offset + numel * size_in}), "
-                    f"the read at offset {at} got {got} of {want} bytes; the file was truncated: export again from "
-                    "a complete checkpoint")
-            drop_read(fd, at, want, last=done + k == numel)
+        for i, piece in enumerate(pread_pieces(fd, load.offset, numel * size_in,
+                                               _Slots(staging, per * size_in, scratch), ended)):
+            k = len(piece) // size_in
             if scratch is not None:
                 # copy_ casts as .to(dtype) does (convert.py's kernel): the bytes of the converted copy
-                slot[: k * size_out].view(load.dtype).copy_(scratch[:want].view(stored))
+                staging.slot(i)[: k * size_out].view(load.dtype).copy_(scratch[: len(piece)].view(stored))
             yield i, k * size_out
-            done += k
-            i += 1
         _check_identity(fd, load, "while it was read")
     finally:
         os.close(fd)
