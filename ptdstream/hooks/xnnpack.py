@@ -49,6 +49,7 @@ from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .emitter import reference
 from .interop import EMITTER_HASHLIB
+from .reachability import compact_dependency_viewers
 
 __all__ = ["xnnpack_constants_by_reference"]
 
@@ -116,6 +117,10 @@ def xnnpack_constants_by_reference() -> Iterator[None]:
     not change the weights in place before the save: ``ptdstream.save`` then
     raises ``IntegrityError`` naming the key.
 
+    While active, the partitioners also hold their reachability sets as bitsets
+    (:func:`ptdstream.hooks.reachability.compact_dependency_viewers`, in every
+    thread): the same partitions in memory linear in the graph.
+
     Applies to the calling thread or asyncio task; nests; the patches are
     removed when the last context exits.
 
@@ -128,7 +133,8 @@ def xnnpack_constants_by_reference() -> Iterator[None]:
     token = _entered.set(_entered.get() + (context_id,))
     try:
         with shadowed(module, "bytes", _node_visitor_bytes), shadowed(module, "hashlib", EMITTER_HASHLIB), \
-                shadowed(module, "get_param_tensor", _tracking(module.get_param_tensor)):
+                shadowed(module, "get_param_tensor", _tracking(module.get_param_tensor)), \
+                compact_dependency_viewers():
             yield
     finally:
         _open.discard(context_id)

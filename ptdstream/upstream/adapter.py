@@ -40,6 +40,7 @@ __all__ = [
     "init_file_backed",
     "manager_class",
     "manager_parts",
+    "partitioner_modules",
     "preload_serializer",
     "pretrained_model_class",
     "program_module",
@@ -254,6 +255,19 @@ def xnnpack_node_visitor_module():
     """XNNPACK's node visitor module (``backends/xnnpack/operators/node_visitor.py``):
     ``NodeVisitor.get_serialized_buffer_index`` copies each constant with ``bytes``."""
     return resolve("executorch.backends.xnnpack.operators.node_visitor")
+
+
+def partitioner_modules() -> tuple[Any, ...]:
+    """The modules whose global ``_DependencyViewer`` the partitioners build:
+    torch's ``torch/fx/passes/infra/partitioner.py`` and executorch's
+    ``exir/backend/canonical_partitioners/group_partitioner.py``."""
+    for module in _PARTITIONER_MODULES:
+        resolve(module, "_DependencyViewer")
+    return tuple(resolve(module) for module in _PARTITIONER_MODULES)
+
+
+_PARTITIONER_MODULES = ("torch.fx.passes.infra.partitioner",
+                        "executorch.exir.backend.canonical_partitioners.group_partitioner")
 
 
 def export_verifier_module():
