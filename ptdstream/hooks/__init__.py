@@ -3,9 +3,9 @@
 Nothing else in the package imports them (the CLI and the package root call
 them). ``interop`` (``FileBackedData`` over any source), ``emitter`` (constants by
 reference), ``xnnpack`` (XNNPACK's constants by reference), ``blobs`` (delegate
-blobs that stay in files), ``reachability`` (the partitioners' closure sets as bitsets), ``install`` (the drop-in for executorch's save
-methods), ``optimum`` (optimum-executorch with ptdstream saving) and ``cuda``
-(the CUDA backend's weights: ``backend``, ``twins``, ``spill``). They patch only
+blobs that stay in files), ``reachability`` (the partitioners' closure sets as
+bitsets), ``install`` (the drop-in for executorch's save methods), ``optimum``
+(optimum-executorch with ptdstream saving) and ``cuda`` (the CUDA backend's weights: ``backend``, ``twins``, ``spill``). They patch only
 through :mod:`ptdstream.upstream.patching` and reach private names only through
 :mod:`ptdstream.upstream`.
 """

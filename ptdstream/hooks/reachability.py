@@ -28,6 +28,7 @@ registered in :mod:`ptdstream.upstream.names`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from collections.abc import Iterable, Iterator
@@ -40,26 +41,28 @@ from ..upstream.patching import shadowed
 __all__ = ["DependencyViewer", "NodeSet", "compact_dependency_viewers"]
 
 _BITS = tuple(tuple((byte >> i) & 1 for i in range(8)) for byte in range(256))  # a byte's bits, lowest first
+#: node references the decoded sets a viewer keeps (most recently used first) may hold: 16 MiB
+LISTED_NODES = 1 << 21
 
 
 class NodeSet(AbstractSet):
-    """A read-only set of graph nodes: bit ``i`` of ``mask`` is ``nodes[i]``."""
+    """A read-only set of the nodes of a :class:`DependencyViewer`'s graph: bit
+    ``i`` of ``mask`` is its node ``i``; iterated in graph order."""
 
-    __slots__ = ("_index", "_mask", "_nodes")
+    __slots__ = ("_mask", "_viewer")
 
-    def __init__(self, mask: int, nodes: list[Any], index: dict[Any, int]) -> None:
-        self._mask, self._nodes, self._index = mask, nodes, index
+    def __init__(self, mask: int, viewer: DependencyViewer) -> None:
+        self._mask, self._viewer = mask, viewer
 
     def __contains__(self, node: object) -> bool:
         try:
-            i = self._index.get(node)
+            i = self._viewer._index.get(node)
         except TypeError:  # unhashable: in no set of nodes
             return False
         return i is not None and (self._mask >> i) & 1 == 1
 
     def __iter__(self) -> Iterator[Any]:
-        raw = self._mask.to_bytes((len(self._nodes) + 7) // 8, "little")
-        return itertools.compress(self._nodes, itertools.chain.from_iterable(map(_BITS.__getitem__, raw)))
+        return iter(self._viewer._members(self._mask))
 
     def __len__(self) -> int:
         return self._mask.bit_count()
@@ -77,11 +80,28 @@ class DependencyViewer:
     def __init__(self, graph_module: Any) -> None:
         self._nodes: list[Any] = []
         self._index: dict[Any, int] = {}
-        nodes = list(graph_module.graph.nodes)
-        for node in nodes:
+        self._order = list(graph_module.graph.nodes)
+        for node in self._order:
             self._bit(node)
-        self._down = self._closure(reversed(nodes), lambda node: node.users)
-        self._up = self._closure(nodes, lambda node: node.all_input_nodes)
+        # each direction's sets from the nodes' edges as they are now, made on first use
+        self._users = {node: list(node.users) for node in self._order}
+        self._inputs = {node: list(node.all_input_nodes) for node in self._order}
+        self._down_masks: dict[Any, int] | None = None
+        self._up_masks: dict[Any, int] | None = None
+        self._listed: collections.OrderedDict[int, tuple[Any, ...]] = collections.OrderedDict()
+        self._listed_nodes = 0
+
+    @property
+    def _down(self) -> dict[Any, int]:
+        if self._down_masks is None:
+            self._down_masks = self._closure(reversed(self._order), self._users)
+        return self._down_masks
+
+    @property
+    def _up(self) -> dict[Any, int]:
+        if self._up_masks is None:
+            self._up_masks = self._closure(self._order, self._inputs)
+        return self._up_masks
 
     def _bit(self, node: Any) -> int:
         i = self._index.get(node)
@@ -90,23 +110,40 @@ class DependencyViewer:
             self._nodes.append(node)
         return 1 << i
 
-    def _closure(self, order: Iterable[Any], neighbours) -> dict[Any, int]:
+    def _closure(self, order: Iterable[Any], neighbours: dict[Any, list[Any]]) -> dict[Any, int]:
         masks: dict[Any, int] = {}
         for node in order:
             mask = masks.get(node, 0)
-            for other in neighbours(node):
+            for other in neighbours[node]:
                 mask |= self._bit(other) | masks.get(other, 0)
             if mask:
                 masks[node] = mask
         return masks
 
+    def _members(self, mask: int) -> tuple[Any, ...]:
+        """The nodes of ``mask`` in graph order; the most recently used kept,
+        :data:`LISTED_NODES` references in all (partitioners ask for the same sets
+        again and again)."""
+        key = id(mask)  # masks are the viewer's own ints (or 0), alive as long as it is
+        members = self._listed.get(key)
+        if members is not None:
+            self._listed.move_to_end(key)
+            return members
+        raw = mask.to_bytes((len(self._nodes) + 7) // 8, "little")
+        members = tuple(itertools.compress(self._nodes, itertools.chain.from_iterable(map(_BITS.__getitem__, raw))))
+        self._listed[key] = members
+        self._listed_nodes += len(members)
+        while self._listed_nodes > LISTED_NODES and len(self._listed) > 1:
+            self._listed_nodes -= len(self._listed.popitem(last=False)[1])
+        return members
+
     def downstreams_of(self, node: Any) -> NodeSet:
         """Every node reachable from ``node`` through its users."""
-        return NodeSet(self._down.get(node, 0), self._nodes, self._index)
+        return NodeSet(self._down.get(node, 0), self)
 
     def upstreams_of(self, node: Any) -> NodeSet:
         """Every node ``node`` is reachable from through input nodes."""
-        return NodeSet(self._up.get(node, 0), self._nodes, self._index)
+        return NodeSet(self._up.get(node, 0), self)
 
 
 @contextlib.contextmanager
