@@ -137,3 +137,19 @@ def test_memory_is_a_bit_per_node_pair_not_a_set_entry():
     upstream = UPSTREAM_GROUP(gm)
     sets = sum(sys.getsizeof(s) for s in (*upstream.downstreams.values(), *upstream.upstreams.values()))
     assert bits * 10 < sets  # ...and held as bits: over 10x less than upstream's sets
+
+
+def test_decoded_sets_kept_stay_within_their_budget_and_answer_the_same(monkeypatch):
+    import ptdstream.hooks.reachability as reachability
+
+    gm = _edge_graph_module(layers=2)
+    upstream = UPSTREAM_GROUP(gm)
+    monkeypatch.setattr(reachability, "LISTED_NODES", 500)
+    ours = DependencyViewer(gm)
+    nodes = list(gm.graph.nodes)
+    for _ in range(2):  # the second round reads sets evicted in the first
+        for node in nodes:
+            assert set(ours.downstreams_of(node)) == upstream.downstreams_of(node), node.name
+            assert ours._listed_nodes <= 500 or len(ours._listed) == 1
+    assert 1 < len(ours._listed) < len(nodes)
+    assert ours._listed_nodes == sum(len(m) for m in ours._listed.values())
