@@ -33,6 +33,7 @@ __all__ = [
     "external_tensor_layouts",
     "fake_tensor_mode",
     "fake_tensor_type",
+    "fx_graph_module_module",
     "file_backed_data_type",
     "file_backed_path",
     "flat_tensor_to_flatbuffer",
@@ -255,6 +256,14 @@ def xnnpack_node_visitor_module():
     """XNNPACK's node visitor module (``backends/xnnpack/operators/node_visitor.py``):
     ``NodeVisitor.get_serialized_buffer_index`` copies each constant with ``bytes``."""
     return resolve("executorch.backends.xnnpack.operators.node_visitor")
+
+
+def fx_graph_module_module():
+    """torch's ``torch/fx/graph_module.py``: its ``_forward_from_src`` compiles each
+    recompiled ``forward``, its ``_loader.eval_cache`` keeps every source."""
+    for attribute in ("_forward_from_src", "_loader.eval_cache"):
+        resolve("torch.fx.graph_module", attribute)
+    return resolve("torch.fx.graph_module")
 
 
 def partitioner_modules() -> tuple[Any, ...]:

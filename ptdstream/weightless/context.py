@@ -92,6 +92,7 @@ from typing import Any
 
 from ..errors import IntegrityError, StateError
 from ..hooks.emitter import constants_by_reference
+from ..hooks.fx_sources import releasing_generated_sources
 from ..sources.base import FileIdentity
 from ..sources.checkpoint import open_checkpoint
 from ..sources.checkpoint_base import Checkpoint
@@ -297,7 +298,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
             stack.append(weights)
             with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
                     folded_to_files(weights._bound, convert.folder), refusing_quantization(), \
-                    loading_bound_to_device(weights.device_loads):
+                    loading_bound_to_device(weights.device_loads), releasing_generated_sources():
                 yield weights
             weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "
                                     "hold the values from before the change)", again=False)
