@@ -1,7 +1,7 @@
 """The Python source of generated graph code kept only while that code lives.
 
 Every ``GraphModule.recompile`` (``torch/fx/graph_module.py``) compiles the
-graph's Python source through ``_forward_from_src`` and stores the source in
+graph's Python source through ``_method_from_src`` and stores the source in
 the module-level ``_loader.eval_cache`` under a new ``<eval_with_key>.N``
 name, plus a ``linecache`` entry holding a copy of the code's globals, so that
 tracebacks can show generated lines. Neither is ever removed. An export
@@ -11,15 +11,18 @@ recompiles the whole top-level graph once per partition
 ``legalize_graph``): for an 18-layer Llama lowered to XNNPACK, 13,000 sources
 and 50 MiB stay in the process, quadratic in the layer count.
 
-While :func:`releasing_generated_sources` is active, each ``forward`` compiled
+While :func:`releasing_generated_sources` is active, each method compiled
 under a ``<eval_with_key>.`` name gets a finalizer: when the function is freed
 (its module is gone, or recompiled), its source and its ``linecache`` entry
 are removed. Code that is alive keeps its source; a traceback printed after
 its module was freed shows the file name and line number without the line.
-Names given through ``co_fields`` (which several modules may share) are left
-alone. The generated code, and so every byte written, is unchanged. The patch
-is scoped through :mod:`ptdstream.upstream.patching`; the names are registered
-in :mod:`ptdstream.upstream.names`.
+A name given as ``co_fields["co_filename"]`` alone (which several modules may
+share) is left alone. ``_method_from_src`` is patched, not ``_forward_from_src``,
+which dynamo swaps itself (unlocked) while it converts a frame and binds when
+imported; its conversions go through the patch too. The generated code, and
+so every byte written, is unchanged. The patch is scoped through
+:mod:`ptdstream.upstream.patching`; the names are registered in
+:mod:`ptdstream.upstream.names`.
 """
 
 from __future__ import annotations
@@ -45,23 +48,24 @@ def _forget(cache: dict[str, str], key: str) -> None:
     linecache.cache.pop(key, None)
 
 
-def _releasing(forward_from_src, cache: dict[str, str]):
-    @functools.wraps(forward_from_src)
-    def forward_released(src: str, globals: dict[str, Any], co_fields: dict[str, Any] | None = None):
-        fn = forward_from_src(src, globals, co_fields)
+def _releasing(method_from_src, cache: dict[str, str]):
+    @functools.wraps(method_from_src)
+    def method_released(method_name: str, src: str, globals: dict[str, Any],
+                        co_fields: dict[str, Any] | None = None):
+        fn = method_from_src(method_name=method_name, src=src, globals=globals, co_fields=co_fields)
         key = getattr(getattr(fn, "__code__", None), "co_filename", "")
         if key.startswith(GENERATED_PREFIX) and cache.get(key) is src:
             weakref.finalize(fn, _forget, cache, key).atexit = False
         return fn
 
-    return forward_released
+    return method_released
 
 
 @contextlib.contextmanager
 def releasing_generated_sources() -> Iterator[None]:
-    """While active, the source of each graph module ``forward`` compiled is
+    """While active, the source of each graph module method compiled is
     removed from torch's caches when the function is freed. Nests; the patch is
     removed when the last context exits (finalizers already set stay)."""
     module = adapter.fx_graph_module_module()
-    with shadowed(module, "_forward_from_src", _releasing(module._forward_from_src, module._loader.eval_cache)):
+    with shadowed(module, "_method_from_src", _releasing(module._method_from_src, module._loader.eval_cache)):
         yield

@@ -10,16 +10,18 @@ Llama decoder lowered to XNNPACK has about 90 nodes per layer, so 18 layers
 hold 3.3 million set entries while a program is partitioned, and the memory
 stays with the process once freed.
 
-:class:`DependencyViewer` computes the same sets, visiting the nodes in the
-same order with the same rule (a node's set is each user, and that user's set
-as it stands then; upstream: each input node and its set), as one Python
-``int`` per node whose bit ``i`` is node ``i`` of the graph: ``n * n / 8``
-bytes. ``downstreams_of(node)`` and ``upstreams_of(node)`` return a read-only
-:class:`NodeSet` view (membership, length, iteration in graph order; ``==`` to
-upstream's ``set``). What upstream's partitioners compute from these sets does
-not depend on their iteration order: whether a merge would make a cycle (a
-yes/no over every node of the set) and unions of partition ids. So the
-partitions, and every byte after them, are the same.
+:class:`DependencyViewer` computes the same sets, visiting the nodes in the same
+order with the same rule (a node's set is each user, and that user's set as it
+stands then; upstream: each input node and its set), as one Python ``int`` per
+node whose bit ``i`` is node ``i`` of the graph: ``n * n / 8`` bytes.
+``downstreams_of(node)`` and ``upstreams_of(node)`` return a read-only
+:class:`NodeSet` view (membership, length, iteration in graph order, ``copy``,
+``union`` and the set operators giving a plain ``set``; ``==`` to upstream's
+``set``, though not a ``set`` instance, and the viewer has no ``downstreams``).
+What upstream's partitioners compute from these sets does not depend on their
+iteration order: whether a merge would make a cycle (a yes/no over every node of
+the set) and unions of partition ids. So the partitions, and every byte after
+them, are the same.
 
 :func:`compact_dependency_viewers` shadows both modules' ``_DependencyViewer``
 while active (through :mod:`ptdstream.upstream.patching`). The names are
@@ -55,11 +57,18 @@ class NodeSet(AbstractSet):
         self._mask, self._viewer = mask, viewer
 
     def __contains__(self, node: object) -> bool:
-        try:
-            i = self._viewer._index.get(node)
-        except TypeError:  # unhashable: in no set of nodes
-            return False
+        i = self._viewer._index.get(node)  # an unhashable object raises TypeError, as for a set
         return i is not None and (self._mask >> i) & 1 == 1
+
+    @classmethod
+    def _from_iterable(cls, iterable) -> set[Any]:
+        return set(iterable)  # ``|``, ``&``, ``-``, ``^`` give a plain set, as upstream's sets do
+
+    def copy(self) -> set[Any]:
+        return set(self)
+
+    def union(self, *others: Iterable[Any]) -> set[Any]:
+        return set(self).union(*others)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._viewer._members(self._mask))
@@ -72,7 +81,7 @@ class NodeSet(AbstractSet):
 
 
 class DependencyViewer:
-    """Drop-in for upstream's ``_DependencyViewer`` (both): for each node of
+    """Answers the queries of upstream's ``_DependencyViewer`` (both): for each node of
     ``graph_module.graph``, the nodes downstream (``downstreams_of``) and upstream
     (``upstreams_of``) of it, taken when built, as upstream's are. A node the graph
     did not have then gets an empty set."""
@@ -88,7 +97,7 @@ class DependencyViewer:
         self._inputs = {node: list(node.all_input_nodes) for node in self._order}
         self._down_masks: dict[Any, int] | None = None
         self._up_masks: dict[Any, int] | None = None
-        self._listed: collections.OrderedDict[int, tuple[Any, ...]] = collections.OrderedDict()
+        self._listed: collections.OrderedDict[int, tuple[int, tuple[Any, ...]]] = collections.OrderedDict()
         self._listed_nodes = 0
 
     @property
@@ -124,17 +133,19 @@ class DependencyViewer:
         """The nodes of ``mask`` in graph order; the most recently used kept,
         :data:`LISTED_NODES` references in all (partitioners ask for the same sets
         again and again)."""
-        key = id(mask)  # masks are the viewer's own ints (or 0), alive as long as it is
-        members = self._listed.get(key)
-        if members is not None:
+        key = id(mask)
+        entry = self._listed.get(key)
+        if entry is not None and entry[0] is mask:  # the entry holds its mask: its id is not reused meanwhile
             self._listed.move_to_end(key)
-            return members
+            return entry[1]
         raw = mask.to_bytes((len(self._nodes) + 7) // 8, "little")
         members = tuple(itertools.compress(self._nodes, itertools.chain.from_iterable(map(_BITS.__getitem__, raw))))
-        self._listed[key] = members
+        if entry is not None:
+            self._listed_nodes -= len(self._listed.pop(key)[1])
+        self._listed[key] = (mask, members)
         self._listed_nodes += len(members)
         while self._listed_nodes > LISTED_NODES and len(self._listed) > 1:
-            self._listed_nodes -= len(self._listed.popitem(last=False)[1])
+            self._listed_nodes -= len(self._listed.popitem(last=False)[1][1])
         return members
 
     def downstreams_of(self, node: Any) -> NodeSet:

@@ -259,9 +259,9 @@ def xnnpack_node_visitor_module():
 
 
 def fx_graph_module_module():
-    """torch's ``torch/fx/graph_module.py``: its ``_forward_from_src`` compiles each
+    """torch's ``torch/fx/graph_module.py``: its ``_method_from_src`` compiles each
     recompiled ``forward``, its ``_loader.eval_cache`` keeps every source."""
-    for attribute in ("_forward_from_src", "_loader.eval_cache"):
+    for attribute in ("_method_from_src", "_loader.eval_cache"):
         resolve("torch.fx.graph_module", attribute)
     return resolve("torch.fx.graph_module")
 

@@ -11,7 +11,7 @@ import torch.fx.graph_module as fx_graph_module
 
 from ptdstream.hooks.fx_sources import GENERATED_PREFIX, releasing_generated_sources
 
-UPSTREAM = fx_graph_module._forward_from_src
+UPSTREAM = fx_graph_module._method_from_src
 
 
 class _Add(torch.nn.Module):
@@ -26,7 +26,7 @@ def _key(gm) -> str:
 def test_sources_of_freed_code_leave_the_caches_and_live_code_keeps_its_source():
     cache = fx_graph_module._loader.eval_cache
     with releasing_generated_sources():
-        assert fx_graph_module._forward_from_src is not UPSTREAM
+        assert fx_graph_module._method_from_src is not UPSTREAM
         gm = torch.fx.symbolic_trace(_Add())
         first = _key(gm)
         assert first.startswith(GENERATED_PREFIX) and first in cache
@@ -41,7 +41,7 @@ def test_sources_of_freed_code_leave_the_caches_and_live_code_keeps_its_source()
         del gm
         gc.collect()  # a graph module's class is freed by the collector
         assert second not in cache and second not in linecache.cache
-    assert fx_graph_module._forward_from_src is UPSTREAM
+    assert fx_graph_module._method_from_src is UPSTREAM
 
 
 def test_outside_the_context_and_for_named_code_sources_stay_as_upstream_keeps_them():
@@ -60,3 +60,15 @@ def test_outside_the_context_and_for_named_code_sources_stay_as_upstream_keeps_t
         assert "my_module.py" in cache  # a name given through co_fields may be shared: left alone
     cache.pop("my_module.py", None)
     cache.pop(key, None)
+
+
+def test_dynamo_imported_or_converting_inside_leaves_its_own_name_alone():
+    import torch._dynamo.convert_frame as convert_frame
+
+    before = fx_graph_module._forward_from_src, convert_frame.original_forward_from_src
+    with releasing_generated_sources():
+        fn = torch.compile(lambda x: torch.relu(x) + 1, backend="eager")
+        assert torch.equal(fn(torch.tensor([-1.0, 2.0])), torch.tensor([1.0, 3.0]))
+        assert fx_graph_module._forward_from_src is before[0]  # the name dynamo swaps is not the one patched
+    assert (fx_graph_module._forward_from_src, convert_frame.original_forward_from_src) == before
+    assert fx_graph_module._method_from_src is UPSTREAM
