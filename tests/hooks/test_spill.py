@@ -98,7 +98,7 @@ def test_a_save_of_spilled_bytes_equals_the_save_of_the_bytes_and_refuses_them_c
     write_data_files(spilled, str(tmp_path / "b"))
     assert (tmp_path / "b" / "w.ptd").read_bytes() == (tmp_path / "a" / "w.ptd").read_bytes()
 
-    os.pwrite(spill.fileno(), b"\x00", sources["w0"].offset + 50_000)  # the bytes change under it
+    os.pwrite(spill.fileno(), bytes([payload["w0"][50_000] ^ 0xFF]), sources["w0"].offset + 50_000)  # changed under it
     again = StreamingNamedDataStore()
     again.add_named_data("w0", sources["w0"], alignment=64, external_tag="w")
     (tmp_path / "c").mkdir()

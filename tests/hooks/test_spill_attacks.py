@@ -232,7 +232,7 @@ def test_brk2_changed_or_truncated_spill_refused_naming_key_and_existing_file_un
     good.add_named_data("w0", src, alignment=64, external_tag="w")
     write_data_files(good, str(out))
     before = (out / "w.ptd").read_bytes()
-    os.pwrite(spill.fileno(), b"\xff", src.offset + 69_999)
+    os.pwrite(spill.fileno(), bytes([data[69_999] ^ 0xFF]), src.offset + 69_999)  # always a different byte
     bad = StreamingNamedDataStore()
     bad.add_named_data("w0", src, alignment=64, external_tag="w")
     with pytest.raises(IntegrityError, match="w0"):
