@@ -74,7 +74,7 @@ def test_a_tensor_written_by_another_thread_during_the_save_is_refused(tmp_path)
     started = threading.Event()
 
     def writer():
-        i = 0
+        i = 1  # its first write changes the tensor (0.0 into a zero would not): started means changed
         while not stop.is_set():
             t[(i * 4099) % t.numel()] = float(i)
             i += 1
