@@ -182,7 +182,11 @@ def test_peak_rss_sampler_sees_a_64_mib_allocation():
     with demo.PeakRssSampler() as rss:
         block = bytearray(64 << 20)
         block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
-        time.sleep(0.05)  # hold it past a few sampling intervals
+        # held until the sampler has read it twice (a read may have begun before the
+        # touch): a fixed sleep missed it when the sampler thread got no CPU meanwhile
+        seen, deadline = rss.samples, time.monotonic() + 60
+        while rss.samples < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
         del block
     assert rss.added_nbytes >= 60 << 20
     assert rss.samples >= 1
