@@ -67,16 +67,21 @@ out = store.get_named_data_store_output()
 files = plan_data_files(out.buffers, out.external_data, folder, segment_alignment=128,
                         fingerprints=out.fingerprints)
 
-def slow_write(fd, view):  # a slow disk: the writer thread is outside write(2) for 1 s
+writing, both_sent = threading.Event(), threading.Event()
+
+def slow_write(fd, view):  # a slow disk: the writer thread is outside write(2) until both Ctrl-C came
     if len(view) >= MiB:
-        time.sleep(1.0)
+        writing.set()
+        both_sent.wait(60)
     return os.write(fd, view)
 
-def ctrl_c_twice():
-    time.sleep(0.5)
+def ctrl_c_twice():  # both while the writer thread's first write is in progress, whatever the machine's load
+    writing.wait(60)
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.3)
     os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1.0)  # the save is back waiting for the writer
+    both_sent.set()
 
 threading.Thread(target=ctrl_c_twice, daemon=True).start()
 try:
