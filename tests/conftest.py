@@ -8,8 +8,21 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 warnings.filterwarnings("ignore")
+
+# Every run draws the same examples (a seed per test, from its code): a property
+# test fails on every run or on none, never by chance on one CI run. No deadline
+# and no speed health check: a loaded 2-core machine must not fail a test by its
+# timing. `pytest --hypothesis-profile=explore` draws new examples (to hunt bugs).
+_PROFILE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("ptdstream", derandomize=True, database=None, **_PROFILE)
+settings.register_profile("explore", **_PROFILE)
+settings.load_profile("ptdstream")
+# The CLI's messages are one line unless PTDSTREAM_DEBUG is set: a developer's
+# shell must not change what the tests (and the commands they start) see.
+os.environ.pop("PTDSTREAM_DEBUG", None)
 
 
 class Mlp(torch.nn.Module):

@@ -264,7 +264,8 @@ def test_each_flatbuffer_word_set_to_huge_value_fails_cleanly(tmp_path, kind, na
     assert time.perf_counter() - start < 30
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_corruption_of_metadata_is_format_error_or_valid(tmp_path, data):
     kind, name = data.draw(st.sampled_from([("plain", "model.pte"), ("xnnpack_ptd", "model.ptd")]))
