@@ -182,10 +182,10 @@ def test_pte_with_24_byte_extended_header_is_accepted(tmp_path):
 def test_header_claiming_2_pow_60_bytes_fails_fast_without_allocating(tmp_path, kind, name, offset, field):
     path = patched(write_reference(kind, tmp_path)[name], offset, struct.pack("<Q", 1 << 60))
     tracemalloc.start()
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: the work done, not the machine's load
     with pytest.raises(FormatError) as info:
         read_artifact(path)
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     message = str(info.value)

@@ -154,7 +154,7 @@ def test_shared_offsets_count_table_visits_in_linear_work():
     P.ProgramStart(b)
     P.ProgramAddExecutionPlan(b, plans)
     b.Finish(P.ProgramEnd(b), file_identifier=b"ET12")
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: the work done, not the machine's load
     with pytest.raises(FlatbufferError, match="more than 1,000,000 table visits"):
         verify_buffer(bytes(b.Output()), "program")
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0

@@ -313,10 +313,10 @@ def test_a_planted_journal_is_one_clear_error_and_the_folder_stays_usable(tmp_pa
     path = tmp_path / JNAME
     path.write_bytes(data)
     assert journal.unrecovered(str(tmp_path)) == [journal.PendingSet(str(path), ())]
-    start = time.monotonic()
+    start = time.process_time()  # CPU seconds: the work done, not the machine's load
     with pytest.raises(journal.RecoveryError) as info:
         journal.recover(str(tmp_path))
-    assert time.monotonic() - start < 10.0
+    assert time.process_time() - start < 10.0
     assert str(info.value).startswith(f"journal {path}: unreadable (") and reason in str(info.value)
     write_data_files(data_store("x", "y"), str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [JNAME, "x.ptd", "y.ptd"]
