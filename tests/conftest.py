@@ -133,6 +133,26 @@ def mapped_rss(path) -> int:
     return total
 
 
+#: ``statfs`` ``f_type`` of the file systems whose files are their pages in memory
+#: (``linux/magic.h``): there no page can leave the page cache.
+_IN_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def skip_unless_pages_can_drop(folder) -> None:
+    """Skip the test where ``folder`` lies on a tmpfs or ramfs (``/tmp`` is one on
+    many systems): its bounds on the bytes of a file left in the page cache cannot
+    hold there. Decided by the file system's type, never by a measurement."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first word
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(str(folder)), buf) != 0:
+        return
+    kind = _IN_MEMORY_FS.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
+    if kind is not None:
+        pytest.skip(f"{folder} is on a {kind}: its files never leave the page cache (give --basetemp on disk)")
+
+
 def read_folder(folder: str) -> dict[str, bytes]:
     out = {}
     for name in sorted(os.listdir(folder)):

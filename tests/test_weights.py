@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from _checkpoints import save_checkpoint, state_of
-from conftest import Mlp, TiedLM, export, reference_files
+from conftest import Mlp, TiedLM, export, reference_files, skip_unless_pages_can_drop
 
 from ptdstream.errors import CheckpointMismatchError, FormatError
 from ptdstream.weights import DEFAULT_TAG, read_program_weights, write_ptd
@@ -267,6 +267,7 @@ def test_checkpoint_is_never_resident_whole(tmp_path, kind):
     """A 64 MiB checkpoint, written in 1 MiB pieces: at no piece more than 8 MiB of
     it is mapped into the process (each piece is read with pread and its pages
     dropped once copied)."""
+    skip_unless_pages_can_drop(tmp_path)
     from conftest import mapped_rss
     from executorch.exir import ExecutorchBackendConfig
 

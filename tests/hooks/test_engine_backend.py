@@ -6,7 +6,7 @@ import os
 import sys
 
 import torch
-from conftest import Mlp, read_folder, reference_files
+from conftest import Mlp, read_folder, reference_files, skip_unless_pages_can_drop
 
 import ptdstream
 from ptdstream.format.reader import read_artifact
@@ -17,6 +17,7 @@ from engine_backend import EnginePartitioner
 
 
 def test_engines_are_stored_once_streamed_and_identical(tmp_path, monkeypatch):
+    skip_unless_pages_can_drop(tmp_path)
     from executorch.exir import to_edge_transform_and_lower
     from executorch.exir._serialize._cord import FileBackedData
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import xxhash
+from conftest import skip_unless_pages_can_drop
 
 from ptdstream import StreamingNamedDataStore
 from ptdstream.errors import IntegrityError
@@ -109,6 +110,7 @@ def test_a_save_of_spilled_bytes_equals_the_save_of_the_bytes_and_refuses_them_c
 
 
 def test_spilling_and_reading_back_leave_little_of_the_file_in_the_page_cache(tmp_path):
+    skip_unless_pages_can_drop(tmp_path)
     spill = SpillFile(str(tmp_path), window_nbytes=1 << 20)
     source = spill.append(MemorySource(os.urandom(48 << 20)), "big", chunk_nbytes=1 << 20)
     proc = f"/proc/self/fd/{spill.fileno()}"

@@ -12,6 +12,7 @@ import textwrap
 import threading
 
 import pytest
+from conftest import skip_unless_pages_can_drop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -248,6 +249,7 @@ def test_brk2_changed_or_truncated_spill_refused_naming_key_and_existing_file_un
 
 @pytest.mark.parametrize("chunk", [1 << 20, 3 << 20, (1 << 20) + 4097, 64 << 10])
 def test_brk2_little_cached_after_spill_and_read_with_odd_sizes(tmp_path, chunk):
+    skip_unless_pages_can_drop(tmp_path)
     spill = SpillFile(str(tmp_path), window_nbytes=1 << 20)
     spill.append(MemorySource(os.urandom(5000)), "head")  # later ranges start off a 2 MiB block
     src = spill.append(MemorySource(os.urandom(24 << 20)), "big", chunk_nbytes=chunk)

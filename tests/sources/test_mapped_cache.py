@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from conftest import skip_unless_pages_can_drop
 from safetensors.torch import load_file, save_file
 
 from ptdstream.hooks.emitter import reference
@@ -44,6 +45,7 @@ def _cold_checkpoint(tmp_path, nbytes: int) -> tuple[str, torch.Tensor, bytes]:
 
 
 def test_the_hash_keeps_the_page_cache_out_of_rss_and_the_save_drops_it(tmp_path, monkeypatch):
+    skip_unless_pages_can_drop(tmp_path)
     nbytes = 48 * MiB
     path, tensor, digest = _cold_checkpoint(tmp_path, nbytes)
     paged_out: list[int] = []

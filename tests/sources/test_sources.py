@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import skip_unless_pages_can_drop
 
 from ptdstream import (
     BufferRing,
@@ -46,6 +47,7 @@ def test_file_range_source_reads_its_range(tmp_path):
 
 @pytest.mark.parametrize("chunk,offset", [(1 << 20, 4096), (8 << 20, 4096), (3000, 0)])
 def test_file_range_source_leaves_at_most_a_folio_of_its_file_cached(tmp_path, chunk, offset):
+    skip_unless_pages_can_drop(tmp_path)
     from ptdstream.sources.base import BufferRing
     from ptdstream.system.pagecache import FOLIO_NBYTES, READAHEAD_NBYTES, drop_pages, resident_nbytes
 

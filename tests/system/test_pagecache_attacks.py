@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import skip_unless_pages_can_drop
 
 from ptdstream.check.compare import compare_files
 from ptdstream.sources import BufferRing
@@ -29,6 +30,7 @@ def _cold_file(path, nbytes, seed=b""):
 @pytest.mark.parametrize("chunk", [4096, 64 << 10, (1 << 20) + 1, 3 << 20, 12 << 20])
 @pytest.mark.parametrize("offset,length", [(0, None), (4097, 20 << 20), ((2 << 20) - 1, (17 << 20) + 3)])
 def test_brk2_file_range_read_leaves_at_most_10_mib(tmp_path, chunk, offset, length):
+    skip_unless_pages_can_drop(tmp_path)
     path = _cold_file(tmp_path / "f", 32 << 20)
     src = FileRangeSource(str(path), offset, length)
     seen = bytearray()
@@ -64,6 +66,7 @@ def test_brk2_drop_read_keeps_dirty_bytes(tmp_path):
 
 
 def test_brk2_compare_files_leaves_at_most_10_mib(tmp_path):
+    skip_unless_pages_can_drop(tmp_path)
     a = _cold_file(tmp_path / "a", 24 << 20)
     b = tmp_path / "b"
     b.write_bytes(a.read_bytes())

@@ -4,6 +4,7 @@ import os
 import threading
 
 import pytest
+from conftest import skip_unless_pages_can_drop
 
 from ptdstream.system import pagecache, writeback
 from ptdstream.system.pagecache import resident_nbytes
@@ -68,6 +69,7 @@ def test_no_thread_when_no_window_closes(calls):
 
 @pytest.mark.skipif(writeback._sync_file_range is None, reason="needs Linux sync_file_range")
 def test_cached_bytes_stay_bounded_while_writing(tmp_path):
+    skip_unless_pages_can_drop(tmp_path)
     window, inflight = MiB, 2
     bound = (inflight + 3) * window
     path = str(tmp_path / "out.bin")
@@ -121,6 +123,7 @@ def test_drops_start_at_the_2mib_block_that_holds_a_window_start(calls):
 def test_large_writes_into_small_windows_stay_bounded(tmp_path):
     """8 MiB writes (page-cache folios up to 2 MiB) into 1 MiB windows: dropping
     only each window's own range left every folio it shared (192 of 256 MiB cached)."""
+    skip_unless_pages_can_drop(tmp_path)
     window, inflight, piece = MiB, 2, os.urandom(8 * MiB)
     path = str(tmp_path / "large.bin")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -143,6 +146,7 @@ def test_large_writes_into_small_windows_stay_bounded(tmp_path):
 def test_unaligned_windows_stay_bounded(tmp_path):
     """Windows that start inside a page (a .ptd's payload after its header) and a
     window that is not a page multiple: the cache stays within the bound."""
+    skip_unless_pages_can_drop(tmp_path)
     for window in (64 << 10, 6000):
         inflight = 2
         path = str(tmp_path / f"out{window}.bin")

@@ -6,6 +6,7 @@ import errno
 import os
 
 import pytest
+from conftest import skip_unless_pages_can_drop
 
 from ptdstream import ChunkedFileSink, StateError
 from ptdstream.write.sink import SinkState
@@ -116,6 +117,7 @@ def test_stale_temp_files_of_dead_processes_are_found(tmp_path):
 
 
 def test_pages_are_dropped_after_sync(tmp_path):
+    skip_unless_pages_can_drop(tmp_path)
     from ptdstream.system.pagecache import resident_nbytes
 
     target = tmp_path / "big.bin"
