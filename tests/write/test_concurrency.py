@@ -159,14 +159,22 @@ def test_concurrent_saves_leave_one_saves_set(race_rounds):
     assert mixed == [], f"rounds whose .pte and .ptd come from different saves: {mixed}"
 
 
-def read_until_stopped(folder: str, versions, stop_fd: int, result_fd: int) -> None:
-    """Reader child: read every target again and again until ``stop_fd`` is readable."""
+def read_until_stopped(folder: str, versions, stop_fd: int, result_fd: int, seen_fd: int) -> None:
+    """Reader child: read every target again and again until ``stop_fd`` is readable;
+    write to ``seen_fd`` the name of each save whose whole set it reads ("A", "B"),
+    once each time it changes."""
     seen = {t: collections.Counter() for t in TARGETS}
     reads = 0
+    last = None
     while not select.select([stop_fd], [], [], 0)[0]:
+        now = {}
         for target in TARGETS:
-            seen[target][version_of(os.path.join(folder, target), versions)] += 1
+            now[target] = version_of(os.path.join(folder, target), versions)
+            seen[target][now[target]] += 1
             reads += 1
+        if now[PTE] == now[PTD] != last and now[PTE] in ("A", "B"):
+            last = now[PTE]
+            os.write(seen_fd, last.encode())
     with os.fdopen(result_fd, "wb") as f:
         pickle.dump({"reads": reads, "seen": {t: dict(c) for t, c in seen.items()}}, f)
 
@@ -177,23 +185,39 @@ def test_reader_sees_only_complete_files_during_saves(managers, versions, tmp_pa
     ptdstream.save(managers["A"], path)
     stop_r, stop_w = os.pipe()
     result_r, result_w = os.pipe()
+    seen_r, seen_w = os.pipe()
 
     def reader():
         os.close(stop_w)
         os.close(result_r)
-        read_until_stopped(folder, versions, stop_r, result_w)
+        os.close(seen_r)
+        read_until_stopped(folder, versions, stop_r, result_w, seen_w)
+
+    def reader_saw(name: str) -> None:
+        """Wait until the reader has read ``name``'s whole set (a fixed sleep let a
+        reader that got no CPU see none of a save's files)."""
+        deadline = time.monotonic() + 60
+        got = b""
+        while name.encode() not in got:
+            ready, _, _ = select.select([seen_r], [], [], max(0.0, deadline - time.monotonic()))
+            piece = os.read(seen_r, 64) if ready else b""
+            assert piece, f"the reader did not read save {name}'s files within 60 s (it saw {got!r})"
+            got += piece
 
     reader_pid = fork(reader)
     os.close(stop_r)
     os.close(result_w)
+    os.close(seen_w)
     saves = ["B", "A"] * 5
     try:
-        time.sleep(0.05)  # the reader is running
+        reader_saw("A")  # the reader is running
         for name in saves:
             assert wait(fork(lambda name=name: ptdstream.save(managers[name], path))) == 0
+            reader_saw(name)
             time.sleep(0.01)
     finally:
         os.close(stop_w)
+        os.close(seen_r)
         with os.fdopen(result_r, "rb") as f:
             data = f.read()
         code = wait(reader_pid)
