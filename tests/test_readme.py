@@ -71,14 +71,6 @@ def _hf_installed() -> bool:
     return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("transformers") is not None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 BLOCKS = [(f"{path.relative_to(ROOT)}:{line}", language, code)
           for path in doc_files() for line, language, code in doc_blocks(path)]
 
@@ -133,7 +125,8 @@ def workdir(tmp_path_factory):
                                           max_position_embeddings=64, tie_word_embeddings=False)
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(llama).save_pretrained(str(root / "my-llama"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # an in-memory store: a free port probed then bound could be taken by another process in between
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     pristine = tmp_path_factory.mktemp("readme-pristine")
     shutil.copytree(root, pristine, dirs_exist_ok=True, symlinks=True)
     yield root, namespace, pristine

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import zlib
 
 import pytest
@@ -61,12 +60,6 @@ def program(tmp_path_factory):
     return root, manager, ckpt
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write(writer: str, program, out, progress):
     """Run ``writer`` into the existing folder ``out``; its report."""
     import ptdstream
@@ -88,7 +81,8 @@ def _write(writer: str, program, out, progress):
 
     from ptdstream.distributed import write_data_files
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # an in-memory store: a free port probed then bound could be taken by another process in between
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         return write_data_files({"a": torch.arange(500, dtype=torch.float32), "b": torch.ones(7, 3)}, str(out),
                                 external_tag="w", progress=progress)
