@@ -480,3 +480,23 @@ def test_a_map_to_missing_keys_is_named_as_the_problem_never_a_map_to_itself(exp
     err = capsys.readouterr().err
     assert "--map l1.=x1. renamed it to a key" in err and "--map l1.weight=l1.weight" not in err
     assert sorted(os.listdir(out)) == [PTD] and (out / PTD).read_bytes() == b"previous"
+
+
+def test_an_index_with_several_bad_shard_names_names_the_same_one_under_any_hash_seed(tmp_path):
+    """The shard names are checked in sorted order: which bad name the error names
+    does not depend on PYTHONHASHSEED (a set's order does)."""
+    import subprocess
+    import sys
+
+    shards = {f"w{i}": f"../{name}.safetensors" for i, name in enumerate("qzamxkcb")}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+    code = ("import sys\nfrom ptdstream.sources.checkpoint import open_checkpoint\n"
+            "try:\n    open_checkpoint(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    messages = set()
+    for seed in range(6):
+        env = dict(os.environ, PYTHONHASHSEED=str(seed))
+        run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True,
+                             text=True, timeout=120)
+        messages.add(run.stdout.strip())
+    assert messages == {f"FormatError {tmp_path / 'model.safetensors.index.json'}: shard name "
+                        f"'../a.safetensors' is not a file name in the index's folder"}, messages

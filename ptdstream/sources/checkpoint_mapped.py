@@ -171,7 +171,7 @@ def _hf_weight_map(path: str) -> dict[str, str]:
             raise TypeError("weight_map is not {key: file name}")
     except (ValueError, KeyError, TypeError) as e:
         raise FormatError(f"{path}: not a Hugging Face safetensors index: {type(e).__name__}: {e}") from None
-    for name in set(shards.values()):
+    for name in sorted(set(shards.values())):
         if os.path.basename(name) != name or name in (".", ".."):
             raise FormatError(f"{path}: shard name {name!r} is not a file name in the index's folder")
     return shards
