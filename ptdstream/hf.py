@@ -51,6 +51,12 @@ OPTIMUM_RECIPES = ("coreml_fp16", "coreml_fp16_cpu", "coreml_fp16_gpu", "coreml_
                    "coreml_fp32_cpu", "coreml_fp32_gpu", "coreml_fp32_ne", "cuda", "cuda-windows", "metal",
                    "portable", "xnnpack")
 
+#: What :func:`main` prints for ``--help`` without a command (optimum is not imported).
+HELP_WITHOUT_COMMAND = """
+The options of the export itself are optimum-cli's:
+  python -m ptdstream.hf export executorch --help
+"""
+
 #: What :func:`main` prints before optimum-cli's own ``--help``.
 HELP = f"""usage: python -m ptdstream.hf export executorch -m DIR --task TASK --recipe RECIPE -o OUT [--weightless]
 
@@ -141,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``python -m ptdstream.hf export executorch -m DIR --task text-generation
     --recipe xnnpack -o OUT --weightless``. Before optimum (and torch) is imported:
-    ``-h``/``--help`` prints :data:`HELP` (``--weightless``) before optimum-cli's help,
+    ``-h``/``--help`` prints :data:`HELP` (``--weightless``) before optimum-cli's help
+    (alone, with :data:`HELP_WITHOUT_COMMAND`, when no command precedes it),
     and an ``export executorch`` whose ``-m`` is no local folder with ``config.json``
     or whose ``--recipe`` is not in :data:`OPTIMUM_RECIPES` prints one line
     (``ptdstream.hf: error: ...``, naming it) and returns 2. Returns 0; with ``--weightless``, a
@@ -152,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
+        if args[0] in ("-h", "--help"):  # optimum-cli's top level: only its command names
+            print(HELP.removesuffix("optimum-cli's own help follows.\n") + HELP_WITHOUT_COMMAND.lstrip("\n"), end="")
+            return 0
         print(HELP, flush=True)
     else:
         error = usage_error([a for a in args if a != WEIGHTLESS_FLAG])

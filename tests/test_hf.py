@@ -187,3 +187,19 @@ def test_hf_help_names_weightless_before_optimums_help(monkeypatch, capsys):
     flat = " ".join(out.split())
     assert "--weightless build the model from DIR/config.json with no weight loaded" in flat
     assert "--recipe RECIPE one of coreml_fp16, " in flat and "portable, xnnpack" in flat
+
+
+def test_hf_help_without_a_command_imports_neither_optimum_nor_torch():
+    """Bare ``--help``: ptdstream's lines and how to get the export's own options,
+    without importing optimum (whose top-level help lists only its command names)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    code = ("import sys, ptdstream.hf\nrc = ptdstream.hf.main(['--help'])\n"
+            "print(rc, sorted(m for m in ('torch', 'optimum', 'executorch') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    import ptdstream.hf
+
+    head = ptdstream.hf.HELP.removesuffix("optimum-cli's own help follows.\n")
+    assert head.endswith("portable, xnnpack\n\n")
+    assert proc.stdout == head + ptdstream.hf.HELP_WITHOUT_COMMAND.lstrip("\n") + "0 []\n", proc.stdout
+    assert "python -m ptdstream.hf export executorch --help" in proc.stdout
