@@ -34,6 +34,7 @@ __all__ = [
     "fake_tensor_mode",
     "fake_tensor_type",
     "fx_graph_module_module",
+    "dispatch_mode_type",
     "file_backed_data_type",
     "file_backed_path",
     "flat_tensor_to_flatbuffer",
@@ -316,6 +317,11 @@ def cuda_backend() -> type[Any]:
 def fake_tensor_type() -> type:
     """``torch._subclasses.fake_tensor.FakeTensor``: a tensor with metadata and no storage."""
     return resolve("torch._subclasses.fake_tensor", "FakeTensor")
+
+
+def dispatch_mode_type() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: a context that sees each aten call."""
+    return resolve("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:

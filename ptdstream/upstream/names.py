@@ -109,6 +109,10 @@ NAMES: tuple[PrivateName, ...] = (
                 "module global 'emit_program' shadowed by weightless (unbound constants refused by name)"),
     PrivateName("executorch.exir.passes.constant_prop_pass", "",
                 "module global 'get_constant_placeholder_dict' shadowed by weightless (folded constants to files)"),
+    PrivateName("executorch.exir.passes.constant_prop_pass", "get_propagated_const_tensor_dict",
+                "computes each folded constant; run under weightless's transposing mode (transposes in bands)"),
+    PrivateName("torch.utils._python_dispatch", "TorchDispatchMode",
+                "weightless: a bound weight's folded transpose written to a file in bands"),
     PrivateName("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
                 "from_pretrained's one weight-reading step, replaced by weightless.hf (transformers 5.0.0rc1)"),
 )

@@ -22,6 +22,15 @@ upstream makes it. The mapped copies are registered as bound
 (:func:`~ptdstream.weightless.delegates.add_bound`): the emitter and the save
 stream them, XNNPACK's per-partition copy shares them.
 
+A transpose of a bound 2-D weight larger than :data:`BAND_NBYTES` (a
+linear's ``permute_copy``, ``t_copy`` or ``transpose_copy``) is not computed in
+memory at all: while the pass computes its constants
+(``get_propagated_const_tensor_dict``, shadowed to run under a dispatch mode),
+that call is answered by :func:`~ptdstream.weightless.mapped_copy.mapped_transpose`,
+which writes the transpose to a nameless temp file in bands of
+:data:`BAND_NBYTES` (the weight's pages handed back piece by piece), the same
+bytes. Any other call runs as upstream's.
+
 Disk: the folded bytes (about the size of the folded weights) in ``folder``,
 or a fresh folder under ``tempfile.gettempdir()`` (``TMPDIR``), removed on exit.
 No upstream code is copied; the name is registered in
@@ -44,9 +53,12 @@ from ..system.pagecache import file_mapping, page_out
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .delegates import add_bound, is_bound
-from .mapped_copy import mapped_copy
+from .mapped_copy import mapped_copy, mapped_transpose
 
-__all__ = ["FoldingDict", "folded_to_files"]
+__all__ = ["BAND_NBYTES", "FoldingDict", "folded_to_files"]
+
+#: bytes of a transposed band (and of a piece of the weight read for it); larger transposes go to files in bands
+BAND_NBYTES = 16 << 20
 
 
 class _Target:
@@ -90,7 +102,7 @@ class FoldingDict(OrderedDict):
     def __setitem__(self, node: Any, value: Any) -> None:
         import torch
 
-        if getattr(node, "op", None) == "call_function" and isinstance(value, torch.Tensor):
+        if getattr(node, "op", None) == "call_function" and isinstance(value, torch.Tensor) and not is_bound(value):
             inputs = [self[n] for n in node.all_input_nodes if n in self]
             if (self._target.open and value.device.type == "cpu" and not isinstance(value, adapter.fake_tensor_type())
                     and not value.is_meta and value.untyped_storage().nbytes()
@@ -120,6 +132,53 @@ def _folding(real: Callable[..., Any]) -> Callable[..., Any]:
     return get_constant_placeholder_dict
 
 
+def _transposed_input(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The 2-D tensor ``func(*args, **kwargs)`` transposes, or None."""
+    import torch
+
+    aten = torch.ops.aten
+    if kwargs or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 2:
+        return None
+    if func is aten.t_copy.default and len(args) == 1:
+        return args[0]
+    if func is aten.permute_copy.default and len(args) == 2 and [d % 2 for d in args[1]] == [1, 0]:
+        return args[0]
+    if func is aten.transpose_copy.int and len(args) == 3 and {args[1] % 2, args[2] % 2} == {0, 1}:
+        return args[0]
+    return None
+
+
+def _transposing_mode(target: _Target) -> Any:
+    class TransposingToFiles(adapter.dispatch_mode_type()):  # type: ignore[misc]  # torch's mode class, resolved by the adapter
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            tensor = _transposed_input(func, args, kwargs)
+            if (tensor is not None and target.open and is_bound(tensor) and tensor.device.type == "cpu"
+                    and not isinstance(tensor, adapter.fake_tensor_type()) and tensor.is_contiguous()
+                    and tensor.numel() * tensor.element_size() > BAND_NBYTES):
+                moved = mapped_transpose(tensor, target.path(), BAND_NBYTES)
+                target.moved += moved.untyped_storage().nbytes()
+                add_bound(target.bound, [moved])
+                return moved
+            return func(*args, **kwargs)
+
+    return TransposingToFiles()
+
+
+def _transposing(real: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_propagated_const_tensor_dict`` run under :func:`_transposing_mode` in a context."""
+
+    @functools.wraps(real)
+    def get_propagated_const_tensor_dict(*args, **kwargs):
+        targets = _targets.get()
+        if not targets:
+            return real(*args, **kwargs)
+        with _transposing_mode(targets[-1]):
+            return real(*args, **kwargs)
+
+    return get_propagated_const_tensor_dict
+
+
 @contextlib.contextmanager
 def folded_to_files(bound: list[Any], folder: str | None = None) -> Iterator[_Target]:
     """While active, in the calling thread or task, ``constant_prop_pass`` moves
@@ -144,6 +203,8 @@ def folded_to_files(bound: list[Any], folder: str | None = None) -> Iterator[_Ta
             if module is not None:
                 patches.enter_context(shadowed(module, "get_constant_placeholder_dict",
                                                _folding(module.get_constant_placeholder_dict)))
+                patches.enter_context(shadowed(module, "get_propagated_const_tensor_dict",
+                                               _transposing(module.get_propagated_const_tensor_dict)))
             yield target
     finally:
         target.open = False

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import tempfile
 from typing import Any
 
 from ..system.files import pwrite_all
 
-__all__ = ["mapped_copy"]
+__all__ = ["mapped_copy", "mapped_transpose"]
 
 
 def _open_unlinked(folder: str) -> tuple[int, str | None]:
@@ -67,15 +68,84 @@ def mapped_copy(tensor: Any, folder: str) -> Any:
         raise ValueError(f"mapped_copy needs a CPU tensor with a storage, got {tensor.device} with {nbytes} bytes")
     fd, name = _open_unlinked(folder)
     try:
-        try:
-            pwrite_all(fd, memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr())).cast("B"), 0)
-        except OSError as e:
-            raise OSError(e.errno, f"temp folder {folder}: cannot write {nbytes:,} bytes there: "
-                                   f"{e.strerror}") from e
-        mapped: torch.UntypedStorage = torch.UntypedStorage.from_file(  # type: ignore[assignment]  # an UntypedStorage's from_file returns one
-            name or f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+        _write(fd, memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr())).cast("B"), 0, folder)
+        mapped = _map_back(fd, name, nbytes)
     finally:
         os.close(fd)
         if name is not None:
             os.unlink(name)
     return torch.empty(0, dtype=tensor.dtype).set_(mapped, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _write(fd: int, view: memoryview, offset: int, folder: str) -> None:
+    try:
+        pwrite_all(fd, view, offset)
+    except OSError as e:
+        raise OSError(e.errno, f"temp folder {folder}: cannot write {len(view):,} bytes there: "
+                               f"{e.strerror}") from e
+
+
+def _map_back(fd: int, name: str | None, nbytes: int) -> Any:
+    import torch
+
+    return torch.UntypedStorage.from_file(name or f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+
+
+def mapped_transpose(tensor: Any, folder: str, band_nbytes: int) -> Any:
+    """``tensor.t().contiguous()`` written to a nameless file in ``folder`` in
+    bands and mapped back, ``tensor`` never read whole into this process's RSS.
+
+    ``tensor``: a 2-D contiguous CPU tensor (R, C). Returns a contiguous (C, R)
+    tensor of the same dtype over a file mapping (``requires_grad`` False), the
+    bytes of ``tensor.t().contiguous()``. Each band of about ``band_nbytes``
+    output rows is filled from row pieces of about ``band_nbytes`` of
+    ``tensor``; when ``tensor`` is a file mapping, each piece's pages are
+    handed back once read (:func:`~ptdstream.system.pagecache.release_mapped`:
+    the page cache keeps them for the next band). Resident: about two bands.
+
+    Raises:
+        ValueError: ``tensor`` is not a 2-D contiguous CPU tensor.
+        OSError: the file cannot be created, written (ENOSPC names the folder) or mapped.
+    """
+    import torch
+
+    from ..system.pagecache import file_mapping, release_mapped
+
+    if tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous() or tensor.numel() == 0:
+        raise ValueError(f"mapped_transpose needs a non-empty 2-D contiguous CPU tensor, got {tensor.device} "
+                         f"{tuple(tensor.shape)} with strides {tensor.stride()}")
+    rows, cols = tensor.shape
+    item = tensor.element_size()
+    mapping = file_mapping(tensor.data_ptr(), tensor.numel() * item)
+    out_rows = max(1, band_nbytes // (rows * item))  # output rows per band
+    piece_rows = max(1, band_nbytes // (cols * item))  # input rows per piece
+    band_rows = min(out_rows, cols)
+    # its own anonymous mapping, unmapped on return: a heap block this size would stay in the process
+    memory = mmap.mmap(-1, band_rows * rows * item)
+    band = torch.frombuffer(memory, dtype=tensor.dtype, count=band_rows * rows).view(band_rows, rows)
+    part = view = None
+    fd, name = _open_unlinked(folder)
+    try:
+        with torch.no_grad():
+            for c0 in range(0, cols, out_rows):
+                c1 = min(cols, c0 + out_rows)
+                part = band[: c1 - c0]
+                for r0 in range(0, rows, piece_rows):
+                    r1 = min(rows, r0 + piece_rows)
+                    part[:, r0:r1].copy_(tensor[r0:r1, c0:c1].t())
+                    if mapping is not None:
+                        release_mapped(tensor.data_ptr() + r0 * cols * item, (r1 - r0) * cols * item,
+                                       (mapping.start, mapping.stop))
+                view = memoryview((ctypes.c_char * (part.numel() * item)).from_address(part.data_ptr()))
+                _write(fd, view.cast("B"), c0 * rows * item, folder)
+        mapped = _map_back(fd, name, rows * cols * item)
+    finally:
+        os.close(fd)
+        if name is not None:
+            os.unlink(name)
+        del band, part, view
+        try:
+            memory.close()
+        except BufferError:  # a view still alive: the mapping goes with it
+            pass
+    return torch.empty(0, dtype=tensor.dtype).set_(mapped, 0, (cols, rows), (rows, 1))
