@@ -268,7 +268,24 @@ def test_llama_prefill_and_decode_bound_together_save_the_real_exports_bytes(tmp
     assert got == read_folder(str(tmp_path / "real"))
 
 
-def test_llama_with_const_prop_saves_the_real_exports_bytes(tmp_path):
+@pytest.mark.parametrize("band", [None, 64, 10_000])
+def test_llama_with_const_prop_saves_the_real_exports_bytes(tmp_path, monkeypatch, band):
+    """Each folded transpose of a bound weight is moved to a file: whole (mapped_copy)
+    up to BAND_NBYTES, above it written in bands (mapped_transpose, never computed in
+    memory); the same constants, the same saved bytes as the real-weights export. With
+    ``band`` None the default band is larger than every weight here."""
+    from ptdstream.weightless import folding, mapped_copy
+
+    calls = []
+    real_transpose = mapped_copy.mapped_transpose
+
+    def counted(tensor, folder, band_nbytes):
+        calls.append((tuple(tensor.shape), band_nbytes))
+        return real_transpose(tensor, folder, band_nbytes)
+
+    if band is not None:
+        monkeypatch.setattr(folding, "BAND_NBYTES", band)
+    monkeypatch.setattr(folding, "mapped_transpose", counted)
     real = seeded()
     _save(_lower(_exported(real, ["decode"]), do_quant_fusion_and_const_prop=True), tmp_path / "real")
     ckpt = _llama_checkpoint(real, tmp_path / "ckpt")
@@ -277,10 +294,15 @@ def test_llama_with_const_prop_saves_the_real_exports_bytes(tmp_path):
         manager = _lower(programs, do_quant_fusion_and_const_prop=True)
         folded = [v for k, v in manager.exported_program("decode").constants.items()
                   if k.startswith("_prop_tensor_constant")]
-        moved = [tuple(v.shape) for v in folded if _mapped(v)]
+        moved = [v for v in folded if _mapped(v)]
         assert len(moved) == 15  # 7 linears x 2 layers + the tied head, transposed
         assert all(v.numel() <= 64 for v in folded if not _mapped(v))  # folded from real tensors only
+        banded = sorted((v.shape[1], v.shape[0]) for v in moved
+                        if v.numel() * v.element_size() > folding.BAND_NBYTES)
         _save(manager, tmp_path / "weightless")
+    # at 10,000 bytes the four 32x64 fp32 transposes are copied whole
+    assert len(banded) == {None: 0, 64: 15, 10_000: 11}[band]
+    assert sorted(shape for shape, _ in calls) == banded and all(b == folding.BAND_NBYTES for _, b in calls)
     assert read_folder(str(tmp_path / "weightless")) == read_folder(str(tmp_path / "real"))
 
 
@@ -359,39 +381,6 @@ def test_storage_less_buffer_that_is_only_read_still_needs_a_key(tmp_path):
             weights.bind(program)
     assert caught.value.problems == [
         "missing: 'offset' needs checkpoint key 'offset', which the checkpoint does not hold"]
-
-
-@pytest.mark.parametrize("band", [64, 10_000])
-def test_transposes_larger_than_a_band_are_written_in_bands_and_save_the_real_bytes(tmp_path, monkeypatch, band):
-    """With BAND_NBYTES below the weights' size, each folded transpose of a bound weight
-    is written to its file in bands (mapped_transpose), never computed in memory: the
-    same constants, the same saved bytes as the real-weights export."""
-    from ptdstream.weightless import folding, mapped_copy
-
-    calls = []
-    real_transpose = mapped_copy.mapped_transpose
-
-    def counted(tensor, folder, band_nbytes):
-        calls.append((tuple(tensor.shape), band_nbytes))
-        return real_transpose(tensor, folder, band_nbytes)
-
-    monkeypatch.setattr(folding, "BAND_NBYTES", band)
-    monkeypatch.setattr(folding, "mapped_transpose", counted)
-    real = seeded()
-    _save(_lower(_exported(real, ["decode"]), do_quant_fusion_and_const_prop=True), tmp_path / "real")
-    ckpt = _llama_checkpoint(real, tmp_path / "ckpt")
-    with weights_from(ckpt) as weights:
-        programs = weights.bind(_exported(weights.model(_storage_less_caches_model()), ["decode"]))
-        manager = _lower(programs, do_quant_fusion_and_const_prop=True)
-        folded = {k: v for k, v in manager.exported_program("decode").constants.items()
-                  if k.startswith("_prop_tensor_constant")}
-        moved = [v for v in folded.values() if _mapped(v)]
-        assert len(moved) == 15
-        banded = sorted((v.shape[1], v.shape[0]) for v in moved if v.numel() * v.element_size() > band)
-        _save(manager, tmp_path / "weightless")
-    assert len(banded) == (15 if band == 64 else 11)  # at 10,000 bytes the four 32x64 fp32 ones are copied whole
-    assert sorted(shape for shape, _ in calls) == banded and all(b == band for _, b in calls)
-    assert read_folder(str(tmp_path / "weightless")) == read_folder(str(tmp_path / "real"))
 
 
 def test_mapped_transpose_equals_the_transpose_for_any_band(tmp_path):
