@@ -29,6 +29,7 @@ __all__ = [
     "cuda_weight_collector",
     "emitter_class",
     "emitter_module",
+    "export_trace_module",
     "export_verifier_module",
     "external_tensor_layouts",
     "fake_tensor_mode",
@@ -339,6 +340,13 @@ def program_module():
     """executorch's program module (``exir/program/_program.py``): ``ExecutorchProgramManager``
     calls its module global ``emit_program`` to emit the edge programs."""
     return resolve("executorch.exir.program._program")
+
+
+def export_trace_module():
+    """torch's export tracing module (``torch/export/_trace.py``): ``torch.export.export``
+    imports its module global ``_export`` when called, and calls it with the module to trace."""
+    resolve("torch.export._trace", "_export")
+    return resolve("torch.export._trace")
 
 
 def constant_prop_module():

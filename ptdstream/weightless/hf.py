@@ -13,15 +13,15 @@ Two ways in:
   them (``PreTrainedModel._load_pretrained_model``) is replaced, the model's
   meta parameters become storage-less cpu tensors and each one is recorded with
   its checkpoint key (its name in the model's ``state_dict``; the name the
-  checkpoint holds for a tied group). An exported program is bound when it
-  reaches lowering: ``to_edge`` and ``to_edge_transform_and_lower`` begin with
-  its ``run_decompositions``, where, inside the context, each storage-less
-  constant of a recorded tensor is bound by its key (so
-  ``model.model.layers.0...`` FQNs find ``model.layers.0...`` keys; nothing
-  read), through a :func:`ptdstream.weights_from` context opened on the folder
-  at the first load and kept until exit; tied weights are one tensor, bound
-  once. Until then the program stays storage-less, so optimum's second
-  ``torch.export`` of ``program.module()`` (after ``RemoveRedundantTransposes``)
+  checkpoint holds for a tied group) on a :func:`ptdstream.weights_from`
+  context opened on the folder at the first load and kept until exit
+  (``WeightsFrom.record``). An exported program is bound when it reaches
+  lowering (:mod:`ptdstream.weightless.lowering`: ``to_edge`` and
+  ``to_edge_transform_and_lower`` begin with its ``run_decompositions``),
+  each recorded tensor by its key whatever its FQN (so ``model.model.layers.0...``
+  FQNs find ``model.layers.0...`` keys; nothing read); tied weights are one
+  tensor, bound once. Until then the program stays storage-less, so optimum's
+  second ``torch.export`` of ``program.module()`` (after ``RemoveRedundantTransposes``)
   traces storage-less tensors too (dynamo would clone real ones). Whatever
   runs from the lowering on (``constant_prop_pass``, XNNPACK's preprocess, the
   emitter, the save) sees the checkpoint's mapped tensors.
@@ -40,7 +40,7 @@ nothing is initialized: a model without a checkpoint key has no value.
 Patches (through :mod:`ptdstream.upstream.patching`, restored by the last exit):
 ``PreTrainedModel._load_pretrained_model`` (registered in
 :mod:`ptdstream.upstream.names`, checked against transformers 5.0.0rc1),
-``torch.nn.Module.to``, ``torch.export.ExportedProgram.run_decompositions`` and optimum's
+``torch.nn.Module.to``, those of :mod:`ptdstream.weightless.lowering` and optimum's
 ``quantize_model_`` in its task modules. They act only in the thread that
 entered the context (elsewhere the originals run), except ``to``, which acts on
 every module holding storage-less tensors (a no-op to the CPU in their dtypes,
@@ -63,6 +63,7 @@ from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .binding import BindingError
 from .context import WeightsFrom, weights_from
+from .lowering import binding_at_lowering
 from .storage_less import is_storage_less, storage_less, storage_less_model
 
 __all__ = ["NeedsWeightValuesError", "StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
@@ -109,10 +110,12 @@ class StorageLessPretrained:
 
     def __init__(self, stack: contextlib.ExitStack) -> None:
         self.weights: dict[str, WeightsFrom] = {}
-        self.bound = 0
         self._stack = stack
-        self._origins: dict[int, tuple[str, str]] = {}  # id(storage-less tensor) -> (folder, checkpoint key)
-        self._keep: list[Any] = []  # the recorded tensors, alive so their ids stay theirs
+
+    @property
+    def bound(self) -> int:
+        """Exported programs bound so far (at lowering)."""
+        return sum(w.programs_bound for w in self.weights.values())
 
     def _weights_for(self, files: list[str]) -> tuple[str, WeightsFrom]:
         folders = {os.path.dirname(os.path.abspath(f)) for f in files}
@@ -123,7 +126,9 @@ class StorageLessPretrained:
                 " (.bin files are pickles, not read): save the model with save_pretrained(safe_serialization=True)")
         folder = folders.pop()
         if folder not in self.weights:
-            self.weights[folder] = self._stack.enter_context(weights_from(folder, allow_extra=True))
+            weights = self._stack.enter_context(weights_from(folder, allow_extra=True))
+            weights.by_name = False  # binds the tensors load() recorded, by their keys
+            self.weights[folder] = weights
         return folder, self.weights[folder]
 
     def load(self, model: Any, arguments: dict[str, Any]) -> tuple:
@@ -140,7 +145,7 @@ class StorageLessPretrained:
         if refused:
             raise NeedsWeightValuesError(f"from_pretrained({name!r}): weightless export cannot take "
                                          f"{'; '.join(refused)}: export without weightless")
-        folder, weights = self._weights_for(list(arguments["checkpoint_files"]))
+        _, weights = self._weights_for(list(arguments["checkpoint_files"]))
         held = weights.checkpoint.entries
         storage_less_model(model)
         for prefix, module in model.named_modules():
@@ -153,14 +158,14 @@ class StorageLessPretrained:
         missing = {k for k in model.state_dict(keep_vars=True) if k not in held}
         model.tie_weights(missing_keys=missing, recompute_mapping=False)
         state = model.state_dict(keep_vars=True)
+        keys: dict[int, str] = {}  # id(tensor) -> its key: for a tied group, the one the checkpoint holds
         for key, tensor in state.items():
-            if is_storage_less(tensor) and (id(tensor) not in self._origins or key in held
-                                            and self._origins[id(tensor)][1] not in held):
-                self._origins[id(tensor)] = (folder, key)
-                self._keep.append(tensor)
+            if is_storage_less(tensor) and (id(tensor) not in keys or key in held and keys[id(tensor)] not in held):
+                keys[id(tensor)] = key
         problems = []
-        for tensor in {id(t): t for t in state.values() if id(t) in self._origins}.values():
-            key = self._origins[id(tensor)][1]
+        for tensor in {id(t): t for t in state.values() if id(t) in keys}.values():
+            key = keys[id(tensor)]
+            weights.record(tensor, key)
             entry = held.get(key)
             if entry is None:
                 problems.append(f"missing: the model's {key!r} ({tensor.dtype} {list(tensor.shape)}) is not in "
@@ -171,25 +176,6 @@ class StorageLessPretrained:
         if problems:
             raise BindingError(weights.checkpoint.path, problems)
         return model, missing, set(), set(), None, []
-
-    def bind(self, program: Any) -> Any:
-        """Bind ``program``'s recorded storage-less constants to their keys (in place)."""
-        key_map: dict[str, str] = {}
-        folders = set()
-        for table in ("state_dict", "constants"):
-            for fqn, tensor in getattr(program, table).items():
-                origin = self._origins.get(id(tensor)) if is_storage_less(tensor) else None
-                if origin is not None:
-                    folders.add(origin[0])
-                    key_map[fqn] = origin[1]
-        if not folders:
-            return program
-        if len(folders) > 1:
-            raise NeedsWeightValuesError(f"run_decompositions: one program holds weights of {len(folders)} folders "
-                                         f"({', '.join(sorted(folders))}): export each model on its own")
-        self.weights[folders.pop()].bind(program, key_map=key_map)
-        self.bound += 1
-        return program
 
 
 def _active() -> StorageLessPretrained | None:
@@ -210,17 +196,6 @@ def _loading(real: Callable[..., Any]) -> Callable[..., Any]:
         return context.load(bound.arguments["model"], dict(bound.arguments))
 
     return _load_pretrained_model
-
-
-def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(real)
-    def run_decompositions(self: Any, *args: Any, **kwargs: Any) -> Any:
-        context = _active()
-        if context is not None:
-            context.bind(self)
-        return real(self, *args, **kwargs)
-
-    return run_decompositions
 
 
 def _moving(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -298,8 +273,7 @@ def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
         stack.enter_context(shadowed(model_class, "_load_pretrained_model",
                                      classmethod(_loading(model_class._load_pretrained_model.__func__))))
         stack.enter_context(shadowed(torch.nn.Module, "to", _moving(torch.nn.Module.to)))
-        program_class = torch.export.ExportedProgram
-        stack.enter_context(shadowed(program_class, "run_decompositions", _lowering(program_class.run_decompositions)))
+        stack.enter_context(binding_at_lowering())
         for module in _optimum_task_modules():
             stack.enter_context(shadowed(module, "quantize_model_", _refusing_quantization(module.quantize_model_)))
         _local.active = getattr(_local, "active", None) or []
