@@ -45,6 +45,7 @@ import importlib
 
 from .errors import (
     ArgumentTypeError,
+    CheckpointFileError,
     CheckpointMismatchError,
     FormatError,
     IntegrityError,
@@ -97,6 +98,7 @@ __all__ = [
     "ArgumentTypeError",
     "BufferRing",
     "ChunkedFileSink",
+    "CheckpointFileError",
     "CheckpointMismatchError",
     "DataFilesReport",
     "FilePlan",

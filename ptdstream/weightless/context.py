@@ -331,6 +331,8 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
 
     Raises:
         FormatError: a checkpoint that cannot be read.
+        CheckpointFileError: a shard the folder's index names that is missing,
+            unreadable or outside the folder (names the index, shard and keys).
         FileNotFoundError: nothing at ``checkpoint``.
         NotADirectoryError: ``convert_dir`` is not an existing folder.
         IntegrityError: at exit, a checkpoint file that converted keys come from

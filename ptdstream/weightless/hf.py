@@ -117,18 +117,26 @@ class StorageLessPretrained:
         """Exported programs bound so far (at lowering)."""
         return sum(w.programs_bound for w in self.weights.values())
 
-    def _weights_for(self, files: list[str]) -> tuple[str, WeightsFrom]:
-        folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+    def _weights_for(self, name: Any, files: list[str]) -> tuple[str, WeightsFrom]:
+        """The context of the folder ``from_pretrained(name)`` resolved ``files`` in,
+        opened on first use: its index checked first (a missing, unreadable or
+        outside shard is refused by name, :class:`~ptdstream.CheckpointFileError`)."""
         bad = [f for f in files if not f.endswith(".safetensors")]
-        if bad or len(folders) != 1:
+        if bad:
             raise NeedsWeightValuesError(
-                f"from_pretrained: weightless export reads safetensors shards of one folder; got {', '.join(files)}"
-                " (.bin files are pickles, not read): save the model with save_pretrained(safe_serialization=True)")
-        folder = folders.pop()
+                f"from_pretrained: weightless export reads safetensors shards; got {', '.join(bad)} (.bin files "
+                "are pickles, not read): save the model with save_pretrained(safe_serialization=True)")
+        given = os.fspath(name) if isinstance(name, (str, os.PathLike)) else ""
+        folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+        folder = os.path.abspath(given) if given and os.path.isdir(given) else sorted(folders)[0]
         if folder not in self.weights:
             weights = self._stack.enter_context(weights_from(folder, allow_extra=True))
             weights.by_name = False  # binds the tensors load() recorded, by their keys
             self.weights[folder] = weights
+        outside = sorted(f for f in files if os.path.dirname(os.path.abspath(f)) != folder)
+        if outside:
+            raise NeedsWeightValuesError(f"from_pretrained({given!r}): weightless export reads the safetensors "
+                                         f"shards of one folder ({folder}); got {', '.join(outside)} too")
         return folder, self.weights[folder]
 
     def load(self, model: Any, arguments: dict[str, Any]) -> tuple:
@@ -145,7 +153,7 @@ class StorageLessPretrained:
         if refused:
             raise NeedsWeightValuesError(f"from_pretrained({name!r}): weightless export cannot take "
                                          f"{'; '.join(refused)}: export without weightless")
-        _, weights = self._weights_for(list(arguments["checkpoint_files"]))
+        _, weights = self._weights_for(name, list(arguments["checkpoint_files"]))
         held = weights.checkpoint.entries
         storage_less_model(model)
         for prefix, module in model.named_modules():
