@@ -30,44 +30,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointMismatchError, PtdstreamError
 from .convert import CONVERTIBLE, convertible
-from .quantization import ADVICE, derived_from_storage_less
+from .errors import QUANTIZATION_ADVICE, BindingError
+from .quantization import derived_from_storage_less
 from .storage_less import is_storage_less
 
 #: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
 FOLDED_PREFIX = "_prop_tensor_constant"
 
-__all__ = ["FOLDED_PREFIX", "BindingError", "BindingPlan", "UnboundConstantError", "bind_programs", "plan_binding",
+__all__ = ["FOLDED_PREFIX", "BindingPlan", "bind_programs", "plan_binding",
            "unbound_constants", "values_never_serialized"]
-
-
-class BindingError(CheckpointMismatchError):
-    """The checkpoint does not fit the exported programs' storage-less constants.
-
-    ``problems`` lists every one, each naming the FQN, the checkpoint key and
-    file, and both dtypes or shapes. Nothing was bound.
-    """
-
-    def __init__(self, checkpoint: str, problems: list[str]) -> None:
-        super().__init__("the exported program's storage-less constants (nothing bound)", checkpoint, problems)
-        self.args = (self.args[0] + "\nfix the checkpoint, or map names with key_map={fqn: checkpoint key}",)
-
-
-class UnboundConstantError(PtdstreamError, ValueError):
-    """A constant that holds no bytes reached emission or a save: bind the exported
-    program first (``weights.bind(exported_program)``), or (bound already) it
-    came after bind: a program exported again or copied, a constant a pass made.
-    ``names`` lists them."""
-
-    def __init__(self, names: list[str], where: str) -> None:
-        self.names = list(names)
-        super().__init__(
-            f"{where}: {len(names)} constant(s) hold no bytes (storage-less, never bound to a checkpoint "
-            f"tensor): {', '.join(names)}; bind each exported program inside the weights_from block "
-            "(weights.bind(exported_program) after torch.export, before to_edge, or weights.export); if it "
-            "was bound, these came later: a program exported again or copied after bind, or a constant a "
-            "pass made from storage-less values after bind")
 
 
 @dataclass(frozen=True)
@@ -224,7 +196,7 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
                     used.add(key_map.get(fqn, fqn))  # its checkpoint key is not extra: it is this one's
                     where = f"{fqn!r}" + (f" (method {method!r})" if len(programs) > 1 else "")
                     problems.append(f"quantized: {where} is a {type(tensor).__name__} made from a storage-less "
-                                    f"weight (its inner tensors hold no bytes); {ADVICE}")
+                                    f"weight (its inner tensors hold no bytes); {QUANTIZATION_ADVICE}")
     if not allow_extra:
         for key, entry in entries.items():
             if key not in used and checkpoint.aliases.get(key, key) not in used:
