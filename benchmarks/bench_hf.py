@@ -115,8 +115,8 @@ def child(args) -> dict:
     from executorch.exir import ExecutorchProgramManager
     from optimum.exporters.executorch import main_export
 
+    from ptdstream.hf import saving as pt_optimum
     from ptdstream.hooks import install as patch
-    from ptdstream.hooks import optimum as pt_optimum
 
     out = os.path.join(args.out, args.variant)
     os.makedirs(out, exist_ok=True)
@@ -154,7 +154,7 @@ def child(args) -> dict:
     t = time.perf_counter()
     options = dict(task="text-generation", recipe="xnnpack", max_seq_len=MAX_SEQ_LEN)
     if args.variant == "ptdstream":
-        managers = pt_optimum.export(args.model_dir, out, by_reference=True, **options)
+        managers = pt_optimum.run_main_export(args.model_dir, out, by_reference=True, **options)
     else:
         managers = main_export(args.model_dir, output_dir=out, **options)
     total = time.perf_counter() - t

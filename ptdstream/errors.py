@@ -3,6 +3,12 @@
 Every error derives from :class:`PtdstreamError`. Messages name the key, the
 file and the offset involved and, where a number disagrees, both numbers.
 
+Every error class of the package lives here or in a way in's own ``errors``
+module (:mod:`ptdstream.weightless.errors`, :mod:`ptdstream.distributed.errors`;
+:mod:`ptdstream.cli.errors` and :mod:`ptdstream.check.runtime.errors` hold
+internal ones), and every public one is reachable from the package root
+(``ptdstream.BindingError``); ``tests/test_structure.py`` checks both.
+
 Upstream-compatible errors are kept as upstream raises them: a duplicate key
 with different data is a plain ``ValueError`` with upstream's exact text
 (``exir/_serialize/_named_data_store.py``), so code written against
@@ -11,8 +17,9 @@ with different data is a plain ``ValueError`` with upstream's exact text
 
 from __future__ import annotations
 
-__all__ = ["ArgumentTypeError", "CheckpointFileError", "CheckpointMismatchError", "FormatError", "IntegrityError",
-           "LayoutError", "MissingKeyError", "OverwriteError", "PtdstreamError", "StateError"]
+__all__ = ["ArgumentTypeError", "CheckpointFileError", "CheckpointMismatchError", "FlatbufferError", "FormatError",
+           "IntegrityError", "LayoutError", "MissingKeyError", "OverwriteError", "PtdstreamError", "RecoveryError",
+           "StateError"]
 
 
 class PtdstreamError(Exception):
@@ -87,3 +94,18 @@ class OverwriteError(PtdstreamError):
     """An output that would destroy a file it should not: the output is one of
     the inputs (same device and inode, through links too), or, for the command
     line without ``-f/--force``, an existing file. Nothing was written."""
+
+
+class FlatbufferError(FormatError):
+    """A flatbuffer the runtime's verifier would refuse. ``offset`` is the byte offset
+    (from the flatbuffer's start) of the first bad field; ``what`` says what is wrong."""
+
+    def __init__(self, offset: int, what: str) -> None:
+        super().__init__(f"at offset {offset}: {what}")
+        self.offset, self.what = offset, what
+
+
+class RecoveryError(PtdstreamError):
+    """A journal that cannot be completed in either direction (unreadable, naming
+    files outside its folder or not of ptdstream's shape, or its files changed by
+    another program); it is left in place with every file, named in the message."""

@@ -119,7 +119,7 @@ def save(
             each window sent to disk by a writeback thread and dropped from the
             page cache once written, for every source (CUDA sources included).
         manifest: also write ``<stem>.manifest`` beside the .pte
-            (:mod:`ptdstream.check.manifest`): piece digests, sections and key
+            (:mod:`ptdstream.manifest.describe`): piece digests, sections and key
             fingerprints of every file written, read back from disk once.
 
     Returns:
@@ -141,7 +141,7 @@ def save(
     manifest_path = None
     extra_files = None
     if manifest:
-        from .check.manifest import manifest_path_for, manifest_sink  # flatbuffers + numpy: only when asked
+        from .manifest.describe import manifest_path_for, manifest_sink  # flatbuffers + numpy: only when asked
 
         manifest_path = manifest_path_for(path)
 

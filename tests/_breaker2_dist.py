@@ -167,7 +167,7 @@ def worker(rank, world, init_file, out_root, scenarios):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     try:
-        import ptdstream.distributed.writer as writer
+        import ptdstream.distributed.protocol as writer
         from ptdstream.distributed import write_data_files
 
         mesh = init_device_mesh("cpu", (world,))

@@ -23,8 +23,8 @@ from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
-from ptdstream.check import manifest_codec
-from ptdstream.check.manifest import write_manifest
+from ptdstream.manifest import codec as manifest_codec
+from ptdstream.manifest.describe import write_manifest
 from ptdstream.write import journal, tempfiles
 
 PTD = "_default_external_constant.ptd"

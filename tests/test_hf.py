@@ -17,7 +17,7 @@ pytestmark = pytest.mark.hf
 def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch, tmp_path):
     """Without ``weightless``, ``ptdstream.hf``'s entry points are the optimum hooks' (arguments unchanged)."""
     import ptdstream
-    from ptdstream.hooks import optimum
+    from ptdstream.hf import saving as optimum
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d").mkdir()
@@ -25,8 +25,8 @@ def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch, tmp_p
 
     assert ptdstream.hf.saving_with_ptdstream is optimum.saving_with_ptdstream
     calls: list = []
-    monkeypatch.setattr(optimum, "export", lambda *a, **k: calls.append((a, k)) or {"model": None})
-    monkeypatch.setattr(optimum, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(optimum, "run_main_export", lambda *a, **k: calls.append((a, k)) or {"model": None})
+    monkeypatch.setattr(optimum, "run_optimum_cli", lambda argv: calls.append(argv) or 0)
     assert ptdstream.hf.export("d", "o", task="t", recipe="portable", max_seq_len=8) == {"model": None}
     assert ptdstream.hf.main(["export", "executorch", "-m", "d"]) == 0
     assert calls == [(("d", "o", "t", "portable"), {"by_reference": True, "max_seq_len": 8}),
@@ -40,10 +40,10 @@ def test_python_m_ptdstream_hf_runs_optimum_cli():
     proc = subprocess.run([sys.executable, "-m", "ptdstream.hf", "export", "executorch", "--help"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import ptdstream.hf
+    import ptdstream.hf.cli
 
-    assert proc.stdout.startswith(ptdstream.hf.HELP + "\nusage: optimum-cli export executorch")
-    assert "--recipe" in proc.stdout.removeprefix(ptdstream.hf.HELP)
+    assert proc.stdout.startswith(ptdstream.hf.cli.HELP + "\nusage: optimum-cli export executorch")
+    assert "--recipe" in proc.stdout.removeprefix(ptdstream.hf.cli.HELP)
 
 
 def _fake_export(out, calls):
@@ -167,7 +167,7 @@ def test_hf_recipe_names_are_optimums():
     """The static list main checks --recipe against is optimum-executorch's registry."""
     from optimum.exporters.executorch.recipe_registry import discover_recipes, recipe_registry
 
-    from ptdstream.hf import OPTIMUM_RECIPES
+    from ptdstream.hf.cli import OPTIMUM_RECIPES
 
     discover_recipes()
     assert sorted(recipe_registry) == list(OPTIMUM_RECIPES)
@@ -178,12 +178,12 @@ def test_hf_help_names_weightless_before_optimums_help(monkeypatch, capsys):
     then optimum-cli's help."""
     import optimum.commands.optimum_cli as optimum_cli
 
-    import ptdstream.hf
+    import ptdstream.hf.cli
 
     monkeypatch.setattr(optimum_cli, "main", lambda: print("usage: optimum-cli export executorch"))
     assert ptdstream.hf.main(["export", "executorch", "--help"]) == 0
     out = capsys.readouterr().out
-    assert out == ptdstream.hf.HELP + "\nusage: optimum-cli export executorch\n"
+    assert out == ptdstream.hf.cli.HELP + "\nusage: optimum-cli export executorch\n"
     flat = " ".join(out.split())
     assert "--weightless build the model from DIR/config.json with no weight loaded" in flat
     assert "--recipe RECIPE one of coreml_fp16, " in flat and "portable, xnnpack" in flat
@@ -197,9 +197,9 @@ def test_hf_help_without_a_command_imports_neither_optimum_nor_torch():
     code = ("import sys, ptdstream.hf\nrc = ptdstream.hf.main(['--help'])\n"
             "print(rc, sorted(m for m in ('torch', 'optimum', 'executorch') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    import ptdstream.hf
+    import ptdstream.hf.cli
 
-    head = ptdstream.hf.HELP.removesuffix("optimum-cli's own help follows.\n")
+    head = ptdstream.hf.cli.HELP.removesuffix("optimum-cli's own help follows.\n")
     assert head.endswith("portable, xnnpack\n\n")
-    assert proc.stdout == head + ptdstream.hf.HELP_WITHOUT_COMMAND.lstrip("\n") + "0 []\n", proc.stdout
+    assert proc.stdout == head + ptdstream.hf.cli.HELP_WITHOUT_COMMAND.lstrip("\n") + "0 []\n", proc.stdout
     assert "python -m ptdstream.hf export executorch --help" in proc.stdout

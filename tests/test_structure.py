@@ -19,17 +19,20 @@ PACKAGE = pathlib.Path(ptdstream.__file__).parent
 #: Layers, low to high (docs/ARCHITECTURE.md). A module may import modules of its
 #: own layer or lower ones. Longest prefix wins.
 LAYERS = {
+    # the ground
     "errors": 0, "defaults": 0, "reports": 0, "progress": 0, "timeline": 0, "system": 0,
     "upstream": 0,
+    # the pipeline stages, in the order bytes travel (and back: the readers)
     "format": 1, "sources": 1,
     "store": 2,
     "write": 3,
-    "manager": 4, "check": 4, "pack": 4,
-    "save": 5, "weights": 5, "weights_check": 5, "weights_xnnpack": 5, "distributed": 5,
+    "manager": 4, "manifest": 4, "check": 4, "pack": 4,
+    # the ways in, and the mechanisms they share inside upstream's export
+    "save": 5, "weights": 5, "distributed": 5,
     "hooks": 6,
     "weightless": 7,
-    "cli": 7, "demo": 7, "hf": 7, "__main__": 7, "_entry": 7,
-    "": 8,  # ptdstream/__init__.py: the public API re-exports every layer
+    "hf": 8, "cli": 8, "demo": 8, "__main__": 8, "_entry": 8,
+    "": 9,  # ptdstream/__init__.py: the public API re-exports every layer
 }
 
 
@@ -156,7 +159,7 @@ def test_the_folder_test_sees_a_folder_pair():
 def test_the_layer_test_sees_function_level_and_relative_imports():
     graph = _imports(_modules())
     assert "sources.cuda" in graph["sources"]  # a function-level relative import in as_source
-    assert "format.verifier" in graph["format.pte_reader"]
+    assert "format.identity" in graph["format.pte_reader"]
     assert "save" in graph["hooks.install"]
 
 
@@ -228,6 +231,64 @@ def test_every_module_assigns_all_once():
         if count > 1:
             twice.append(f"ptdstream.{module}".rstrip("."))
     assert twice == []
+
+
+def _exception_classes(extra: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """``{module: [class, ...]}``: every class the package (and ``extra``, ``{module:
+    source}``) defines whose bases name an exception (``*Error``, ``Exception``,
+    ``BaseException`` or another such class of the package)."""
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in _modules().items()}
+    trees.update({m: ast.parse(source) for m, source in (extra or {}).items()})
+    known = {"Exception", "BaseException", "KeyboardInterrupt"}
+    found: dict[str, list[str]] = {}
+    changed = True
+    while changed:  # a subclass of a subclass, in any module
+        changed = False
+        for module, tree in trees.items():
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.ClassDef) or node.name in found.get(module, []):
+                    continue
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                if bases & known or any(b.endswith("Error") for b in bases):
+                    found.setdefault(module, []).append(node.name)
+                    known.add(node.name)
+                    changed = True
+    return found
+
+
+def _error_module(module: str) -> bool:
+    return module == "errors" or module.endswith(".errors")
+
+
+def test_every_error_class_lives_in_an_errors_module():
+    """``errors.py``, or a way in's (or stage's) own ``errors.py``: nowhere else. A private
+    class (``_Refused``: control flow inside one module, caught there) is that module's own."""
+    outside = [f"ptdstream.{m}.{c}" for m, classes in sorted(_exception_classes().items())
+               if not _error_module(m) for c in classes if not c.startswith("_")]
+    assert outside == []
+
+
+def test_the_error_test_sees_a_class_outside_its_place():
+    found = _exception_classes({"weights.planted": "class Odd(BindingError):\n    pass\n"})
+    assert "PtdstreamError" in found["errors"] and "BindingError" in found["weightless.errors"]
+    assert "RuleError" in found["check.runtime.errors"]  # an Exception subclass, not a PtdstreamError one
+    assert found["weights.planted"] == ["Odd"]  # a subclass of a subclass, by name, outside its place
+    assert not _error_module("weights.planted") and _error_module("weightless.errors")
+
+
+def test_every_public_error_is_reachable_from_the_package_root():
+    """Each ``PtdstreamError`` subclass of an errors module is ``ptdstream.<Name>`` (internal
+    errors, which never reach users, derive from ``Exception`` alone)."""
+    unreachable = []
+    for module, classes in sorted(_exception_classes().items()):
+        if not _error_module(module) or module.startswith(("cli.", "check.")):
+            continue
+        mod = importlib.import_module(f"ptdstream.{module}")
+        for name in classes:
+            cls = getattr(mod, name)
+            if issubclass(cls, ptdstream.PtdstreamError) and getattr(ptdstream, name, None) is not cls:
+                unreachable.append(f"ptdstream.{module}.{name}")
+    assert unreachable == []
 
 
 def test_the_package_root_names_resolve():

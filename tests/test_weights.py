@@ -437,7 +437,7 @@ def test_a_method_with_several_delegates_is_named_once_with_the_cli_option_names
     """Two XNNPACK partitions of one method: one line for the method, counting them,
     naming the CLI's --like/--old beside the Python arguments."""
     from ptdstream.sources.checkpoint import open_checkpoint
-    from ptdstream.weights import ProgramWeights, plan_ptd_files
+    from ptdstream.weights.write import ProgramWeights, plan_ptd_files
 
     ckpt = save_checkpoint("safetensors", {"w": torch.zeros(2)}, tmp_path / "ckpt")
     weights = ProgramWeights("model.pte", {}, (("forward", "XnnpackBackend"), ("forward", "XnnpackBackend"),

@@ -1,4 +1,4 @@
-"""Write ptdstream/check/runtime_registry.py: the operators of every kernel library that
+"""Write ptdstream/check/runtime/registry.py: the operators of every kernel library that
 ships with the installed executorch, and the backends its Python runtime registers.
 
 Usage: python tools/gen_runtime_registry.py [OUT.py]   (imports torch and executorch)
@@ -110,7 +110,7 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "ptdstream/check/runtime_registry.py"
+    out = sys.argv[1] if len(sys.argv) > 1 else "ptdstream/check/runtime/registry.py"
     text = render()
     with open(out, "w") as f:
         f.write(text)

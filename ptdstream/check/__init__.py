@@ -1,5 +1,5 @@
 """Check written artifacts: byte identity (``compare``), what the runtime's loaders
-check (``structure``), what is inside (``inspection``) and integrity manifests
-(``manifest``, with its generated flatbuffer code in ``manifest_fb``)."""
+check (``structure``, over the runtime's own rules in ``runtime/``) and what is
+inside (``inspection``). Integrity manifests are their own stage: :mod:`ptdstream.manifest`."""
 
 __all__: list[str] = []

@@ -5,7 +5,7 @@ which already refuses headers, bounds, constant offsets and segment references
 that the runtime would refuse) and adds cross-file checks: every tensor the
 program marks EXTERNAL is a key of a given .ptd with the same layout, and no key
 is in two .ptd files. Then every check the runtime makes when it loads the program
-and each method (:mod:`ptdstream.check.runtime_rules`). Nothing is written; only
+and each method (:mod:`ptdstream.check.runtime.rules`). Nothing is written; only
 metadata (and XNNPACK delegate blobs) is read.
 """
 
@@ -20,10 +20,10 @@ from ..format.artifact import TensorMeta
 from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identifier
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
-from . import runtime_registry
-from .kernels import needs_line, operators_of, parse_libraries
-from .runtime_load import called_operators, runtime_load_checks
-from .runtime_rules import runtime_key
+from .runtime import registry as runtime_registry
+from .runtime.kernels import needs_line, operators_of, parse_libraries
+from .runtime.load import called_operators, runtime_load_checks
+from .runtime.rules import runtime_key
 
 __all__ = ["StructureReport", "check_structure"]
 
@@ -113,11 +113,11 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
     """Check a .pte and its .ptd files the way the runtime would load them.
 
     When every file check passes, the runtime's own load rules follow
-    (:mod:`ptdstream.check.runtime_load`): what ``Program::load`` and ``Method::init``
+    (:mod:`ptdstream.check.runtime.load`): what ``Program::load`` and ``Method::init``
     check, so an OK report means ``executorch.runtime`` loads the program and every
     method with these .ptd files. ``operators``/``backends`` are the operator names
     (``name.overload``) and backend ids the runtime has registered; the defaults are every
-    kernel library shipped with the pinned executorch (:mod:`ptdstream.check.kernels`:
+    kernel library shipped with the pinned executorch (:mod:`ptdstream.check.runtime.kernels`:
     portable, optimized, quantized, llm custom ops) and the backends of its Python runtime;
     None skips that check (a runtime built with other kernels). ``kernels`` (library ids,
     ``"portable,llm"`` or a sequence) replaces ``operators`` by those libraries' operators.
@@ -132,7 +132,7 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
     marks EXTERNAL is a key of some .ptd (layouts equal where the .ptd records
     one), and no key is in two .ptd files. Keys that only a backend's blob
     references are checked by the runtime rules for XNNPACK blobs
-    (:mod:`ptdstream.check.xnnpack_blob`); other backends' blobs are opaque.
+    (:mod:`ptdstream.check.runtime.xnnpack_blob`); other backends' blobs are opaque.
 
     Raises:
         OSError: a file cannot be opened or read (an invalid file is a failed check).

@@ -2,11 +2,16 @@
 
 Each ``cmd_<name>`` module has ``register(subparsers)``, which adds its parser
 through :func:`ptdstream.cli.common.add_command` with a ``run(args) -> exit code``
-function. :func:`main` parses, checks the inputs, runs, and maps any error to an
+function. :func:`main` parses, then checks what needs no torch (inputs exist and
+are readable, an empty path refused, standard output refused when it is an
+input, each command's own ``check(args)``), all before torch is imported; the
+readers and ``pack`` are imported under start-up's SIGINT handler, after
+parsing (``--help`` imports no numpy, flatbuffers or torch). Any error maps to an
 exit code and a one-line message (:func:`ptdstream.cli.common.exit_for`): 0 ok;
-1 mismatch or invalid file; 2 usage error or unreadable input (missing file,
-permission denied); 130 interrupted. Never a traceback (``PTDSTREAM_DEBUG=1``
-shows one). ``python -m ptdstream`` runs the same entry point.
+1 mismatch, invalid file or output not written (disk full); 2 usage error,
+unreadable input or an output that cannot be created; 130 interrupted. Never a
+traceback (``PTDSTREAM_DEBUG=1`` shows one). ``python -m ptdstream`` runs the
+same entry point.
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ from .common import (
     EXPECTED_ERRORS,
     STDIN_NAME,
     Parser,
-    UsageError,
     exit_for,
     print_error,
     quiet_third_party,
     silence_stdout,
     spool_stdin,
 )
+from .errors import UsageError
 
 __all__ = ["main"]
 

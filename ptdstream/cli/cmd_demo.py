@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .common import UsageError, add_command
+from .common import add_command
+from .errors import UsageError
 
 __all__ = ["check", "register", "run"]
 

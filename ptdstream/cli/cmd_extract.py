@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import EXIT_OK, UsageError, add_command, binary_stdout, print_json, print_report
+from .common import EXIT_OK, add_command, binary_stdout, print_json, print_report
+from .errors import UsageError
 
 __all__ = ["check", "register", "run"]
 

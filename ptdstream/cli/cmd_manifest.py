@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..defaults import CHUNK_NBYTES
-from .common import EXIT_OK, UsageError, add_command, print_report
+from .common import EXIT_OK, add_command, print_report
+from .errors import UsageError
 
 __all__ = ["register", "run"]
 
@@ -28,13 +29,14 @@ def register(subparsers) -> None:
 
 def _output(args) -> str:
     """The manifest path: ``-o``, or the first file's path with ``.manifest`` for its suffix."""
-    from ..check.manifest import manifest_path_for
+    from ..manifest.describe import manifest_path_for
 
     return args.output or manifest_path_for(args.files[0])
 
 
 def run(args) -> int:
-    from ..check.manifest import MIN_PIECE_NBYTES, write_manifest_report
+    from ..manifest.codec import MIN_PIECE_NBYTES
+    from ..manifest.describe import write_manifest_report
 
     if args.piece_size < MIN_PIECE_NBYTES:
         raise UsageError(f"ptdstream manifest: --piece-size must be at least {MIN_PIECE_NBYTES} (bytes), "

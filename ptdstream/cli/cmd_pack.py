@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..defaults import CHUNK_NBYTES
-from .common import EXIT_OK, UsageError, add_command, binary_stdout, parse_nbytes, print_report, progress_wanted
+from .common import EXIT_OK, add_command, binary_stdout, parse_nbytes, print_report, progress_wanted
+from .errors import UsageError
 
 __all__ = ["DEFAULT_LEVEL", "output_path", "register", "run"]
 

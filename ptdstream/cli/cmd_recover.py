@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 from ..system.files import files_of
-from .common import EXIT_INVALID, EXIT_OK, UsageError, add_command, print_error, print_json
+from .common import EXIT_INVALID, EXIT_OK, add_command, print_error, print_json
+from .errors import UsageError
 
 __all__ = ["register", "run"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from .cmd_pack import output_path
-from .common import EXIT_OK, UsageError, add_command, binary_stdout, print_report, progress_wanted
+from .common import EXIT_OK, add_command, binary_stdout, print_report, progress_wanted
+from .errors import UsageError
 
 __all__ = ["register", "run"]
 

@@ -6,18 +6,10 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from ..check.kernels import parse_libraries
+from ..check.runtime.kernels import parse_libraries
 from ..errors import LayoutError
-from .common import (
-    EXIT_INVALID,
-    EXIT_OK,
-    STDIN_NAME,
-    UsageError,
-    add_command,
-    print_error,
-    print_report,
-    progress_wanted,
-)
+from .common import EXIT_INVALID, EXIT_OK, STDIN_NAME, add_command, print_error, print_report, progress_wanted
+from .errors import UsageError
 
 __all__ = ["INTEGRITY_HINT", "register", "run"]
 
@@ -40,8 +32,8 @@ def _libraries(text: str) -> tuple[str, ...]:
 
 if TYPE_CHECKING:  # imported in _check, by the check it runs
     from ..check.compare import CompareReport
-    from ..check.manifest import ManifestReport
     from ..check.structure import StructureReport
+    from ..manifest.verify import ManifestReport
 
 
 def register(subparsers) -> None:
@@ -109,7 +101,7 @@ def _check(args) -> int:
     if args.manifest is not None:
         if args.against is not None:
             raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")
-        from ..check.manifest import verify_files
+        from ..manifest.verify import verify_files
 
         report = verify_files(args.files, args.manifest)
     elif args.against is not None:

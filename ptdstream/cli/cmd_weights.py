@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 from ..sources.checkpoint import FORMATS
 from ..system.files import files_of
-from .common import EXIT_OK, STDIN_NAME, UsageError, add_command, print_report, progress_wanted
+from .common import EXIT_OK, STDIN_NAME, add_command, print_report, progress_wanted
+from .errors import UsageError
 
 __all__ = ["check", "register", "run"]
 

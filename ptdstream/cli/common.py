@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import FormatError, IntegrityError, LayoutError, MissingKeyError, OverwriteError, PtdstreamError
+from .errors import UsageError
 
 __all__ = ["EPILOG", "EXIT_INVALID", "EXIT_OK", "EXIT_USAGE", "EXPECTED_ERRORS", "Parser",
-           "UsageError", "add_command", "binary_stdout", "exit_for", "parse_nbytes", "print_error",
+           "add_command", "binary_stdout", "exit_for", "parse_nbytes", "print_error",
            "STDIN_NAME", "print_json", "print_report", "progress_wanted", "quiet_third_party", "silence_stdout",
            "spool_stdin"]
 
@@ -48,10 +49,6 @@ exit codes:
 #: The exit codes line of a command's own epilog.
 EXIT_LINE = ("exit codes: 0 ok, 1 corrupt input, mismatch or output not written (disk full), 2 usage error, "
              "unreadable input or an output that cannot be created, 130 interrupted")
-
-
-class UsageError(Exception):
-    """A command line that cannot be run as given (exit 2)."""
 
 
 #: Errors users cause (bad arguments, bad or unreadable files, Ctrl-C): reported in

@@ -1,6 +1,6 @@
 """This rank's pieces, taken at hand-over (steps 1 and 2 of
-:mod:`ptdstream.distributed.writer`): each key's piece described as a
-:class:`~ptdstream.distributed.plan.PieceInfo` and held as a source carrying the
+:mod:`ptdstream.distributed.protocol`): each key's piece described as a
+:class:`~ptdstream.distributed.global_plan.PieceInfo` and held as a source carrying the
 fingerprint it is checked against when written; a dedup candidate's composable
 digest, checked against that fingerprint in the same pass.
 """
@@ -14,8 +14,8 @@ from typing import Any
 from ..errors import IntegrityError, LayoutError
 from ..sources import BufferRing, Source, as_source
 from ..sources.fingerprint import StreamingDigest
-from .fingerprint import digest_piece
-from .plan import PREFIX_NBYTES, PieceInfo, check_local_shape, store_layout
+from .composable_fingerprint import digest_piece
+from .global_plan import PREFIX_NBYTES, PieceInfo, check_local_shape, store_layout
 
 __all__ = ["candidate_digest", "local_pieces"]
 

@@ -1,5 +1,5 @@
 """The temp files of a distributed write (steps 3 and 4 of
-:mod:`ptdstream.distributed.writer`): rank 0 creates one per ``.ptd`` at its full
+:mod:`ptdstream.distributed.protocol`): rank 0 creates one per ``.ptd`` at its full
 size; every rank ``pwrite``s its own pieces into them, digesting each as written.
 """
 

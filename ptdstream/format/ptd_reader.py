@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import FlatbufferError
 from .artifact import Artifact, NamedEntry, ReadAt, TensorMeta, check_index, fail, label, segments_of
 from .fb_roots import flat_tensor_root, text
 from .identity import FlatTensorHeader
-from .verifier import FlatbufferError
 
 __all__ = ["parse_ptd"]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import FlatbufferError
 from .artifact import (
     Artifact,
     ExternalTensor,
@@ -26,7 +27,6 @@ from .artifact import (
 )
 from .fb_roots import program_root, text, union_tensor
 from .identity import HEADER_OFFSET, ExtendedHeader
-from .verifier import FlatbufferError
 
 __all__ = ["parse_pte"]
 

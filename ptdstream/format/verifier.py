@@ -50,10 +50,10 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import FormatError
+from ..errors import FlatbufferError
 from .fb_tables import SCHEMAS
 
-__all__ = ["FlatbufferError", "verify_buffer"]
+__all__ = ["verify_buffer"]
 
 MAX_DEPTH = 64
 MAX_TABLES = 1_000_000
@@ -63,15 +63,6 @@ MIN_BUFFER_SIZE = 12
 # reflection.fbs BaseType values
 _UTYPE, _BOOL, _STRING, _VECTOR, _OBJ, _UNION, _ARRAY = 1, 2, 13, 14, 15, 16, 17
 _SCALAR_SIZE = {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 4, 8: 4, 9: 8, 10: 8, 11: 4, 12: 8}
-
-
-class FlatbufferError(FormatError):
-    """A flatbuffer the runtime's verifier would refuse. ``offset`` is the byte offset
-    (from the flatbuffer's start) of the first bad field; ``what`` says what is wrong."""
-
-    def __init__(self, offset: int, what: str) -> None:
-        super().__init__(f"at offset {offset}: {what}")
-        self.offset, self.what = offset, what
 
 
 class _Verifier:

@@ -1,15 +1,17 @@
-"""The hooks: ptdstream inside upstream's export, on top of every other layer.
+"""The hooks: ptdstream inside upstream's export, the mechanisms the ways in share.
 
-Nothing else in the package imports them (the CLI and the package root call them).
 ``interop`` (``FileBackedData`` over any source), ``emitter`` (constants by
-reference), ``xnnpack`` (XNNPACK's constants by reference), ``blobs`` (delegate
-blobs that stay in files), ``reachability`` (the partitioners' closure sets as
-bitsets), ``fx_sources`` (generated graph sources freed with their code),
-``install`` (the drop-in for executorch's save methods), ``optimum``
-(optimum-executorch with ptdstream saving) and ``cuda`` (the CUDA backend's
-weights: ``backend``, ``twins``, ``spill``). They patch only through
-:mod:`ptdstream.upstream.patching` and reach private names only through
-:mod:`ptdstream.upstream`.
+reference), ``xnnpack`` (XNNPACK's constants by reference), ``reachability`` (the
+partitioners' closure sets as bitsets), ``blobs`` (delegate blobs that stay in
+files), ``fx_sources`` (generated graph sources freed with their code),
+``install`` (the drop-in for executorch's save methods) and ``cuda/`` (the CUDA
+backend's weights). They patch only through :mod:`ptdstream.upstream.patching`
+and reach private names only through :mod:`ptdstream.upstream`.
+
+Who imports them: the ways in above (``weightless/``: the emitter, fx sources and
+the CUDA backend's sharing; ``hf/``: install, the emitter and XNNPACK's constants
+by reference) and the package root (``ptdstream.install``,
+``constants_by_reference``, ...); no pipeline stage below does.
 """
 
 __all__: list = []

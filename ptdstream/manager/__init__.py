@@ -1,6 +1,6 @@
 """From an ``ExecutorchProgramManager`` to a :class:`~ptdstream.format.plan.SavePlan`.
 
-``files`` mirrors upstream's ``serialize_for_executorch`` (which files, holding
+``serialize`` mirrors upstream's ``serialize_for_executorch`` (which files, holding
 what); ``options`` finds the layout parameters the manager was built with;
 :func:`plan_manager` puts them together. Nothing is written.
 """
@@ -15,8 +15,8 @@ from ..format.ptd import plan_data_files
 from ..sources.base import BufferRing
 from ..store import StreamingNamedDataStore
 from ..upstream import adapter
-from .files import data_files, plan_program
 from .options import resolve_options
+from .serialize import data_files, plan_program
 
 __all__ = ["plan_manager"]
 

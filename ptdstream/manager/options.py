@@ -27,7 +27,7 @@ from ..format.layout import pack_subsegments
 from ..format.pte import PteOptions
 from ..upstream import adapter
 from ..upstream.adapter import ManagerParts
-from .files import plan_program
+from .serialize import plan_program
 
 __all__ = ["resolve_options"]
 

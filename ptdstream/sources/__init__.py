@@ -1,8 +1,25 @@
 """Sources: where segment payload comes from, read in fixed-size pieces.
 
-``base`` (the :class:`Source` protocol, :class:`BufferRing`), ``memory``, ``file``,
-``tensor``, ``mapped`` (memory-mapped checkpoints), ``cuda`` (imported only when a
-CUDA tensor is seen), ``fingerprint`` and ``cuda_fingerprint`` (content identity).
+* ``base``: the :class:`Source` protocol with its frozen ``Expectation``
+  (fingerprints, a file's ``FileIdentity``), ``is_mutable`` and ``hand_over()``;
+  :class:`BufferRing`, the reused ring every read goes through.
+* ``memory``, ``file``, ``tensor``: bytes, file ranges, CPU tensors.
+* ``mapped``: memory-mapped checkpoints, read with ``pread`` while the mapped
+  inode is still at its path and the memory is the file's (no private copy per
+  ``/proc/self/pagemap``), else through the mapping; the file's identity when the
+  checkpoint was opened checked at every read.
+* ``checkpoint`` (``open_checkpoint``: safetensors, Hugging Face shards,
+  weights-only ``torch.save``, detected; DCP, a pickle, only with
+  ``format="dcp"``), ``checkpoint_base`` (the ``Checkpoint`` and its entries),
+  ``checkpoint_mapped`` (the safetensors and ``torch.save`` kinds),
+  ``checkpoint_dcp`` (a tensor loaded when read, the second load checked against
+  the first), ``safetensors_header`` (a header checked against its file before it
+  is mapped, in one validating pass).
+* ``cuda`` (the pinned ring; imported only when a CUDA tensor is seen),
+  ``fingerprint`` / ``digest`` (the dedup candidate key and xxh3-128) and
+  ``cuda_fingerprint`` (a prime-field hash computed on the GPU, no cuBLAS).
+
+:func:`as_source` wraps anything ptdstream can read.
 """
 
 from __future__ import annotations

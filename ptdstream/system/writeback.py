@@ -13,7 +13,7 @@ Called from the writer, it would put the writer's copies into the page cache and
 the disk's work end to end instead of side by side, whatever the depth.
 
 Used by :class:`ptdstream.write.sink.ChunkedFileSink` (one writer, front to back)
-and by :mod:`ptdstream.distributed.writer` (each rank's ``pwrite`` ranges in one
+and by :mod:`ptdstream.distributed.protocol` (each rank's ``pwrite`` ranges in one
 shared file). Without ``sync_file_range`` (not Linux) it does nothing: the final
 fsync writes, and the caller drops the pages after it.
 """

@@ -36,9 +36,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointMismatchError, PtdstreamError
 from .convert import CONVERTIBLE, convertible
-from .quantization import ADVICE, derived_from_storage_less
+from .errors import QUANTIZATION_ADVICE, BindingError
+from .quantization import derived_from_storage_less
 from .storage_less import is_storage_less
 
 #: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
@@ -47,35 +47,8 @@ FOLDED_PREFIX = "_prop_tensor_constant"
 INITIALIZED_NOTE = ("(a mutable buffer marked et_init_buffer, by InitializedMutableBufferPass: its initial values are "
                     "serialized; give it real values in the model, or a checkpoint key)")
 
-__all__ = ["FOLDED_PREFIX", "BindingError", "BindingPlan", "UnboundConstantError", "bind_programs", "needing_values",
-           "plan_binding", "unbound_constants", "values_never_serialized"]
-
-
-class BindingError(CheckpointMismatchError):
-    """The checkpoint does not fit the exported programs' storage-less constants.
-
-    ``problems`` lists every one, each naming the FQN, the checkpoint key and
-    file, and both dtypes or shapes. Nothing was bound.
-    """
-
-    def __init__(self, checkpoint: str, problems: list[str]) -> None:
-        super().__init__("the exported program's storage-less constants (nothing bound)", checkpoint, problems)
-        self.args = (self.args[0] + "\nfix the checkpoint, or map names with key_map={fqn: checkpoint key}",)
-
-
-class UnboundConstantError(PtdstreamError, ValueError):
-    """A constant that holds no bytes reached emission or a save outside every
-    ``weights_from`` block that could bind it (a program lowered or emitted after
-    its block), or came after binding (a constant a pass made from storage-less
-    values). ``names`` lists them."""
-
-    def __init__(self, names: list[str], where: str) -> None:
-        self.names = list(names)
-        super().__init__(
-            f"{where}: {len(names)} constant(s) hold no bytes (storage-less, never bound to a checkpoint "
-            f"tensor): {', '.join(names)}; export, lower and emit inside the weights_from block, where each "
-            "program is bound as it reaches lowering (or by weights.bind(exported_program)); a program lowered "
-            "or emitted after the block stays unbound, as does a constant a pass made from storage-less values")
+__all__ = ["FOLDED_PREFIX", "INITIALIZED_NOTE", "BindingPlan", "bind_programs", "needing_values", "plan_binding",
+           "unbound_constants", "values_never_serialized"]
 
 
 @dataclass(frozen=True)
@@ -249,7 +222,7 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
                     used.add(key_map.get(fqn, fqn))  # its checkpoint key is not extra: it is this one's
                     where = f"{fqn!r}" + (f" (method {method!r})" if len(programs) > 1 else "")
                     problems.append(f"quantized: {where} is a {type(tensor).__name__} made from a storage-less "
-                                    f"weight (its inner tensors hold no bytes); {ADVICE}")
+                                    f"weight (its inner tensors hold no bytes); {QUANTIZATION_ADVICE}")
     if not allow_extra:
         for key, entry in entries.items():
             if key not in used and checkpoint.aliases.get(key, key) not in used:

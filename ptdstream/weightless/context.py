@@ -105,13 +105,14 @@ from ..sources.checkpoint import open_checkpoint
 from ..sources.checkpoint_base import Checkpoint
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
-from .binding import UnboundConstantError, bind_programs, plan_binding, unbound_constants
+from .binding import bind_programs, plan_binding, unbound_constants
 from .convert import ConvertDir
 from .delegates import add_bound, bound_weights, sharing_bound_weights
+from .errors import QuantizationNeedsValuesError, UnboundConstantError
 from .folding import folded_to_files
 from .lowering import bind_found, binding_at_lowering, open_contexts
 from .lowering import opened as opened_in_thread
-from .quantization import QuantizationNeedsValuesError, quantized_constants, refusing_quantization
+from .quantization import quantized_constants, refusing_quantization
 from .storage_less import storage_less_model
 from .to_device import DeviceLoads, loading_bound_to_device
 

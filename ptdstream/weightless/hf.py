@@ -58,25 +58,19 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import PtdstreamError
 from ..upstream import adapter
 from ..upstream.patching import shadowed
-from .binding import BindingError
 from .context import WeightsFrom, weights_from
+from .errors import BindingError, NeedsWeightValuesError
 from .lowering import binding_at_lowering
 from .storage_less import is_storage_less, storage_less, storage_less_model
 
-__all__ = ["NeedsWeightValuesError", "StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
+__all__ = ["StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
 
 _local = threading.local()  # .active: the StorageLessPretrained contexts of this thread, innermost last
 
 #: optimum's task options that quantize the eager model (torchao: needs the weights' values).
 QUANTIZE_OPTIONS = ("qlinear", "qlinear_encoder", "qembedding", "qembedding_encoder")
-
-
-class NeedsWeightValuesError(PtdstreamError, ValueError):
-    """A step of a weightless export needs the weights' values (quantization,
-    moving or converting the model, loading a pickle): named, nothing written."""
 
 
 def model_from_config(folder: str | os.PathLike[str], auto_class: str = "AutoModelForCausalLM",

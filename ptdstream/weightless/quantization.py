@@ -34,29 +34,16 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..errors import PtdstreamError
 from ..upstream import adapter
 from ..upstream.patching import shadowed
+from .errors import QuantizationNeedsValuesError
 from .storage_less import is_storage_less
 
-__all__ = ["QUANTIZE_MODULES", "QuantizationNeedsValuesError", "derived_from_storage_less", "quantized_constants",
+__all__ = ["QUANTIZE_MODULES", "derived_from_storage_less", "quantized_constants",
            "refusing_quantization"]
 
 #: The modules whose global ``quantize_`` is shadowed (those that are importable).
 QUANTIZE_MODULES = ("torchao", "torchao.quantization", "torchao.quantization.quant_api")
-
-#: What to do, in every message.
-ADVICE = ("quantization needs the weights' values: export this model with real weights (outside weights_from); "
-          "weights_from binds plain checkpoint tensors, not quantized ones")
-
-
-class QuantizationNeedsValuesError(PtdstreamError, ValueError):
-    """A quantization of storage-less weights. ``names`` lists them."""
-
-    def __init__(self, names: list[str], where: str) -> None:
-        self.names = list(names)
-        super().__init__(f"{where}: {len(names)} storage-less weight(s) would be quantized: "
-                         f"{', '.join(names)}; {ADVICE}")
 
 
 def derived_from_storage_less(tensor: Any) -> bool:

@@ -28,19 +28,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import PtdstreamError
 from ..upstream import adapter
 from ..upstream.patching import shadowed
+from .errors import MetaBufferError
 
-__all__ = ["MetaBufferError", "is_storage_less", "meta_to_storage_less", "storage_less", "storage_less_model"]
+__all__ = ["is_storage_less", "meta_to_storage_less", "storage_less", "storage_less_model"]
 
 _local = threading.local()  # the fake mode of the thread building a model
-
-
-class MetaBufferError(PtdstreamError, ValueError):
-    """A non-persistent buffer is on the meta device: it is not in any checkpoint,
-    so it has no value to export. Compute it in the factory (build with
-    :func:`storage_less_model` from a factory) or assign a real tensor."""
 
 
 def is_storage_less(tensor: Any) -> bool:

@@ -1,9 +1,21 @@
-"""Write and publish: plans streamed into sinks, temp files synced and renamed.
+"""Write and publish: plans streamed into sinks, temp files synced and published as a set.
 
-``tempfiles`` (names, leftovers) -> ``sink`` (the ``Sink`` protocol,
-``ChunkedFileSink``), ``stream_sink`` -> ``writer`` (one file's plan into a sink)
--> ``publish`` (a set of synced temp files, all or none) -> ``set_writer`` (a
-whole ``SavePlan``).
+* ``tempfiles``: temp, backup and journal names (any byte a name may hold);
+  liveness by ``flock``, not pid; folder locks.
+* ``sink``: the ``Sink`` protocol and ``ChunkedFileSink`` with its state enum
+  (creates, writes, syncs, publishes or aborts its temp file); ``prepare_folder``;
+  ``direct_io`` (O_DIRECT staging, several writes in flight); ``stream_sink``
+  (a pipe or standard output).
+* ``writer``: one ``FilePlan`` into a sink, every source read once through the
+  ring and checked against its planned size, prefix and digest.
+* ``publish`` (the folder step once per folder, then a set of synced temp files,
+  all or none) over ``journal`` (publishing under a journal, ``recover``,
+  ``clean_folder``), ``journal_codec`` (the journal read as untrusted),
+  ``journal_state`` (each file compared with what the journal recorded),
+  ``journal_peers`` (a set across folders), ``journal_write``.
+* ``set_writer``: a whole ``SavePlan``.
+
+The publishing protocol, call by call, is in docs/ARCHITECTURE.md.
 """
 
 __all__: list[str] = []

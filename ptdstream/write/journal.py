@@ -49,9 +49,10 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
+from ..errors import RecoveryError
 from ..system import fsops
 from . import tempfiles
-from .journal_codec import JOURNAL_VERSION, FileState, Journal, JournalEntry, RecoveryError, read_journal_file
+from .journal_codec import JOURNAL_VERSION, FileState, Journal, JournalEntry, read_journal_file
 from .journal_peers import set_journals
 from .journal_state import check_on_disk
 from .journal_write import write_journal as _write_journal  # noqa: F401  (tests plant journals through it)

@@ -41,10 +41,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PtdstreamError
+from ..errors import RecoveryError
 from . import tempfiles
 
-__all__ = ["JOURNAL_VERSION", "JOURNAL_MAX_NBYTES", "RecoveryError", "FileState", "JournalEntry",
+__all__ = ["JOURNAL_VERSION", "JOURNAL_MAX_NBYTES", "FileState", "JournalEntry",
            "Journal", "dump_journal", "read_journal_file", "state_of"]
 
 #: 3: plain names plus the recorded state of every file (2: relative paths; 1: absolute).
@@ -59,12 +59,6 @@ _MAX_DEPTH = 4  # object > entries list > entry object > state object (> folder 
 _STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|"[\s\S]*', re.DOTALL)
 _BRACKETS_RE = re.compile(rb"[^\[\]{}]+")
 _STATE_KEYS = ("dev", "ino", "size", "ctime_ns", "mtime_ns")
-
-
-class RecoveryError(PtdstreamError):
-    """A journal that cannot be completed in either direction (unreadable, naming
-    files outside its folder or not of ptdstream's shape, or its files changed by
-    another program); it is left in place with every file, named in the message."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 
-from .journal_codec import Journal, RecoveryError, read_journal_file
+from ..errors import RecoveryError
+from .journal_codec import Journal, read_journal_file
 
 __all__ = ["set_journals"]
 

@@ -32,7 +32,8 @@ import os
 import stat
 from collections.abc import Sequence
 
-from .journal_codec import FileState, Journal, JournalEntry, RecoveryError, state_of
+from ..errors import RecoveryError
+from .journal_codec import FileState, Journal, JournalEntry, state_of
 
 __all__ = ["check_on_disk"]
 

@@ -60,7 +60,7 @@ def judge(ptes: list[str]) -> list[dict]:
     from executorch.runtime import Runtime
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-    from ptdstream.check.runtime_registry import KERNEL_MODULES
+    from ptdstream.check.runtime.registry import KERNEL_MODULES
 
     rt = Runtime.get()
     stages = []

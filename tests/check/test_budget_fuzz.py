@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ptdstream import FormatError, IntegrityError
-from ptdstream.check.manifest import IDENTIFIER, FileManifest, IntegrityManifest, SectionEntry, from_bytes, to_bytes
-from ptdstream.check.manifest_fb import FileEntry as FE
-from ptdstream.check.manifest_fb import Manifest as M
-from ptdstream.check.manifest_fb import Section as S
 from ptdstream.format.identity import ExtendedHeader
+from ptdstream.manifest.codec import IDENTIFIER, FileManifest, IntegrityManifest, SectionEntry, from_bytes, to_bytes
+from ptdstream.manifest.manifest_fb import FileEntry as FE
+from ptdstream.manifest.manifest_fb import Manifest as M
+from ptdstream.manifest.manifest_fb import Section as S
 from ptdstream.pack import PackedArtifact, pack, unpack
 
 pytestmark = pytest.mark.fuzz

@@ -1,4 +1,4 @@
-"""verify knows every kernel library shipped with executorch (ptdstream.check.kernels): the
+"""verify knows every kernel library shipped with executorch (ptdstream.check.runtime.kernels): the
 committed registry is what the runtime gains when each library is loaded, a program that
 calls a library's operators loads in the runtime only with that library, and verify
 accepts it by default, names the library it needs, and refuses it under a --kernels
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from ptdstream.check.kernels import TITLES
-from ptdstream.check.runtime_registry import EXECUTORCH_VERSION, KERNEL_MODULES, KERNEL_OPERATORS
+from ptdstream.check.runtime.kernels import TITLES
+from ptdstream.check.runtime.registry import EXECUTORCH_VERSION, KERNEL_MODULES, KERNEL_OPERATORS
 from ptdstream.check.structure import check_structure
 from ptdstream.cli import main
 from ptdstream.errors import LayoutError

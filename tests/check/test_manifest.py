@@ -10,16 +10,11 @@ from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
-from ptdstream.check.manifest import (
-    describe_file,
-    from_bytes,
-    read_manifest,
-    to_bytes,
-    verify_manifest,
-    write_manifest,
-)
 from ptdstream.cli import main
 from ptdstream.errors import FormatError
+from ptdstream.manifest.codec import from_bytes, to_bytes
+from ptdstream.manifest.describe import describe_file, write_manifest
+from ptdstream.manifest.verify import read_manifest, verify_manifest
 
 
 @pytest.fixture(scope="module")

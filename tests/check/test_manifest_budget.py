@@ -9,12 +9,12 @@ import flatbuffers
 import pytest
 
 from ptdstream import FormatError
-from ptdstream.check.manifest import IDENTIFIER, from_bytes
-from ptdstream.check.manifest_fb import FileEntry as FE
-from ptdstream.check.manifest_fb import Manifest as M
-from ptdstream.check.manifest_fb import Section as S
-from ptdstream.check.manifest_fb.Digest128 import CreateDigest128
 from ptdstream.cli import main as cli_main
+from ptdstream.manifest.codec import IDENTIFIER, from_bytes
+from ptdstream.manifest.manifest_fb import FileEntry as FE
+from ptdstream.manifest.manifest_fb import Manifest as M
+from ptdstream.manifest.manifest_fb import Section as S
+from ptdstream.manifest.manifest_fb.Digest128 import CreateDigest128
 
 
 def shared_tables(sections: int, files: int) -> bytes:
@@ -90,7 +90,7 @@ def test_verify_manifest_exits_1_on_shared_tables(tmp_path, capsys):
 
 _VERIFY_IN_A_CHILD = r"""
 import json, resource, sys, time
-from ptdstream.check.manifest import verify_files
+from ptdstream.manifest.verify import verify_files
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 report = verify_files(sys.argv[1:-1], sys.argv[-1])
@@ -114,7 +114,8 @@ def test_a_lying_piece_size_never_sizes_a_buffer(tmp_path, piece_nbytes):
     import sys
 
     import ptdstream
-    from ptdstream.check.manifest import to_bytes, write_manifest
+    from ptdstream.manifest.codec import to_bytes
+    from ptdstream.manifest.describe import write_manifest
 
     (tmp_path / "w.bin").write_bytes(os.urandom(2048))
     manifest = write_manifest([str(tmp_path / "w.bin")], str(tmp_path / "m.manifest"))
@@ -139,7 +140,8 @@ def test_a_changed_byte_is_still_found_when_pieces_are_larger_than_a_read(tmp_pa
 
     import xxhash
 
-    from ptdstream.check.manifest import verify_manifest, write_manifest
+    from ptdstream.manifest.describe import write_manifest
+    from ptdstream.manifest.verify import verify_manifest
 
     data = bytearray(os.urandom((8 << 20) * 2 + 100))
     (tmp_path / "w.bin").write_bytes(data)
@@ -156,7 +158,8 @@ def test_a_changed_byte_is_still_found_when_pieces_are_larger_than_a_read(tmp_pa
 def test_a_block_size_above_the_ceiling_is_refused(tmp_path):
     import dataclasses
 
-    from ptdstream.check.manifest import to_bytes, write_manifest
+    from ptdstream.manifest.codec import to_bytes
+    from ptdstream.manifest.describe import write_manifest
 
     (tmp_path / "w.bin").write_bytes(b"x" * 100)
     manifest = write_manifest([str(tmp_path / "w.bin")], str(tmp_path / "m.manifest"))
@@ -172,7 +175,8 @@ def _lie(tmp_path, **change):
     import dataclasses
     import os
 
-    from ptdstream.check.manifest import SectionEntry, to_bytes, write_manifest
+    from ptdstream.manifest.codec import SectionEntry, to_bytes
+    from ptdstream.manifest.describe import write_manifest
 
     (tmp_path / "w.bin").write_bytes(os.urandom(64 << 10))
     manifest = write_manifest([str(tmp_path / "w.bin")], str(tmp_path / "m.manifest"), piece_nbytes=4096)
@@ -240,7 +244,8 @@ def test_verify_against_a_manifest_of_one_byte_pieces_exits_1_at_once_in_bounded
     import sys
 
     import ptdstream
-    from ptdstream.check.manifest import to_bytes, write_manifest
+    from ptdstream.manifest.codec import to_bytes
+    from ptdstream.manifest.describe import write_manifest
 
     data = tmp_path / "data.bin"
     data.write_bytes(os.urandom(4 << 20))
@@ -263,7 +268,7 @@ def test_verify_against_a_manifest_of_one_byte_pieces_exits_1_at_once_in_bounded
 
 
 def test_ptdstream_never_writes_pieces_below_the_minimum(tmp_path, capsys):
-    from ptdstream.check.manifest import describe_file
+    from ptdstream.manifest.describe import describe_file
 
     (tmp_path / "w.bin").write_bytes(b"x" * 10000)
     assert cli_main(["manifest", str(tmp_path / "w.bin"), "--piece-size", "4095", "-o", str(tmp_path / "m")]) == 2

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import Mlp, export
 
-from ptdstream.check.manifest import read_manifest, verify_manifest, write_manifest
+from ptdstream.manifest.describe import write_manifest
+from ptdstream.manifest.verify import read_manifest, verify_manifest
 
 
 class TwoSizes(torch.nn.Module):
@@ -105,7 +106,7 @@ def test_a_version_1_manifest_still_checks_and_names_the_key(files, tmp_path):
     at piece granularity; key ranges still come from the manifest's own sections."""
     import dataclasses
 
-    from ptdstream.check.manifest import from_bytes, to_bytes
+    from ptdstream.manifest.codec import from_bytes, to_bytes
 
     ptd = files["_default_external_constant.ptd"]
     v2 = write_manifest([ptd], str(tmp_path / "m.manifest"))

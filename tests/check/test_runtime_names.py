@@ -13,7 +13,7 @@ from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
-from ptdstream.check.runtime_rules import runtime_key
+from ptdstream.check.runtime.rules import runtime_key
 from ptdstream.check.structure import check_structure
 
 PTD = "_default_external_constant.ptd"

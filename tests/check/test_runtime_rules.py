@@ -1,5 +1,5 @@
 """verify agrees with the ExecuTorch runtime: exit 0 means the runtime loads the program
-and every method (ptdstream.check.runtime_rules).
+and every method (ptdstream.check.runtime.rules).
 
 Named tests for the failures issue 14 found, then a differential test: mutants of five
 small real exports (portable, XNNPACK, external weights, multi-method, initialized
@@ -78,7 +78,7 @@ def test_the_committed_registry_is_the_installed_runtimes(registries):
     """The kernel libraries the runtime has before any is loaded, and its backends
     (tools/gen_runtime_registry.py), are the installed runtime's (the libraries loaded by
     an import: tests/check/test_kernels.py)."""
-    from ptdstream.check import runtime_registry
+    from ptdstream.check.runtime import registry as runtime_registry
 
     ops = runtime_registry.KERNEL_OPERATORS
     assert (set(ops["portable"] | ops["optimized"]), set(runtime_registry.BACKENDS)) == registries

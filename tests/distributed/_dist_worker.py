@@ -175,7 +175,7 @@ def worker(rank: int, world: int, init_file: str, out_root: str, scenarios, resu
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        import ptdstream.distributed.writer as writer
+        import ptdstream.distributed.protocol as writer
         from ptdstream.distributed import write_data_files
 
         mesh = init_device_mesh(device, (world,))

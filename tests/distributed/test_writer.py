@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from ptdstream.distributed.fingerprint import combine, digest_piece
+from ptdstream.distributed.composable_fingerprint import combine, digest_piece
 from ptdstream.save import write_data_files
 from ptdstream.store import StreamingNamedDataStore
 
@@ -340,7 +340,7 @@ def test_a_group_failing_after_rank_0_published_says_the_set_was_published(tmp_p
     """The group fails while rank 0 broadcasts the outcome of a publish that
     succeeded (one rank, in process, its collectives faked): rank 0's error says
     the whole set was published, and the files are the one-process bytes."""
-    import ptdstream.distributed.writer as writer
+    import ptdstream.distributed.protocol as writer
     from ptdstream.distributed import DistributedWriteError
 
     class PublishBroadcastFails:

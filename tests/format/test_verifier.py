@@ -9,10 +9,11 @@ import time
 import flatbuffers
 import pytest
 
+from ptdstream.errors import FlatbufferError
 from ptdstream.format.fb_roots import program_root
 from ptdstream.format.program_fb import DataSegment as DS
 from ptdstream.format.program_fb import Program as P
-from ptdstream.format.verifier import FlatbufferError, verify_buffer
+from ptdstream.format.verifier import verify_buffer
 
 
 def _program(version: int = 0, segment=(64, 128), name: bytes = b"") -> bytes:

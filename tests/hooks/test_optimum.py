@@ -31,8 +31,8 @@ import transformers
 from conftest import read_folder
 
 import ptdstream
+from ptdstream.hf import saving as pt_optimum
 from ptdstream.hooks import install as pt_install
-from ptdstream.hooks import optimum as pt_optimum
 from ptdstream.hooks.emitter import StorageReference
 from ptdstream.upstream import adapter, patching
 
@@ -228,7 +228,7 @@ def test_llama_portable_constants_by_reference(hf_folders, routed_calls, tmp_pat
     """The portable recipe: weights go through the emitter, kept by reference."""
     folder, model = hf_folders("llama")
     out, ref = str(tmp_path / "out"), str(tmp_path / "ref")
-    managers = pt_optimum.export(folder, out, task="text-generation", recipe="portable", max_seq_len=32)
+    managers = pt_optimum.run_main_export(folder, out, task="text-generation", recipe="portable", max_seq_len=32)
     assert routed_calls == {"write_to_file": 1, "write_tensor_data_to_file": 1}
     constants = adapter.manager_parts(managers["model"]).program.constant_buffer
     by_ref = [c.storage for c in constants if isinstance(c.storage, StorageReference)]
@@ -256,7 +256,7 @@ def test_qwen_cli_quantized_custom_sdpa_kv_cache(hf_folders, routed_calls, tmp_p
         return captured
 
     monkeypatch.setattr(optimum_main, "export_to_executorch", capture)
-    rc = pt_optimum.main([
+    rc = pt_optimum.run_optimum_cli([
         "export", "executorch", "--model", folder, "--task", "text-generation", "--recipe", "xnnpack",
         "--output_dir", out, "--qlinear", "8da4w", "--qembedding", "8w",
         "--use_custom_sdpa", "--use_custom_kv_cache", "--max_seq_len", "32",
@@ -275,7 +275,7 @@ def test_qwen_cli_quantized_custom_sdpa_kv_cache(hf_folders, routed_calls, tmp_p
 def test_bert_fill_mask_xnnpack(hf_folders, routed_calls, tmp_path):
     folder, model = hf_folders("bert")
     out, ref = str(tmp_path / "out"), str(tmp_path / "ref")
-    managers = pt_optimum.export(folder, out, task="fill-mask")
+    managers = pt_optimum.run_main_export(folder, out, task="fill-mask")
     assert routed_calls == {"write_to_file": 1, "write_tensor_data_to_file": 1}
     # XNNPACK's fp32 weights went through by reference (keys and bytes as upstream's)
     named = adapter.manager_parts(managers["model"]).named_data.buffers
@@ -297,7 +297,7 @@ def test_vit_image_classification_cli(hf_folders, routed_calls, tmp_path, monkey
     real = optimum_main.export_to_executorch
     monkeypatch.setattr(optimum_main, "export_to_executorch",
                         lambda **kw: captured.update(real(**kw)) or captured)
-    pt_optimum.main(["export", "executorch", "-m", folder, "--task", "image-classification",
+    pt_optimum.run_optimum_cli(["export", "executorch", "-m", folder, "--task", "image-classification",
                      "--recipe", "xnnpack", "-o", out])
     assert routed_calls == {"write_to_file": 1, "write_tensor_data_to_file": 1}
     assert read_folder(out) == upstream_files(captured, ref)
@@ -312,7 +312,7 @@ def test_whisper_asr_quantized_decoder(hf_folders, routed_calls, tmp_path):
     the decoder's linears 8da4w."""
     folder, model = hf_folders("whisper")
     out, ref = str(tmp_path / "out"), str(tmp_path / "ref")
-    managers = pt_optimum.export(folder, out, task="automatic-speech-recognition",
+    managers = pt_optimum.run_main_export(folder, out, task="automatic-speech-recognition",
                                  qlinear="8da4w", max_seq_len=16)
     assert managers["model"].methods == {"encoder", "text_decoder", "sampler"}
     assert routed_calls == {"write_to_file": 1, "write_tensor_data_to_file": 1}

@@ -27,7 +27,8 @@ import ptdstream.hf
 from ptdstream.upstream import adapter
 from ptdstream.upstream.patching import is_shadowed
 from ptdstream.weightless import BindingError, is_storage_less, weights_from
-from ptdstream.weightless.hf import NeedsWeightValuesError, model_from_config, pretrained_without_weights
+from ptdstream.weightless.errors import NeedsWeightValuesError
+from ptdstream.weightless.hf import model_from_config, pretrained_without_weights
 
 pytestmark = pytest.mark.hf
 warnings.filterwarnings("ignore")

@@ -16,7 +16,7 @@ from executorch.exir import ExecutorchBackendConfig
 
 import ptdstream
 from ptdstream import ChunkedFileSink
-from ptdstream.check.manifest import write_manifest
+from ptdstream.manifest.describe import write_manifest
 from ptdstream.pack import PackedArtifact, pack, unpack
 from ptdstream.write import tempfiles
 from ptdstream.write.publish import remove_stale_temp_files

@@ -4,6 +4,7 @@
 
 import flatbuffers
 from flatbuffers.compat import import_numpy
+
 np = import_numpy()
 
 class Manifest(object):
@@ -49,7 +50,7 @@ class Manifest(object):
             x = self._tab.Vector(o)
             x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
             x = self._tab.Indirect(x)
-            from ptdstream.check.manifest_fb.FileEntry import FileEntry
+            from ptdstream.manifest.manifest_fb.FileEntry import FileEntry
             obj = FileEntry()
             obj.Init(self._tab.Bytes, x)
             return obj
@@ -103,9 +104,10 @@ def ManifestEnd(builder):
 def End(builder):
     return ManifestEnd(builder)
 
-import ptdstream.check.manifest_fb.FileEntry
+import ptdstream.manifest.manifest_fb.FileEntry
+
 try:
-    from typing import List
+    pass
 except:
     pass
 
@@ -115,7 +117,7 @@ class ManifestT(object):
     def __init__(self):
         self.version = 1  # type: int
         self.algorithm = None  # type: str
-        self.files = None  # type: List[ptdstream.check.manifest_fb.FileEntry.FileEntryT]
+        self.files = None  # type: List[ptdstream.manifest.manifest_fb.FileEntry.FileEntryT]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -146,7 +148,7 @@ class ManifestT(object):
                 if manifest.Files(i) is None:
                     self.files.append(None)
                 else:
-                    fileEntry_ = ptdstream.check.manifest_fb.FileEntry.FileEntryT.InitFromObj(manifest.Files(i))
+                    fileEntry_ = ptdstream.manifest.manifest_fb.FileEntry.FileEntryT.InitFromObj(manifest.Files(i))
                     self.files.append(fileEntry_)
 
     # ManifestT

@@ -4,6 +4,7 @@
 
 import flatbuffers
 from flatbuffers.compat import import_numpy
+
 np = import_numpy()
 
 class FileEntry(object):
@@ -62,7 +63,7 @@ class FileEntry(object):
         if o != 0:
             x = self._tab.Vector(o)
             x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 16
-            from ptdstream.check.manifest_fb.Digest128 import Digest128
+            from ptdstream.manifest.manifest_fb.Digest128 import Digest128
             obj = Digest128()
             obj.Init(self._tab.Bytes, x)
             return obj
@@ -87,7 +88,7 @@ class FileEntry(object):
             x = self._tab.Vector(o)
             x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
             x = self._tab.Indirect(x)
-            from ptdstream.check.manifest_fb.Section import Section
+            from ptdstream.manifest.manifest_fb.Section import Section
             obj = Section()
             obj.Init(self._tab.Bytes, x)
             return obj
@@ -112,7 +113,7 @@ class FileEntry(object):
             x = self._tab.Vector(o)
             x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
             x = self._tab.Indirect(x)
-            from ptdstream.check.manifest_fb.KeyFingerprint import KeyFingerprint
+            from ptdstream.manifest.manifest_fb.KeyFingerprint import KeyFingerprint
             obj = KeyFingerprint()
             obj.Init(self._tab.Bytes, x)
             return obj
@@ -254,11 +255,12 @@ def FileEntryEnd(builder):
 def End(builder):
     return FileEntryEnd(builder)
 
-import ptdstream.check.manifest_fb.Digest128
-import ptdstream.check.manifest_fb.KeyFingerprint
-import ptdstream.check.manifest_fb.Section
+import ptdstream.manifest.manifest_fb.Digest128
+import ptdstream.manifest.manifest_fb.KeyFingerprint
+import ptdstream.manifest.manifest_fb.Section
+
 try:
-    from typing import List
+    pass
 except:
     pass
 
@@ -270,9 +272,9 @@ class FileEntryT(object):
         self.kind = None  # type: str
         self.size = 0  # type: int
         self.pieceSize = 0  # type: int
-        self.pieces = None  # type: List[ptdstream.check.manifest_fb.Digest128.Digest128T]
-        self.sections = None  # type: List[ptdstream.check.manifest_fb.Section.SectionT]
-        self.keys = None  # type: List[ptdstream.check.manifest_fb.KeyFingerprint.KeyFingerprintT]
+        self.pieces = None  # type: List[ptdstream.manifest.manifest_fb.Digest128.Digest128T]
+        self.sections = None  # type: List[ptdstream.manifest.manifest_fb.Section.SectionT]
+        self.keys = None  # type: List[ptdstream.manifest.manifest_fb.KeyFingerprint.KeyFingerprintT]
         self.blockSize = 0  # type: int
         self.blocks = None  # type: List[int]
 
@@ -307,7 +309,7 @@ class FileEntryT(object):
                 if fileEntry.Pieces(i) is None:
                     self.pieces.append(None)
                 else:
-                    digest128_ = ptdstream.check.manifest_fb.Digest128.Digest128T.InitFromObj(fileEntry.Pieces(i))
+                    digest128_ = ptdstream.manifest.manifest_fb.Digest128.Digest128T.InitFromObj(fileEntry.Pieces(i))
                     self.pieces.append(digest128_)
         if not fileEntry.SectionsIsNone():
             self.sections = []
@@ -315,7 +317,7 @@ class FileEntryT(object):
                 if fileEntry.Sections(i) is None:
                     self.sections.append(None)
                 else:
-                    section_ = ptdstream.check.manifest_fb.Section.SectionT.InitFromObj(fileEntry.Sections(i))
+                    section_ = ptdstream.manifest.manifest_fb.Section.SectionT.InitFromObj(fileEntry.Sections(i))
                     self.sections.append(section_)
         if not fileEntry.KeysIsNone():
             self.keys = []
@@ -323,7 +325,7 @@ class FileEntryT(object):
                 if fileEntry.Keys(i) is None:
                     self.keys.append(None)
                 else:
-                    keyFingerprint_ = ptdstream.check.manifest_fb.KeyFingerprint.KeyFingerprintT.InitFromObj(fileEntry.Keys(i))
+                    keyFingerprint_ = ptdstream.manifest.manifest_fb.KeyFingerprint.KeyFingerprintT.InitFromObj(fileEntry.Keys(i))
                     self.keys.append(keyFingerprint_)
         self.blockSize = fileEntry.BlockSize()
         if not fileEntry.BlocksIsNone():

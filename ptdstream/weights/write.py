@@ -33,7 +33,7 @@ packed, so new weights change the ``.pte`` too: such programs are refused,
 naming each delegate and, with ``like=``, each key of a delegate. One
 exception: XNNPACK with tagged external weights (keys: the SHA-256 of the
 bytes it stores), given the old ``.ptd`` files and the old weights, where it
-stored the weights untransformed (:mod:`ptdstream.weights_xnnpack`): then the
+stored the weights untransformed (:mod:`ptdstream.weights.xnnpack`): then the
 new ``.pte`` is written too, byte-identical to a re-export's.
 """
 
@@ -47,12 +47,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
-from .errors import CheckpointMismatchError
-from .reports import Report
-from .sources.checkpoint import open_checkpoint
-from .sources.checkpoint_base import Checkpoint
-from .weights_check import KeyMap, check_keys, mapper, tags_and_order
+from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
+from ..errors import CheckpointMismatchError
+from ..reports import Report
+from ..sources.checkpoint import open_checkpoint
+from ..sources.checkpoint_base import Checkpoint
+from .check import KeyMap, check_keys, mapper, tags_and_order
 
 __all__ = ["DEFAULT_TAG", "WeightsReport", "read_program_weights", "write_ptd"]
 
@@ -81,10 +81,10 @@ def read_program_weights(path: str) -> ProgramWeights:
     Raises:
         FormatError: not a valid ``.pte``.
     """
-    from .errors import FormatError
-    from .format.reader import read_artifact
-    from .upstream import adapter
-    from .upstream.untrusted import parse_program
+    from ..errors import FormatError
+    from ..format.reader import read_artifact
+    from ..upstream import adapter
+    from ..upstream.untrusted import parse_program
 
     path = os.fspath(path)
     art = read_artifact(path)
@@ -162,12 +162,12 @@ def plan_ptd_files(program, checkpoint: Checkpoint, out_dir: str, *, like: Seque
     whose equal-content class changed (:class:`WeightsReport`). Arguments and
     errors: see :func:`write_ptd`.
     """
-    from . import weights_xnnpack as xnn
-    from .format.plan import FileRole, PlannedFile, SavePlan
-    from .format.ptd import plan_data_files, ptd_file_name
-    from .format.pte import PteOptions
-    from .sources import FileRangeSource
-    from .store import StreamingNamedDataStore
+    from ..format.plan import FileRole, PlannedFile, SavePlan
+    from ..format.ptd import plan_data_files, ptd_file_name
+    from ..format.pte import PteOptions
+    from ..sources import FileRangeSource
+    from ..store import StreamingNamedDataStore
+    from . import xnnpack as xnn
 
     weights = program if isinstance(program, ProgramWeights) else read_program_weights(program)
     problems: list[str] = []
@@ -280,7 +280,7 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
             gives each one's key in ``checkpoint``). Each XNNPACK key whose bytes are exactly one
             old tensor (stored untransformed) gets the new tensor's bytes under
             its SHA-256, and a new ``.pte`` is written to ``out_dir`` too: the old
-            one with those keys replaced (:mod:`ptdstream.weights_xnnpack`);
+            one with those keys replaced (:mod:`ptdstream.weights.xnnpack`);
             transformed weights are refused by key. Both checkpoints are read
             once more to take SHA-256 digests.
         format, old_format: how to read ``checkpoint`` and ``old_checkpoint``
@@ -316,10 +316,10 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
         ArgumentTypeError: a ``progress`` outside the contract (nothing read).
         IntegrityError, OSError: a read or write failed (nothing published).
     """
-    from .format.layout import check_alignment
-    from .progress import check_progress, progress_callback
-    from .system.files import refuse_overwrite
-    from .write.set_writer import write_save_plan
+    from ..format.layout import check_alignment
+    from ..progress import check_progress, progress_callback
+    from ..system.files import refuse_overwrite
+    from ..write.set_writer import write_save_plan
 
     start = time.perf_counter()
     check_progress(progress)

@@ -1,7 +1,7 @@
 """The kernel libraries shipped with the pinned executorch, and which of them a program needs.
 
 A runtime registers the operators of the kernel libraries linked into it or loaded
-(:mod:`ptdstream.check.runtime_registry`, generated from the installed executorch by
+(:mod:`ptdstream.check.runtime.registry`, generated from the installed executorch by
 ``tools/gen_runtime_registry.py``): ``portable`` (the runtime's own operators and the
 portable kernels), ``optimized`` (linked into executorch's Python runtime),
 ``quantized`` (``import executorch.kernels.quantized``) and ``llm`` (executorch's LLM
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..errors import LayoutError
-from .runtime_registry import EXECUTORCH_VERSION, KERNEL_MODULES, KERNEL_OPERATORS
+from ...errors import LayoutError
+from .registry import EXECUTORCH_VERSION, KERNEL_MODULES, KERNEL_OPERATORS
 
 __all__ = ["LIBRARIES", "TITLES", "library_of", "loaded_by", "needs_line", "operators_of", "parse_libraries",
            "unregistered_hint"]

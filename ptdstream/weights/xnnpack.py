@@ -28,7 +28,7 @@ import hashlib
 import os
 from collections.abc import Callable
 
-from .sources import BufferRing, FileRangeSource
+from ..sources import BufferRing, FileRangeSource
 
 __all__ = ["XNNPACK_ALIGNMENT", "XNNPACK_ID", "delegates_all_xnnpack", "find_all", "match_keys",
            "rewritten_program_plan"]
@@ -142,7 +142,7 @@ def rewritten_program_plan(path: str, replacements: dict[int, tuple[str, str]], 
     """A ``FilePlan`` of the ``.pte`` at ``path`` with the key at each offset replaced
     (``{offset: (old key, new key)}``, equal lengths): the file's own bytes
     streamed around the new keys."""
-    from .format.plan import Extent, FilePlan
+    from ..format.plan import Extent, FilePlan
 
     nbytes = os.path.getsize(path)
     extents = []

@@ -13,7 +13,7 @@ rank is raised on every rank, naming each failed rank, and nothing is published:
 2. ``fingerprint the dedup candidates``: every rank derives the same global order
    and the keys whose size and first 32 bytes collide with another's (upstream's
    dedup candidates); each rank digests its pieces of those keys with the
-   composable fingerprint (:mod:`ptdstream.distributed.fingerprint`), checking
+   composable fingerprint (:mod:`ptdstream.distributed.composable_fingerprint`), checking
    in the same pass that they are still the bytes handed over; all-gathered;
 3. ``plan the files`` (rank 0): every ``<tag>.ptd`` planned with ptdstream's store
    and planner (which see sizes, first bytes and fingerprints only), the temp
@@ -44,10 +44,11 @@ from ..defaults import CHUNK_NBYTES
 from ..progress import check_progress, progress_callback
 from ..reports import Report
 from ..sources import BufferRing, Source
-from .collective import Collective, DistributedIntegrityError, DistributedWriteError
-from .fingerprint import combine
+from .collective import Collective
+from .composable_fingerprint import combine
+from .errors import DistributedIntegrityError, DistributedWriteError
+from .global_plan import PieceInfo, collate, dedup_candidates, plan_files, wire_plan
 from .local import candidate_digest, local_pieces
-from .plan import PieceInfo, collate, dedup_candidates, plan_files, wire_plan
 from .temp_files import create_temp_files, write_pieces
 
 __all__ = ["DistributedIntegrityError", "DistributedReport", "DistributedWriteError", "write_data_files"]

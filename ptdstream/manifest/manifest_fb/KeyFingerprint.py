@@ -4,6 +4,7 @@
 
 import flatbuffers
 from flatbuffers.compat import import_numpy
+
 np = import_numpy()
 
 class KeyFingerprint(object):
@@ -47,7 +48,7 @@ class KeyFingerprint(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
         if o != 0:
             x = o + self._tab.Pos
-            from ptdstream.check.manifest_fb.Digest128 import Digest128
+            from ptdstream.manifest.manifest_fb.Digest128 import Digest128
             obj = Digest128()
             obj.Init(self._tab.Bytes, x)
             return obj
@@ -83,9 +84,10 @@ def KeyFingerprintEnd(builder):
 def End(builder):
     return KeyFingerprintEnd(builder)
 
-import ptdstream.check.manifest_fb.Digest128
+import ptdstream.manifest.manifest_fb.Digest128
+
 try:
-    from typing import Optional
+    pass
 except:
     pass
 
@@ -95,7 +97,7 @@ class KeyFingerprintT(object):
     def __init__(self):
         self.key = None  # type: str
         self.size = 0  # type: int
-        self.digest = None  # type: Optional[ptdstream.check.manifest_fb.Digest128.Digest128T]
+        self.digest = None  # type: Optional[ptdstream.manifest.manifest_fb.Digest128.Digest128T]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -121,7 +123,7 @@ class KeyFingerprintT(object):
         self.key = keyFingerprint.Key()
         self.size = keyFingerprint.Size()
         if keyFingerprint.Digest() is not None:
-            self.digest = ptdstream.check.manifest_fb.Digest128.Digest128T.InitFromObj(keyFingerprint.Digest())
+            self.digest = ptdstream.manifest.manifest_fb.Digest128.Digest128T.InitFromObj(keyFingerprint.Digest())
 
     # KeyFingerprintT
     def Pack(self, builder):

@@ -1,7 +1,7 @@
 """Judge a .pte (and its .ptd files) by the runtime's load rules, without the runtime.
 
-:func:`runtime_load_checks` applies :mod:`ptdstream.check.runtime_rules` (program load)
-and :mod:`ptdstream.check.runtime_method` (each method's load) to files the reader
+:func:`runtime_load_checks` applies :mod:`ptdstream.check.runtime.rules` (program load)
+and :mod:`ptdstream.check.runtime.method` (each method's load) to files the reader
 (:func:`ptdstream.format.reader.read_artifact`) already parsed, and returns one result per
 stage: ``("runtime: program load", ok, detail)`` then ``("runtime: method 'name'", ok,
 detail)`` for each method. A failed detail names the rule's upstream function.
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Set
 
-from ..format.fb_roots import flat_tensor_root, program_root
-from ..format.reader import Artifact
-from .runtime_method import check_method
-from .runtime_rules import HEAD_NBYTES, ProgramFile, PtdMap, RuleError, check_program, default_planned_limit
+from ...format.fb_roots import flat_tensor_root, program_root
+from ...format.reader import Artifact
+from .errors import RuleError
+from .method import check_method
+from .rules import HEAD_NBYTES, ProgramFile, PtdMap, check_program, default_planned_limit
 
 __all__ = ["called_operators", "runtime_load_checks"]
 
@@ -78,8 +79,8 @@ def called_operators(pte_path: str, pte_art: Artifact) -> list[str]:
     Raises:
         OSError: the file cannot be read.
     """
-    from ..format.program_fb.InstructionArguments import InstructionArguments as IA
-    from ..format.program_fb.KernelCall import KernelCall
+    from ...format.program_fb.InstructionArguments import InstructionArguments as IA
+    from ...format.program_fb.KernelCall import KernelCall
 
     root = program_root(_read(pte_path, pte_art.flatbuffer_end))
     seen: dict[str, None] = {}

@@ -1,4 +1,4 @@
-"""Rules 6-10 of :mod:`ptdstream.check.runtime_rules`: what ``Method::init``
+"""Rules 6-10 of :mod:`ptdstream.check.runtime.rules`: what ``Method::init``
 (``runtime/executor/method.cpp``) checks when the runtime loads one method.
 
 Values are judged in the runtime's order; a list may only reference values parsed
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Set
 
-from ..format.fb_roots import union_tensor
-from ..format.program_fb.InstructionArguments import InstructionArguments as IA
-from ..format.program_fb.KernelTypes import KernelTypes as KT
+from ...format.fb_roots import union_tensor
+from ...format.program_fb.InstructionArguments import InstructionArguments as IA
+from ...format.program_fb.KernelTypes import KernelTypes as KT
+from .errors import RuleError
 from .kernels import unregistered_hint
-from .runtime_rules import (
+from .rules import (
     OPERATOR_NAME_LIMIT,
     TENSOR_DIMENSION_LIMIT,
     ProgramFile,
     PtdMap,
-    RuleError,
     in_file,
     list_items,
     need,
@@ -27,7 +27,7 @@ from .runtime_rules import (
     tensor_nbytes,
     valid_type,
 )
-from .runtime_rules import (
+from .rules import (
     ptd_entry as _ptd_entry,
 )
 
@@ -125,7 +125,7 @@ def _parse_value(pte, plan, ptds, planned, k, v, kinds, where) -> None:
     if kind in (KT.Null, KT.Int, KT.Bool, KT.Double):
         return
     if kind == KT.String:
-        from ..format.program_fb.String import String
+        from ...format.program_fb.String import String
 
         s = String()
         s.Init(v.Val().Bytes, v.Val().Pos)
@@ -283,10 +283,10 @@ def _read_range(path: str, offset: int, nbytes: int) -> bytes:
 
 
 def _check_chains(plan, n: int, where: str, operators) -> None:
-    from ..format.program_fb.FreeCall import FreeCall
-    from ..format.program_fb.JumpFalseCall import JumpFalseCall
-    from ..format.program_fb.KernelCall import KernelCall
-    from ..format.program_fb.MoveCall import MoveCall
+    from ...format.program_fb.FreeCall import FreeCall
+    from ...format.program_fb.JumpFalseCall import JumpFalseCall
+    from ...format.program_fb.KernelCall import KernelCall
+    from ...format.program_fb.MoveCall import MoveCall
 
     rule = "Method::init (chains)"
     need(not plan.ChainsIsNone() and plan.ChainsLength() > 0, rule, f"{where}: no chains")

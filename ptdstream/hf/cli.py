@@ -1,29 +1,10 @@
-"""Hugging Face models through optimum-executorch, saved by ptdstream.
+"""``python -m ptdstream.hf``: the ``optimum-cli`` command line with ptdstream saving.
 
-Needs ``pip install "ptdstream[hf]"`` (optimum-executorch 1.1.0, transformers
-5.0.0rc1). Two entry points, both optimum-executorch's own, with every
-``.pte``/``.ptd`` written by ptdstream's streaming writer (byte for byte what
-executorch 1.5.1's writer gives on the same manager) and constants kept by
-reference in the emitter and in XNNPACK's lowering:
-
-* :func:`export`: ``optimum.exporters.executorch.main_export``
-  (``export("my-llama/", "out/", task="text-generation", recipe="xnnpack")``);
-* :func:`main`: the ``optimum-cli`` command, as
-  ``python -m ptdstream.hf export executorch -m DIR --task text-generation --recipe xnnpack -o OUT``.
-
-Both print the files they wrote on stderr at the end (:class:`ExportReport`;
-``export(..., quiet=True)`` does not) and silence the FutureWarnings and
-coremltools' import warnings of the export.
-
-Both take one more option, ``weightless=True`` / ``--weightless``: the model is
-built from the folder's ``config.json`` with storage-less parameters (no weight
-is read while optimum traces and lowers it) and each exported program is bound
-to the folder's safetensors shards, which the save streams
-(:func:`ptdstream.weightless.hf.pretrained_without_weights`; the same bytes as
-the export on loaded weights).
-
-:func:`saving_with_ptdstream` is the context both run in. Nothing here
-downloads: pass a local folder, and set ``HF_HUB_OFFLINE=1``.
+``python -m ptdstream.hf export executorch -m DIR --task text-generation
+--recipe xnnpack -o OUT [--weightless]``. :func:`main` checks what needs no
+torch first (``-m`` a local folder with ``config.json``, ``--recipe`` one of
+optimum's, ``--help``), then runs optimum-cli (:func:`ptdstream.hf.saving.run_optimum_cli`),
+under :func:`ptdstream.weightless.hf.pretrained_without_weights` for ``--weightless``.
 """
 
 from __future__ import annotations
@@ -32,14 +13,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from .errors import PtdstreamError
+from ..errors import PtdstreamError
+from .routes import refuse_quantization
 
-if TYPE_CHECKING:
-    from .hooks.optimum import ExportReport, saving_with_ptdstream
-
-__all__ = ["ExportReport", "export", "main", "saving_with_ptdstream"]
+__all__ = ["HELP", "HELP_WITHOUT_COMMAND", "OPTIMUM_RECIPES", "WEIGHTLESS_FLAG", "main", "usage_error"]
 
 #: The command-line flag of :func:`main` (removed before optimum-cli parses the rest).
 WEIGHTLESS_FLAG = "--weightless"
@@ -70,16 +48,6 @@ ptdstream's options and checks (made before optimum loads):
 
 optimum-cli's own help follows.
 """
-
-
-def __getattr__(name: str):
-    """``ExportReport``, ``saving_with_ptdstream``: :mod:`ptdstream.hooks.optimum`'s,
-    imported on first use (so :func:`main` checks its arguments before torch loads)."""
-    if name in ("ExportReport", "saving_with_ptdstream"):
-        from .hooks import optimum
-
-        return getattr(optimum, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _option(args: Sequence[str], *names: str) -> str | None:
@@ -114,35 +82,8 @@ def usage_error(args: Sequence[str]) -> str | None:
     return None
 
 
-def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
-           by_reference: bool = True, weightless: bool = False, **options) -> dict[str, object]:
-    """``optimum.exporters.executorch.main_export`` with ptdstream saving
-    (:func:`ptdstream.hooks.optimum.export`: arguments, return value).
-
-    ``weightless``: load no weight (see the module docstring); ``model_dir``
-    must hold safetensors shards whose keys, dtypes and shapes are the model's.
-
-    Raises:
-        NeedsWeightValuesError: with ``weightless``, an option that needs the
-            weights' values (``qlinear``, ``qembedding``, ...), before anything
-            runs; a non-safetensors folder; a ``dtype``/device move of the model.
-        BindingError: with ``weightless``, every weight the folder lacks or holds
-            in another dtype or shape, by name; nothing written.
-        ImportError: optimum-executorch is not installed (``ptdstream[hf]``).
-    """
-    from .hooks import optimum as _optimum
-
-    if not weightless:
-        return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
-    from .weightless.hf import pretrained_without_weights
-
-    _refuse_quantization(model_dir, options, "{}={!r}", "weightless=True", "export with weightless=False")
-    with pretrained_without_weights():
-        return _optimum.export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``optimum-cli`` with ptdstream saving (:func:`ptdstream.hooks.optimum.main`),
+    """``optimum-cli`` with ptdstream saving (:func:`ptdstream.hf.saving.run_optimum_cli`),
     plus ``--weightless`` anywhere in ``argv``.
 
     ``python -m ptdstream.hf export executorch -m DIR --task text-generation
@@ -168,11 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error is not None:
             print(f"ptdstream.hf: error: {error}", file=sys.stderr)
             return 2
-    from .hooks import optimum as _optimum
+    from ..weightless.hf import QUANTIZE_OPTIONS, pretrained_without_weights
+    from .saving import run_optimum_cli
 
     if WEIGHTLESS_FLAG not in args:
-        return _optimum.main(args)
-    from .weightless.hf import QUANTIZE_OPTIONS, pretrained_without_weights
+        return run_optimum_cli(args)
 
     options = argparse.ArgumentParser(add_help=False)  # optimum-cli's spelling of them, abbreviations too
     options.add_argument("-m", "--model", default="ptdstream.hf")
@@ -180,29 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         options.add_argument(f"--{name}")
     given = vars(options.parse_known_args(args)[0])
     try:
-        _refuse_quantization(given["model"], given, "--{} {!r}", WEIGHTLESS_FLAG, f"export without {WEIGHTLESS_FLAG}")
+        refuse_quantization(given["model"], given, "--{} {!r}", WEIGHTLESS_FLAG, f"export without {WEIGHTLESS_FLAG}")
         with pretrained_without_weights():
-            return _optimum.main([a for a in args if a != WEIGHTLESS_FLAG])
+            return run_optimum_cli([a for a in args if a != WEIGHTLESS_FLAG])
     except PtdstreamError as e:
         print(f"ptdstream.hf: error: {e}", file=sys.stderr)
         return 1
-
-
-def _refuse_quantization(where: str, options: dict, spelling: str, flag: str, instead: str) -> None:
-    """Refuse every option of ``QUANTIZE_OPTIONS`` given a value in ``options``
-    (``spelling.format(name, value)`` names each), for API and CLI alike.
-
-    Raises:
-        NeedsWeightValuesError: naming each such option and its value.
-    """
-    from .weightless.hf import QUANTIZE_OPTIONS, NeedsWeightValuesError
-
-    asked = [spelling.format(k, options[k]) for k in QUANTIZE_OPTIONS if options.get(k)]
-    if asked:
-        raise NeedsWeightValuesError(
-            f"{where}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
-            f"{flag} does not load; drop the option, or {instead}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,6 +4,7 @@
 
 import flatbuffers
 from flatbuffers.compat import import_numpy
+
 np = import_numpy()
 
 class Section(object):
@@ -61,7 +62,7 @@ class Section(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
         if o != 0:
             x = o + self._tab.Pos
-            from ptdstream.check.manifest_fb.Digest128 import Digest128
+            from ptdstream.manifest.manifest_fb.Digest128 import Digest128
             obj = Digest128()
             obj.Init(self._tab.Bytes, x)
             return obj
@@ -109,9 +110,10 @@ def SectionEnd(builder):
 def End(builder):
     return SectionEnd(builder)
 
-import ptdstream.check.manifest_fb.Digest128
+import ptdstream.manifest.manifest_fb.Digest128
+
 try:
-    from typing import Optional
+    pass
 except:
     pass
 
@@ -123,7 +125,7 @@ class SectionT(object):
         self.key = None  # type: str
         self.offset = 0  # type: int
         self.size = 0  # type: int
-        self.digest = None  # type: Optional[ptdstream.check.manifest_fb.Digest128.Digest128T]
+        self.digest = None  # type: Optional[ptdstream.manifest.manifest_fb.Digest128.Digest128T]
 
     @classmethod
     def InitFromBuf(cls, buf, pos):
@@ -151,7 +153,7 @@ class SectionT(object):
         self.offset = section.Offset()
         self.size = section.Size()
         if section.Digest() is not None:
-            self.digest = ptdstream.check.manifest_fb.Digest128.Digest128T.InitFromObj(section.Digest())
+            self.digest = ptdstream.manifest.manifest_fb.Digest128.Digest128T.InitFromObj(section.Digest())
 
     # SectionT
     def Pack(self, builder):

@@ -70,7 +70,7 @@ plan of that name, ``get_execution_plan``), in order:
     list is given, registered.
 
 XNNPACK delegates (``backends/xnnpack/runtime/XNNCompiler.cpp::compileModel``,
-``XNNHeader.cpp::XNNHeader::Parse``): :mod:`ptdstream.check.xnnpack_blob`.
+``XNNHeader.cpp::XNNHeader::Parse``): :mod:`ptdstream.check.runtime.xnnpack_blob`.
 
 Deliberately stricter than the runtime (refused here, loaded there): a KernelCall whose
 operator index or name is invalid when a later KernelCall resolves (``Method::init``
@@ -82,7 +82,7 @@ Not mirrored: what a backend's ``init`` checks inside its own blob (XNNPACK buil
 graph there), and kernels registered for some dtypes only (``get_op_function_from_registry``
 matches by name here). Registration is checked against ``operators``/``backends``;
 ``check_structure`` passes those of executorch's Python runtime by default
-(:mod:`ptdstream.check.runtime_registry`); None leaves it unchecked, and the report says so.
+(:mod:`ptdstream.check.runtime.registry`); None leaves it unchecked, and the report says so.
 """
 
 from __future__ import annotations
@@ -92,10 +92,11 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..format.fb_roots import shown, union_tensor
-from ..format.flat_tensor_fb.FlatTensor import FlatTensor
-from ..format.program_fb.KernelTypes import KernelTypes as KT
-from ..format.program_fb.Program import Program
+from ...format.fb_roots import shown, union_tensor
+from ...format.flat_tensor_fb.FlatTensor import FlatTensor
+from ...format.program_fb.KernelTypes import KernelTypes as KT
+from ...format.program_fb.Program import Program
+from .errors import RuleError
 
 __all__ = [
     "HEAD_NBYTES",
@@ -103,7 +104,6 @@ __all__ = [
     "TENSOR_DIMENSION_LIMIT",
     "ProgramFile",
     "PtdMap",
-    "RuleError",
     "check_program",
     "default_planned_limit",
     "in_file",
@@ -125,14 +125,6 @@ OPERATOR_NAME_LIMIT = 100  # kTempBufferSizeForName, including the NUL
 ELEMENT_SIZE = (1, 1, 2, 4, 8, 2, 4, 8, 4, 8, 16, 1, 1, 1, 4, 2, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 2, 4, 8)
 _U64 = (1 << 64) - 1
 _SSIZE_MAX = (1 << 63) - 1
-
-
-class RuleError(Exception):
-    """A load the runtime would refuse. ``rule`` names the upstream function."""
-
-    def __init__(self, rule: str, detail: str) -> None:
-        super().__init__(f"{detail} [{rule}]")
-        self.rule, self.detail = rule, detail
 
 
 @dataclass(frozen=True)
@@ -301,7 +293,7 @@ def _tensor_problem(t) -> str | None:
 
 
 def list_items(value) -> tuple[int, ...] | None:
-    from ..format.program_fb.IntList import IntList  # same layout for every *List table: items at slot 4
+    from ...format.program_fb.IntList import IntList  # same layout for every *List table: items at slot 4
 
     tab = value.Val()
     lst = IntList()

@@ -22,7 +22,7 @@ Mirrors ``backends/xnnpack/runtime/XNNHeader.cpp::XNNHeader::Parse`` and the sta
   lie inside the blob's constant data. The runtime reads as many bytes as the value's
   dims and datatype need (it does not check): they are within the data found.
 
-The graph itself (node types, value ids, datatypes): :mod:`ptdstream.check.xnnpack_graph`.
+The graph itself (node types, value ids, datatypes): :mod:`ptdstream.check.runtime.xnnpack_graph`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..format.fb_tables import SCHEMAS
-from ..format.verifier import FlatbufferError, verify_buffer
-from .runtime_rules import ProgramFile, PtdMap, RuleError, in_file, need, ptd_key
+from ...errors import FlatbufferError
+from ...format.fb_tables import SCHEMAS
+from ...format.verifier import verify_buffer
+from .errors import RuleError
+from .rules import ProgramFile, PtdMap, in_file, need, ptd_key
 from .xnnpack_graph import check_xnnpack_graph, tensor_nbytes
 
 __all__ = ["check_xnnpack_blob"]

@@ -14,12 +14,10 @@ whole export, so the emitter (the embedding table, constants XNNPACK does not
 take) and XNNPACK's lowering (the weights it takes unchanged) keep references to
 tensors instead of ``bytes`` copies.
 
-Two entry points, both optimum-executorch's own, with ptdstream saving:
-
-* :func:`export`: ``optimum.exporters.executorch.main_export``;
-* :func:`main`: the ``optimum-cli`` command, as ``python -m ptdstream.hooks.optimum``
-  followed by optimum-cli's arguments, e.g.
-  ``export executorch --model DIR --task text-generation --recipe xnnpack --output_dir OUT``.
+Both of optimum-executorch's entry points run here with ptdstream saving:
+:func:`run_main_export` (``optimum.exporters.executorch.main_export``) and
+:func:`run_optimum_cli` (the ``optimum-cli`` command); :mod:`ptdstream.hf.routes`
+and :mod:`ptdstream.hf.cli` call them, after their own checks.
 
 Needs ``pip install "ptdstream[hf]"`` (optimum-executorch 1.1.0, transformers
 5.0.0rc1). Nothing here downloads: pass a local folder, and set
@@ -37,12 +35,12 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ..hooks.emitter import constants_by_reference
+from ..hooks.install import installed
+from ..hooks.xnnpack import xnnpack_constants_by_reference
 from ..reports import Report
-from .emitter import constants_by_reference
-from .install import installed
-from .xnnpack import xnnpack_constants_by_reference
 
-__all__ = ["ExportReport", "export", "main", "quiet_export", "saving_with_ptdstream"]
+__all__ = ["ExportReport", "quiet_export", "run_main_export", "run_optimum_cli", "saving_with_ptdstream"]
 
 #: Loggers whose import-time warnings an export prints and a user cannot act on
 #: (coremltools: untested torch and scikit-learn versions, its missing native library).
@@ -134,8 +132,8 @@ def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:
         yield
 
 
-def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
-           by_reference: bool = True, quiet: bool = False, **options) -> dict[str, object]:
+def run_main_export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
+                    by_reference: bool = True, quiet: bool = False, **options) -> dict[str, object]:
     """``optimum.exporters.executorch.main_export`` with ptdstream saving.
 
     Args:
@@ -178,10 +176,10 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
     return managers
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_optimum_cli(argv: Sequence[str] | None = None) -> int:
     """``optimum-cli`` with ptdstream saving; arguments as ``optimum-cli`` takes them.
 
-    ``python -m ptdstream.hooks.optimum export executorch -m DIR --task
+    ``argv``: optimum-cli's arguments, e.g. ``export executorch -m DIR --task
     fill-mask --recipe xnnpack -o OUT [--qlinear 8da4w] [--use_custom_sdpa]``.
     Constants are kept by reference during the export, FutureWarnings and
     coremltools' import warnings silenced (:func:`quiet_export`), and the files
@@ -217,6 +215,3 @@ def _output_dir(args: Sequence[str]) -> str | None:
             return arg.split("=", 1)[1]
     return None
 
-
-if __name__ == "__main__":
-    sys.exit(main())

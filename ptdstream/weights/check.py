@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from .sources.checkpoint_base import Checkpoint
+from ..sources.checkpoint_base import Checkpoint
 
 __all__ = ["Located", "check_keys", "describe_layout", "mapper", "tags_and_order"]
 
@@ -48,7 +48,7 @@ def tags_and_order(program, like: Sequence[str], tag, problems: list[str]
     are no program FQN (a delegate's named data), in file order, and where each
     key of the ``like`` files lies (``{key: (path, offset, bytes)}``). Without
     ``like``, ``tag`` (a str, ``{fqn: tag}`` or ``fqn -> tag``) gives each key's tag."""
-    from .format.reader import read_artifact
+    from ..format.reader import read_artifact
 
     located: dict[str, Located] = {}
     if like:

@@ -1,6 +1,6 @@
 """What ``XNNCompiler::compileModel`` checks in an XNNPACK graph, decided from the flatbuffer.
 
-Runs after :mod:`ptdstream.check.xnnpack_blob` (header, verification, constant data) on the
+Runs after :mod:`ptdstream.check.runtime.xnnpack_blob` (header, verification, constant data) on the
 same verified flatbuffer, and mirrors ``backends/xnnpack/runtime/XNNCompiler.cpp``:
 
 * ``defineTensor``: ``dq_datatype`` is ``xnn_datatype_invalid`` (or a value ``getDataType``
@@ -32,8 +32,8 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from ..format.fb_tables import SCHEMAS
-from .runtime_rules import default_planned_limit, need
+from ...format.fb_tables import SCHEMAS
+from .rules import default_planned_limit, need
 
 __all__ = ["check_xnnpack_graph", "tensor_nbytes"]
 
@@ -95,7 +95,7 @@ def _tables(fb: bytes, root: int, field: str):
 
 def check_xnnpack_graph(fb: bytes, root: int, what: str, memory_limit: int | None = None) -> None:
     """Refuse the verified XNNPACK graph at ``root`` of ``fb`` as ``compileModel`` would
-    (after the checks of :func:`~ptdstream.check.xnnpack_blob.check_xnnpack_blob`).
+    (after the checks of :func:`~ptdstream.check.runtime.xnnpack_blob.check_xnnpack_blob`).
 
     Raises:
         RuleError: the first check the graph fails (rule names the upstream function).

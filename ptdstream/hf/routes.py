@@ -1,0 +1,56 @@
+"""The export of a Hugging Face folder, loaded or weightless: :func:`export`.
+
+The loaded route is optimum-executorch's ``main_export`` with ptdstream saving
+(:func:`ptdstream.hf.saving.run_main_export`); the weightless one runs it under
+:func:`ptdstream.weightless.hf.pretrained_without_weights`, after refusing every
+option that needs the weights' values (:func:`refuse_quantization`, one list for
+the API and the command line).
+"""
+
+from __future__ import annotations
+
+__all__ = ["export", "refuse_quantization"]
+
+
+def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
+           by_reference: bool = True, weightless: bool = False, **options) -> dict[str, object]:
+    """``optimum.exporters.executorch.main_export`` with ptdstream saving
+    (:func:`ptdstream.hf.saving.run_main_export`: arguments, return value).
+
+    ``weightless``: load no weight (see :mod:`ptdstream.hf`); ``model_dir``
+    must hold safetensors shards whose keys, dtypes and shapes are the model's.
+
+    Raises:
+        NeedsWeightValuesError: with ``weightless``, an option that needs the
+            weights' values (``qlinear``, ``qembedding``, ...), before anything
+            runs; a non-safetensors folder; a ``dtype``/device move of the model.
+        BindingError: with ``weightless``, every weight the folder lacks or holds
+            in another dtype or shape, by name; nothing written.
+        ImportError: optimum-executorch is not installed (``ptdstream[hf]``).
+    """
+    from .saving import run_main_export
+
+    if not weightless:
+        return run_main_export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
+    from ..weightless.hf import pretrained_without_weights
+
+    refuse_quantization(model_dir, options, "{}={!r}", "weightless=True", "export with weightless=False")
+    with pretrained_without_weights():
+        return run_main_export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
+
+
+def refuse_quantization(where: str, options: dict, spelling: str, flag: str, instead: str) -> None:
+    """Refuse every option of ``QUANTIZE_OPTIONS`` given a value in ``options``
+    (``spelling.format(name, value)`` names each), for API and CLI alike.
+
+    Raises:
+        NeedsWeightValuesError: naming each such option and its value.
+    """
+    from ..weightless.errors import NeedsWeightValuesError
+    from ..weightless.hf import QUANTIZE_OPTIONS
+
+    asked = [spelling.format(k, options[k]) for k in QUANTIZE_OPTIONS if options.get(k)]
+    if asked:
+        raise NeedsWeightValuesError(
+            f"{where}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
+            f"{flag} does not load; drop the option, or {instead}")

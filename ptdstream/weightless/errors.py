@@ -1,0 +1,61 @@
+"""The errors of the weightless route (:func:`ptdstream.weights_from`, the Hugging Face
+folders it reads): each names the weights, keys or options involved, and nothing
+was written when one is raised. Reachable from the package root (``ptdstream.BindingError``)."""
+
+from __future__ import annotations
+
+from ..errors import CheckpointMismatchError, PtdstreamError
+
+__all__ = ["BindingError", "MetaBufferError", "NeedsWeightValuesError", "QuantizationNeedsValuesError",
+           "UnboundConstantError"]
+
+#: What to do, in every :class:`QuantizationNeedsValuesError` message.
+QUANTIZATION_ADVICE = ("quantization needs the weights' values: export this model with real weights (outside "
+                       "weights_from); weights_from binds plain checkpoint tensors, not quantized ones")
+
+
+class MetaBufferError(PtdstreamError, ValueError):
+    """A non-persistent buffer is on the meta device: it is not in any checkpoint,
+    so it has no value to export. Compute it in the factory (build with
+    :func:`storage_less_model` from a factory) or assign a real tensor."""
+
+
+class BindingError(CheckpointMismatchError):
+    """The checkpoint does not fit the exported programs' storage-less constants.
+
+    ``problems`` lists every one, each naming the FQN, the checkpoint key and
+    file, and both dtypes or shapes. Nothing was bound.
+    """
+
+    def __init__(self, checkpoint: str, problems: list[str]) -> None:
+        super().__init__("the exported program's storage-less constants (nothing bound)", checkpoint, problems)
+        self.args = (self.args[0] + "\nfix the checkpoint, or map names with key_map={fqn: checkpoint key}",)
+
+
+class UnboundConstantError(PtdstreamError, ValueError):
+    """A constant that holds no bytes reached emission or a save outside every
+    ``weights_from`` block that could bind it (a program lowered or emitted after
+    its block), or came after binding (a constant a pass made from storage-less
+    values). ``names`` lists them."""
+
+    def __init__(self, names: list[str], where: str) -> None:
+        self.names = list(names)
+        super().__init__(
+            f"{where}: {len(names)} constant(s) hold no bytes (storage-less, never bound to a checkpoint "
+            f"tensor): {', '.join(names)}; export, lower and emit inside the weights_from block, where each "
+            "program is bound as it reaches lowering (or by weights.bind(exported_program)); a program lowered "
+            "or emitted after the block stays unbound, as does a constant a pass made from storage-less values")
+
+
+class QuantizationNeedsValuesError(PtdstreamError, ValueError):
+    """A quantization of storage-less weights. ``names`` lists them."""
+
+    def __init__(self, names: list[str], where: str) -> None:
+        self.names = list(names)
+        super().__init__(f"{where}: {len(names)} storage-less weight(s) would be quantized: "
+                         f"{', '.join(names)}; {QUANTIZATION_ADVICE}")
+
+
+class NeedsWeightValuesError(PtdstreamError, ValueError):
+    """A step of a weightless export needs the weights' values (quantization,
+    moving or converting the model, loading a pickle): named, nothing written."""
