@@ -163,9 +163,14 @@ class SafetensorsCheckpoint(Checkpoint):
     def _mapped(self) -> dict[str, torch.Tensor]:
         return self._tensors
 
-    def source(self, key: str) -> Source:
+    def _source(self, key: str) -> Source:
         where = self.entries[key].where
         return _mapped_source(self._tensors[key], f"{where}: key {key!r}", self._opened[where])
+
+    def range_source(self, key: str, offset: int, nbytes: int) -> Source:
+        where = self.entries[key].where
+        return _mapped_source(_byte_range(self.tensor(key), key, offset, nbytes),
+                              f"{where}: key {key!r} bytes {offset}:{offset + nbytes}", self._opened[where])
 
     def close(self) -> None:
         self._tensors.clear()
@@ -208,6 +213,24 @@ def _check_shard(index: str, folder: str, name: str, shards: dict[str, str]) -> 
         os.close(os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
     except OSError as e:
         raise _shard_error(index, name, shards, e) from None
+
+
+def _byte_range(tensor: torch.Tensor, key: str, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + nbytes)`` of a row-major tensor, as a view of its memory.
+
+    Raises:
+        FormatError: the tensor is not row-major (contiguous).
+        ValueError: the range lies outside it.
+    """
+    import torch
+
+    size = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous():
+        raise FormatError(f"key {key!r}: not row-major (strides {tuple(tensor.stride())}): it cannot be read in "
+                          "byte ranges")
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise ValueError(f"key {key!r}: bytes {offset}:{offset + nbytes} lie outside its {size} bytes")
+    return tensor.reshape(-1).view(torch.uint8)[offset:offset + nbytes]
 
 
 def _hf_weight_map(path: str) -> dict[str, str]:
@@ -286,7 +309,12 @@ class TorchCheckpoint(Checkpoint):
             seen.setdefault(ident, key)
             self.entries[key] = _entry(key, tensor, path)
 
-    def source(self, key: str) -> Source:
+    def range_source(self, key: str, offset: int, nbytes: int) -> Source:
+        return _mapped_source(_byte_range(self.tensor(key), key, offset, nbytes),
+                              f"{self.path}: key {key!r} bytes {offset}:{offset + nbytes}", self._opened,
+                              read_file=self._native)
+
+    def _source(self, key: str) -> Source:
         # torch.load byte-swaps (in its private mapping) an archive saved with the
         # other byte order: then only the mapping has the bytes to write.
         return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", self._opened,

@@ -223,9 +223,11 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
                     where = f"{fqn!r}" + (f" (method {method!r})" if len(programs) > 1 else "")
                     problems.append(f"quantized: {where} is a {type(tensor).__name__} made from a storage-less "
                                     f"weight (its inner tensors hold no bytes); {QUANTIZATION_ADVICE}")
+    derived = getattr(checkpoint, "derived", {})
+    used.update(part for key in used & derived.keys() for part, _, _ in derived[key])  # a fused key's pieces
     if not allow_extra:
         for key, entry in entries.items():
-            if key not in used and checkpoint.aliases.get(key, key) not in used:
+            if key not in used and key not in derived and checkpoint.aliases.get(key, key) not in used:
                 problems.append(f"extra: checkpoint key {key!r} ({_describe(entry)}, {entry.where}) is no "
                                 "storage-less constant of the export (pass allow_extra=True to ignore it)")
     if problems:

@@ -167,6 +167,9 @@ class WeightsFrom:
         self._made: dict[tuple[str, bool], Any] = {}  # (key, requires_grad) -> the Parameter bound
 
     def _files_of(self, key: str) -> list[str]:
+        parts = self.checkpoint.derived.get(key)
+        if parts is not None:  # a fused key: the files of its parts
+            return list(dict.fromkeys(f for k, _, _ in parts for f in self._files_of(k)))
         where = self.checkpoint.entries[key].where
         return [where] if where in self._identities else list(self._identities)
 
@@ -239,8 +242,8 @@ class WeightsFrom:
             return programs
         mapped = self.checkpoint.kind in MAPPED_KINDS
         new = [key for key in plan.groups if key not in self._tensors]
-        converted = self._convert({key: plan.converted.get(key, self.checkpoint.entries[key].dtype)
-                                   for key in new if not mapped or key in plan.converted})
+        converted = self._convert({key: plan.converted.get(key, self.checkpoint.entries[key].dtype) for key in new
+                                   if not mapped or key in plan.converted or key in self.checkpoint.derived})
         for key in new:
             self._tensors[key] = converted[key] if key in converted else self.checkpoint.tensor(key)
         placed = bind_programs(methods, self.checkpoint, plan, self._tensors.__getitem__, self._made)

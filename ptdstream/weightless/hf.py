@@ -12,8 +12,10 @@ Two ways in:
   generation config, tied weights) but reads no weight: the one step that reads
   them (``PreTrainedModel._load_pretrained_model``) is replaced, the model's
   meta parameters become storage-less cpu tensors and each one is recorded with
-  its checkpoint key (its name in the model's ``state_dict``; the name the
-  checkpoint holds for a tied group) on a :func:`ptdstream.weights_from`
+  its checkpoint key as transformers reads the folder
+  (:mod:`ptdstream.weightless.hf_keys`: transformers' own renaming and fusing,
+  run on stand-ins; a fused tensor's key is derived from the checkpoint's
+  pieces, copied piece by piece when bound) on a :func:`ptdstream.weights_from`
   context opened on the folder at the first load and kept until exit
   (``WeightsFrom.record``). An exported program is bound when it reaches
   lowering (:mod:`ptdstream.weightless.lowering`: ``to_edge`` and
@@ -28,12 +30,14 @@ Two ways in:
 
 Refused by name, before anything is written: a checkpoint that is not
 safetensors (``.bin`` files are pickles), a ``state_dict`` passed in, a
-transformers quantizer, a device map beyond the CPU, a model's key the
-checkpoint does not hold (transformers' renaming and fusing conversions are not
-applied: :class:`~ptdstream.weightless.BindingError` names it), a checkpoint
-dtype other than the export's, a ``.to()`` that would move or convert a
-module with storage-less parameters, and optimum's quantization (``qlinear``, ``qembedding``:
-torchao needs the weights' values). Checkpoint keys the model does not use are
+transformers quantizer, a device map beyond the CPU, a model's weight
+transformers cannot load from the folder (no key becomes it, its shape does not
+fit, a fusion fails: :class:`~ptdstream.weightless.BindingError` names each), a
+shard the index names that is missing, unreadable or outside the folder
+(:class:`~ptdstream.CheckpointFileError`), a checkpoint dtype other than the
+export's, a ``.to()`` that would move or convert a module with storage-less
+parameters, and optimum's quantization (``qlinear``, ``qembedding``: torchao
+needs the weights' values). Checkpoint keys the model does not use are
 ignored, as ``from_pretrained`` ignores them. Unlike ``from_pretrained``,
 nothing is initialized: a model without a checkpoint key has no value.
 
@@ -61,9 +65,10 @@ from typing import Any
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .context import WeightsFrom, weights_from
-from .errors import BindingError, NeedsWeightValuesError
+from .errors import NeedsWeightValuesError
+from .hf_keys import record_keys
 from .lowering import binding_at_lowering
-from .storage_less import is_storage_less, storage_less, storage_less_model
+from .storage_less import is_storage_less, storage_less_model
 
 __all__ = ["StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
 
@@ -84,17 +89,32 @@ def model_from_config(folder: str | os.PathLike[str], auto_class: str = "AutoMod
             model = model_from_config("my-llama/")
             program = weights.bind(torch.export.export(model, (tokens,)))
 
-    The model's ``state_dict`` names are the checkpoint's (``save_pretrained``'s).
+    Inside a :func:`ptdstream.weights_from` block on the same folder, each
+    parameter is recorded with its checkpoint key as transformers reads the
+    folder (:func:`~ptdstream.weightless.hf_keys.record_keys`: renamed and fused
+    keys), so a program is bound whatever module wraps the model; elsewhere the
+    model's ``state_dict`` names are the checkpoint's (``save_pretrained``'s).
 
     Raises:
         AttributeError: ``auto_class`` is not a transformers class.
         OSError: no readable ``config.json`` in ``folder``.
+        BindingError: inside such a block, a weight transformers could not load
+            from the folder (every one at once, by name).
     """
     import transformers
 
+    from .lowering import open_contexts
+
     config = transformers.AutoConfig.from_pretrained(os.fspath(folder))
     cls = getattr(transformers, auto_class)
-    return storage_less_model(lambda: cls.from_config(config, **from_config))
+    model = storage_less_model(lambda: cls.from_config(config, **from_config))
+    where = os.path.abspath(folder)
+    for weights in reversed(open_contexts()):
+        path = os.path.abspath(weights.checkpoint.path)
+        if where in (path, os.path.dirname(path)):  # the folder's own context: its keys as transformers reads them
+            record_keys(model, weights, adapter.model_conversion_mapping(model))
+            break
+    return model
 
 
 class StorageLessPretrained:
@@ -148,35 +168,7 @@ class StorageLessPretrained:
             raise NeedsWeightValuesError(f"from_pretrained({name!r}): weightless export cannot take "
                                          f"{'; '.join(refused)}: export without weightless")
         _, weights = self._weights_for(name, list(arguments["checkpoint_files"]))
-        held = weights.checkpoint.entries
-        storage_less_model(model)
-        for prefix, module in model.named_modules():
-            for buf_name, buf in list(module._buffers.items()):
-                if (buf is not None and not is_storage_less(buf) and buf_name not in module._non_persistent_buffers_set
-                        and f"{prefix}.{buf_name}".lstrip(".") in held):
-                    module._buffers[buf_name] = storage_less(buf)  # its value is the checkpoint's, as when loaded
-        for param in model.parameters():
-            param._is_hf_initialized = True
-        missing = {k for k in model.state_dict(keep_vars=True) if k not in held}
-        model.tie_weights(missing_keys=missing, recompute_mapping=False)
-        state = model.state_dict(keep_vars=True)
-        keys: dict[int, str] = {}  # id(tensor) -> its key: for a tied group, the one the checkpoint holds
-        for key, tensor in state.items():
-            if is_storage_less(tensor) and (id(tensor) not in keys or key in held and keys[id(tensor)] not in held):
-                keys[id(tensor)] = key
-        problems = []
-        for tensor in {id(t): t for t in state.values() if id(t) in keys}.values():
-            key = keys[id(tensor)]
-            weights.record(tensor, key)
-            entry = held.get(key)
-            if entry is None:
-                problems.append(f"missing: the model's {key!r} ({tensor.dtype} {list(tensor.shape)}) is not in "
-                                "the checkpoint (from_pretrained would initialize it at random)")
-            elif entry.dtype != tensor.dtype or tuple(entry.shape) != tuple(tensor.shape):
-                problems.append(f"{key!r} ({entry.where}): the checkpoint holds {entry.dtype} "
-                                f"{list(entry.shape)}, the model needs {tensor.dtype} {list(tensor.shape)}")
-        if problems:
-            raise BindingError(weights.checkpoint.path, problems)
+        missing = record_keys(model, weights, arguments.get("weight_mapping"), arguments.get("dtype"))
         return model, missing, set(), set(), None, []
 
 
