@@ -110,7 +110,7 @@ from .convert import ConvertDir
 from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .errors import QuantizationNeedsValuesError, UnboundConstantError
 from .folding import folded_to_files
-from .lowering import bind_found, binding_at_lowering, open_contexts
+from .lowering import bind_found, binding_at_lowering, open_contexts, trim_heap
 from .lowering import opened as opened_in_thread
 from .quantization import quantized_constants, refusing_quantization
 from .storage_less import storage_less_model
@@ -309,6 +309,8 @@ def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
             raise UnboundConstantError(left, "to_executorch")
         for weights in open_contexts():
             weights.check_unchanged(weights.bound_keys, "before to_executorch emitted the program (nothing emitted)")
+        if open_contexts():
+            trim_heap()  # what lowering and the passes freed
         return real(methods, *args, **kwargs)
 
     return emit_program

@@ -29,6 +29,12 @@ the Hugging Face route's keys, transformers' renamed and fused keys), else the
 innermost context that binds by name (every ``weights_from`` the user opens).
 A program whose constants two contexts claim is refused by name.
 
+The C heap (:func:`trim_heap`, glibc's ``malloc_trim``) is handed back to the
+system before and after each ``run_decompositions`` and before emission:
+tracing and lowering free many blocks of a few MiB that glibc would otherwise
+keep resident until the process ends (at optimum's usual flags, about 30 MiB
+per decoder layer; benchmarks/README.md).
+
 Patches (through :mod:`ptdstream.upstream.patching`, restored by the last
 exit): ``torch.export._trace._export`` (registered in
 :mod:`ptdstream.upstream.names`) and ``torch.export.ExportedProgram.run_decompositions``.
@@ -43,14 +49,25 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from ..system.heap import malloc_trim
 from ..upstream import adapter
 from ..upstream.patching import shadowed
-from .binding import BindingError, needing_values
+from .binding import needing_values
+from .errors import BindingError
 from .storage_less import meta_to_storage_less
 
-__all__ = ["bind_found", "binding_at_lowering", "open_contexts", "opened"]
+__all__ = ["TRIM_HEAP", "bind_found", "binding_at_lowering", "open_contexts", "opened", "trim_heap"]
 
 _local = threading.local()  # .stack: the WeightsFrom contexts open in this thread, innermost last
+
+#: hand the C heap back at each lowering step (False: as upstream; benchmarks compare both)
+TRIM_HEAP = True
+
+
+def trim_heap() -> None:
+    """:func:`ptdstream.system.heap.malloc_trim` when :data:`TRIM_HEAP` (the weightless route's steps call it)."""
+    if TRIM_HEAP:
+        malloc_trim()
 
 
 def open_contexts() -> list[Any]:
@@ -109,8 +126,14 @@ def bind_found(programs: Mapping[str, Any]) -> int:
 def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
     def run_decompositions(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not open_contexts():
+            return real(self, *args, **kwargs)
         bind_found({"forward": self})
-        return real(self, *args, **kwargs)
+        trim_heap()  # what tracing freed
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            trim_heap()  # what the decompositions freed
 
     return run_decompositions
 

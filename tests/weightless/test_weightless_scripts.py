@@ -175,3 +175,17 @@ def test_outside_the_block_a_meta_model_is_exported_as_upstream_does(checkpoint)
     program = torch.export.export(model, INPUTS)  # upstream traces meta parameters (the embedding's output is meta)
     assert all(p.is_meta for p in model.parameters())
     assert all(t.is_meta for t in program.state_dict.values())
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_the_heap_is_handed_back_at_each_lowering_step(checkpoint, tmp_path, monkeypatch, trim):
+    """glibc's malloc_trim before and after each run_decompositions and before emission
+    (what tracing and lowering freed; benchmarks/README.md measures it); TRIM_HEAP=False: never."""
+    from ptdstream.weightless import lowering
+
+    calls = []
+    monkeypatch.setattr(lowering, "malloc_trim", lambda: calls.append(1) or True)
+    monkeypatch.setattr(lowering, "TRIM_HEAP", trim)
+    with ptdstream.weights_from(checkpoint):
+        portable_script(build(), str(tmp_path / "out"))
+    assert len(calls) == (3 if trim else 0)  # run_decompositions (before, after), emission
