@@ -60,10 +60,13 @@ class NamedEntry:
 
 @dataclass(frozen=True)
 class ExternalTensor:
-    """A program tensor whose data lives in a .ptd under ``fqn``."""
+    """A program tensor whose data lives in a .ptd under ``fqn``; ``buffer_index``
+    is its ``data_buffer_idx`` (the emitter's index into its external constant
+    buffers, equal for tensors whose bytes were equal at export)."""
 
     fqn: str
     layout: TensorMeta
+    buffer_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class Artifact:
     ``header`` is an :class:`~ptdstream.format.identity.ExtendedHeader` (None for a .pte
     that is a raw flatbuffer) or a :class:`~ptdstream.format.identity.FlatTensorHeader`;
     ``flatbuffer_end`` ends the metadata (header included, it starts at 0);
-    ``constant_offsets`` are the tensor offsets within the constant segment.
+    ``constant_offsets`` are the tensor offsets within the constant segment;
+    ``delegates`` are a program's ``(method, backend id)`` pairs, in plan order.
     """
 
     path: str
@@ -104,6 +108,7 @@ class Artifact:
     constant_offsets: tuple[int, ...] = ()
     external_tensors: tuple[ExternalTensor, ...] = ()
     version: int = 0
+    delegates: tuple[tuple[str, str], ...] = ()
 
     @functools.cached_property
     def _sections(self) -> tuple[Section, ...]:
