@@ -61,7 +61,7 @@ def run(args) -> int:
 def _with_link_folders(folders):
     """``folders`` and, after each, the folders its symlinks point into (where a save
     through the link wrote its journal, resolved as the writer resolves it)."""
-    from ..write.sink import resolve_target
+    from ..write.folder import resolve_target
 
     out = []
     for folder in folders:

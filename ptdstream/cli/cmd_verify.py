@@ -74,9 +74,9 @@ def register(subparsers) -> None:
 def unrecovered_sets(files):
     """The unrecovered set publications (journals) in the folders of ``files`` and
     where a save wrote their journal: beside the file a symlink names, resolved as
-    the writer resolves it (:func:`ptdstream.write.sink.resolve_target`)."""
+    the writer resolves it (:func:`ptdstream.write.folder.resolve_target`)."""
+    from ..write.folder import resolve_target
     from ..write.journal import unrecovered
-    from ..write.sink import resolve_target
 
     folders = sorted({os.path.dirname(p) for f in files
                       for p in (os.path.abspath(f), resolve_target(os.path.abspath(f)))})

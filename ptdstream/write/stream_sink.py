@@ -7,7 +7,7 @@ import os
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .sink import write_zeros
+from .sink_protocol import write_zeros
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
