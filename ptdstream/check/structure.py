@@ -52,10 +52,12 @@ class StructureReport(Report):
 
     @property
     def ok(self) -> bool:
+        """Whether every check passed."""
         return all(c.ok for c in self.checks)
 
     @property
     def problems(self) -> tuple[Check, ...]:
+        """The checks that failed, in order."""
         return tuple(c for c in self.checks if not c.ok)
 
     def summary(self) -> str:

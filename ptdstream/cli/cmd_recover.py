@@ -33,6 +33,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    """``ptdstream recover``: complete or roll back the half-published sets of each folder."""
     from ..write.journal import RecoveryError, recover
 
     for folder in args.folders:  # before touching any: a typo must not read as "all well"

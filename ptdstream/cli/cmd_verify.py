@@ -84,6 +84,8 @@ def unrecovered_sets(files):
 
 
 def run(args) -> int:
+    """``ptdstream verify``: the exit code of the check ``args`` pick (an unrecovered set in a folder makes it
+    invalid)."""
     pending = unrecovered_sets(args.files)
     for p in pending:  # the files may be a mix of two saves until the set is completed
         names = ", ".join(os.path.basename(t) for t in p.targets) or "unreadable journal"

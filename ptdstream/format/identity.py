@@ -69,10 +69,12 @@ def expected_identifier(kind: str) -> bytes:
 
 
 def u32(value: int) -> bytes:
+    """``value`` as a little-endian unsigned 32-bit integer."""
     return struct.pack("<I", value)
 
 
 def u64(value: int) -> bytes:
+    """``value`` as a little-endian unsigned 64-bit integer."""
     return struct.pack("<Q", value)
 
 

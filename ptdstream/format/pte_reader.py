@@ -36,6 +36,8 @@ _TENSOR_TYPE = 5  # schema.KernelTypes.Tensor
 
 
 def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
+    """The section map of a ``.pte`` of ``nbytes`` bytes whose first 64 bytes are ``head``
+    (:func:`~ptdstream.format.reader.parse_artifact`)."""
     header = None
     program_size, base, data_nbytes = nbytes, 0, 0
     if head[8:12] == ExtendedHeader.MAGIC:

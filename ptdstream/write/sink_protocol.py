@@ -30,9 +30,11 @@ class Sink(Protocol):
     :class:`~ptdstream.write.stream_sink.StreamSink` (a caller's open file).
     """
 
-    def write(self, data: ReadableBuffer) -> None: ...
+    def write(self, data: ReadableBuffer) -> None:
+        """Append every byte of ``data`` (any bytes-like object), looping on short writes."""
 
-    def write_zeros(self, nbytes: int) -> None: ...
+    def write_zeros(self, nbytes: int) -> None:
+        """Append ``nbytes`` zero bytes."""
 
 
 def write_zeros(write: Callable[[memoryview], None], nbytes: int) -> None:
