@@ -45,7 +45,7 @@ class StructureReport(Report):
     pte_path: str
     ptd_paths: tuple[str, ...]
     checks: tuple[Check, ...]
-    #: The shipped kernel libraries the program's operators are in (``check.kernels``), when checked.
+    #: The shipped kernel libraries the program's operators are in (``check.runtime.kernels``), when checked.
     needs_kernels: tuple[str, ...] = ()
 
     derived = ("ok",)
