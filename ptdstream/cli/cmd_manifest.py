@@ -35,6 +35,7 @@ def _output(args) -> str:
 
 
 def run(args) -> int:
+    """``ptdstream manifest``: write the integrity manifest of a set of files."""
     from ..manifest.codec import MIN_PIECE_NBYTES
     from ..manifest.describe import write_manifest_report
 

@@ -65,6 +65,7 @@ class Stages:
 
     @contextlib.contextmanager
     def stage(self, what: str) -> Iterator[None]:
+        """A numbered stage: ``[i/n] what ...`` before it, the seconds it took after it."""
         self.count += 1
         start = time.perf_counter()
         self._say(f"[{self.count}/{self.total}] {what} ...")
@@ -153,10 +154,12 @@ class DemoResult:
 
     @property
     def identical(self) -> bool:
+        """Whether there were files and each is byte-identical to upstream's."""
         return bool(self.files) and all(f.ok for f in self.files)
 
     @property
     def exit_code(self) -> int:
+        """0 when the files are identical and the runtime check (if run) passed, else 1."""
         runtime_ok = self.runtime is None or self.runtime.ok
         return 0 if self.identical and runtime_ok else 1
 
