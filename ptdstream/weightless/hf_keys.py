@@ -147,18 +147,20 @@ def _planned_type() -> type:
 
         @staticmethod
         def __new__(cls, recipe: Recipe) -> Any:
-            return torch.Tensor._make_wrapper_subclass(cls, recipe.shape, dtype=recipe.dtype, device="cpu")
+            return torch.Tensor._make_wrapper_subclass(cls, recipe.shape, dtype=recipe.dtype,
+                                                       device=torch.device("cpu"))
 
         def __init__(self, recipe: Recipe) -> None:
             self.recipe = recipe
 
-        __torch_function__ = torch._C._disabled_torch_function_impl
+        __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's own off switch
 
-        def __repr__(self) -> str:  # no storage to print
+        def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]  # no storage to print
             return f"Planned({list(self.recipe.shape)}, {self.recipe.dtype}, {len(self.recipe.segments)} segment(s))"
 
         @classmethod
-        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(  # type: ignore[override]  # torch declares it loosely; a wrapper subclass's form
+                cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             name = func.overloadpacket.__name__
             if name == "_to_copy":
@@ -256,7 +258,7 @@ def plan_keys(model: Any, entries: Mapping[str, Any], weight_mapping: Any, dtype
     Raises:
         ImportError: transformers is not installed.
     """
-    planned = planned_type()
+    planned: Any = planned_type()
     stand_ins = {key: planned(Recipe(tuple(e.shape), e.dtype, ((key, 0, _prod(e.shape)),)))
                  for key, e in entries.items()}
     missing, _, mismatched, _, errors = adapter.convert_and_load_state_dict(
