@@ -35,7 +35,10 @@ from ..upstream import adapter
 from .errors import BindingError
 from .storage_less import is_storage_less, storage_less, storage_less_model
 
-__all__ = ["KeyPlan", "Recipe", "UnplannedError", "plan_keys", "planned_type", "record_keys"]
+__all__ = ["UNPLANNED", "KeyPlan", "Recipe", "plan_keys", "planned_type", "record_keys"]
+
+#: Begins the message of an operation the stand-ins do not plan (transformers records it as a conversion error).
+UNPLANNED = "not read in pieces by the weightless route"
 
 
 @dataclass(frozen=True)
@@ -132,13 +135,15 @@ def _cat(recipes: list[Recipe], dim: int, shape: tuple[int, ...], dtype: Any) ->
     return Recipe(shape, dtype, _merged([s for outer in zip(*blocks, strict=True) for block in outer for s in block]))
 
 
-class UnplannedError(ValueError):
-    """An operation of transformers' conversion that is not planned (it reorders or computes elements)."""
-
-
 def _planned_type() -> type:
     import torch
-    from torch.utils._pytree import tree_map
+
+    def tree_map(fn: Any, value: Any) -> Any:  # an op's arguments: tensors in lists, tuples and dicts
+        if isinstance(value, (list, tuple)):
+            return type(value)(tree_map(fn, v) for v in value)
+        if isinstance(value, dict):
+            return {k: tree_map(fn, v) for k, v in value.items()}
+        return fn(value)
 
     class Planned(torch.Tensor):
         """A stand-in for a checkpoint tensor: shape and dtype, no storage, its :class:`Recipe`."""
@@ -180,7 +185,7 @@ def _planned_type() -> type:
                 if name == "slice":
                     step = args[4] if len(args) > 4 else kwargs.get("step", 1)
                     if step != 1:
-                        raise UnplannedError(f"{func} with step {step}")
+                        raise ValueError(f"{UNPLANNED}: {func} with step {step}")
                     start = args[2] if len(args) > 2 else kwargs.get("start")
                     start = _index(0 if start is None else start, x.shape[dim])
                     return cls(_narrow(x.recipe, dim, start, out.shape[dim], tuple(out.shape)))
@@ -201,12 +206,12 @@ def _planned_type() -> type:
                 tensors = list(args[0])
                 dim = _dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim())
                 if not all(isinstance(t, cls) for t in tensors):
-                    raise UnplannedError(f"{func} of checkpoint tensors with other tensors")
+                    raise ValueError(f"{UNPLANNED}: {func} of checkpoint tensors with other tensors")
                 recipes = [t.recipe for t in tensors]
                 if name == "stack":  # each one unsqueezed at dim, then concatenated
                     recipes = [Recipe(r.shape[:dim] + (1,) + r.shape[dim:], r.dtype, r.segments) for r in recipes]
                 return cls(_cat(recipes, dim, tuple(out.shape), out.dtype))
-            raise UnplannedError(f"{func} (it would reorder or compute the checkpoint's elements)")
+            raise ValueError(f"{UNPLANNED}: {func} (it reorders or computes the checkpoint's elements)")
 
     return Planned
 
@@ -312,7 +317,10 @@ def record_keys(model: Any, weights: Any, weight_mapping: Any, dtype: Any = None
     for tensor in {id(t): t for t in state.values() if id(t) in keys}.values():
         key = keys[id(tensor)]
         recipe = plan.loaded.get(key)
-        if key in plan.errors:
+        if key in plan.errors and UNPLANNED in plan.errors[key]:
+            problems.append(f"converting: the model's {key!r}: transformers builds it from the checkpoint with an "
+                            f"operation {' '.join(plan.errors[key].split())}: export it with the weights loaded")
+        elif key in plan.errors:
             problems.append(f"converting: the model's {key!r}: transformers could not build it from the "
                             f"checkpoint: {' '.join(plan.errors[key].split())} (from_pretrained refuses it too)")
         elif key in mismatched:

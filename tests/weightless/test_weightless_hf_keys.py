@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 import ptdstream
 import ptdstream.hf
-from ptdstream.weightless import BindingError, model_from_config, pretrained_without_weights
+from ptdstream.weightless import BindingError, model_from_config, pretrained_without_weights, storage_less_model
 
 pytestmark = pytest.mark.hf
 warnings.filterwarnings("ignore")
@@ -188,3 +188,33 @@ def test_a_fused_tensor_transformers_cannot_build_is_refused_by_name(mixtral, tm
     assert problem.startswith("converting: the model's 'model.layers.0.mlp.experts.gate_up_proj': transformers "
                               "could not build it from the checkpoint: Sizes of tensors must match")
     assert problem.endswith("(from_pretrained refuses it too)")
+
+
+def test_a_conversion_that_reorders_elements_is_refused_by_name_with_what_to_do(tmp_path):
+    """An operation the stand-ins cannot read in pieces (a transpose, here in a
+    mapping given to from_pretrained's machinery): named, and the hint is not
+    "from_pretrained refuses it" (it does not)."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    from ptdstream.weightless.hf_keys import record_keys
+
+    class Transposed(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            (tensors,) = input_dict.values()
+            return {target_patterns[0]: tensors[0].t()}
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    folder = str(tmp_path / "llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    mapping = [WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", operations=[Transposed()])]
+    with ptdstream.weights_from(folder) as weights:
+        model = storage_less_model(lambda: transformers.LlamaForCausalLM(config))
+        with pytest.raises(BindingError) as raised:
+            record_keys(model, weights, mapping)
+    (problem,) = raised.value.problems
+    assert problem.startswith("converting: the model's 'model.layers.0.self_attn.q_proj.weight': transformers "
+                              "builds it from the checkpoint with an operation not read in pieces by the "
+                              "weightless route: aten.t.default")
+    assert problem.endswith(": export it with the weights loaded")
