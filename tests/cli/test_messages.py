@@ -158,10 +158,11 @@ def test_weights_checkpoint_that_cannot_be_read_is_cannot_read_and_a_malformed_o
         ck = _unreadable_link(tmp_path, name)
         assert _run(capsys, "weights", pte, "--from", ck, "-o", out) == (
             2, "", f"ptdstream: cannot read {ck}: Permission denied\n")
-    index = tmp_path / "model.safetensors.index.json"  # a shard it names is missing: ENOENT, naming the shard
+    index = tmp_path / "model.safetensors.index.json"  # a shard it names is missing: an incomplete folder, exit 1
     index.write_text(json.dumps({"weight_map": {"a.weight": "absent.safetensors"}}))
     assert _run(capsys, "weights", pte, "--from", index, "-o", out) == (
-        2, "", f"ptdstream: cannot read {tmp_path / 'absent.safetensors'}: No such file or directory\n")
+        1, "", f"ptdstream: invalid file: {index}: shard 'absent.safetensors' (for 1 key(s): 'a.weight') is not in "
+        f"{tmp_path} (the folder is incomplete: copy the shard there, or save or download the model again)\n")
     (tmp_path / "bad.safetensors").write_bytes(b"\x08" + bytes(7) + b"not json")  # reads, but malformed: exit 1
     (tmp_path / "bad.pt").write_bytes(b"not a zip archive")
     rc, out_text, err = _run(capsys, "weights", pte, "--from", tmp_path / "bad.safetensors", "-o", out)
