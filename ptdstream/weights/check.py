@@ -17,7 +17,7 @@ from typing import Any
 
 from ..sources.checkpoint_base import Checkpoint
 
-__all__ = ["Located", "check_keys", "describe_layout", "mapper", "tags_and_order"]
+__all__ = ["Located", "check_keys", "describe_layout", "like_tag", "mapper", "tags_and_order"]
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None] | None
 #: Where a like= file holds a key: ``(path, file offset, bytes)``.
@@ -42,6 +42,12 @@ def mapper(key_map: KeyMap) -> Callable[[str], str | None]:
     return rename
 
 
+def like_tag(ptd: str | os.PathLike[str]) -> str:
+    """The tag a ``like`` file gives the keys it holds: its name without ``.ptd``."""
+    name = os.path.basename(os.fspath(ptd))
+    return name[: -len(".ptd")] if name.endswith(".ptd") else name
+
+
 def tags_and_order(program, like: Sequence[str], tag, problems: list[str]
                    ) -> tuple[dict[str, list[str]], list[str], dict[str, Located]]:
     """``{tag: [key, ...]}`` in upstream's order, the keys of ``like`` files that
@@ -60,9 +66,7 @@ def tags_and_order(program, like: Sequence[str], tag, problems: list[str]
             if art.kind != "ptd":
                 problems.append(f"like: {ptd} is a .pte, not a .ptd")
                 continue
-            name = os.path.basename(os.fspath(ptd))
-            tag_of_file = name[: -len(".ptd")] if name.endswith(".ptd") else name
-            keys = out.setdefault(tag_of_file, [])
+            keys = out.setdefault(like_tag(ptd), [])
             segments = {s.index: s for s in art.segments}
             for entry in art.named:
                 if entry.key in owner:
