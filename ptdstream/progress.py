@@ -35,13 +35,14 @@ def check_progress(progress: Any) -> None:
 
 
 def progress_callback(
-    stack: contextlib.ExitStack, progress: Any, total_nbytes: int, desc: str
+    stack: contextlib.ExitStack, progress: Any, total_nbytes: int | None, desc: str
 ) -> Callable[[int], object]:
     """A function to call with the bytes done after each piece.
 
-    ``progress`` is ``True`` (a tqdm bar on stderr of ``total_nbytes`` bytes,
-    closed when ``stack`` closes), a callable (returned as is), or ``False`` /
-    ``None`` (a function that does nothing).
+    ``progress`` is ``True`` (a tqdm bar on stderr of ``total_nbytes`` bytes, a
+    count when None: a size not known in advance; closed when ``stack`` closes),
+    a callable (returned as is), or ``False`` / ``None`` (a function that does
+    nothing).
 
     Raises:
         ArgumentTypeError: any other ``progress`` (:func:`check_progress`).
