@@ -233,7 +233,7 @@ def _one_process(tensors, folder):
 ])
 def test_keys_that_differ_across_ranks_are_refused_on_every_rank(dist_run, name, error):
     root, outcome = dist_run
-    assert outcome(name) == [f"error ptdstream.distributed.collective.{error}"] * 2
+    assert outcome(name) == [f"error ptdstream.distributed.errors.{error}"] * 2
     assert read_all(root / name) == {"model.ptd": b"previous"}
 
 
@@ -261,7 +261,7 @@ def test_a_piece_changed_after_hand_over_is_refused_on_every_rank(dist_run, name
     out = outcome(name)
     assert out[0] == out[1], out
     text = out[0]
-    assert text.startswith("error ptdstream.distributed.collective.DistributedIntegrityError: write the pieces: "
+    assert text.startswith("error ptdstream.distributed.errors.DistributedIntegrityError: write the pieces: "
                            f"rank 1: IntegrityError: {root / name / 'model.ptd'} at offset "), text
     assert f"rank 1 key {key!r}" in text and fragment in text and text.endswith("; nothing was published"), text
     assert read_all(root / name) == {"model.ptd": b"previous"}
@@ -280,7 +280,7 @@ def test_rank_0_killed_mid_write_publishes_nothing_and_the_next_save_removes_its
     folder = root / "kill-rank0-in-write"
     out = outcome("kill-rank0-in-write")
     assert out[0] is None
-    assert out[1].startswith("error ptdstream.distributed.collective.DistributedWriteError: write the pieces: the "
+    assert out[1].startswith("error ptdstream.distributed.errors.DistributedWriteError: write the pieces: the "
                              "group failed (a rank was killed, timed out or left): RuntimeError: "), out
     assert out[1].endswith("; nothing was published")
     names = sorted(os.listdir(folder))
