@@ -5,6 +5,7 @@ names) for ``weights``, a shape a key map cannot fix, a program verified without
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -112,3 +113,41 @@ def test_a_shape_mismatch_through_weights_from_gives_no_key_map_advice(tmp_path)
         with pytest.raises(BindingError) as caught:
             weights.bind(program)
     assert str(caught.value).endswith("a key_map cannot change a dtype or a shape")
+
+
+def _verify(capsys, *argv) -> tuple[int, str, str]:
+    from ptdstream.cli import main
+
+    code = main(["verify", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_verify_of_a_program_alone_names_the_ptd_beside_it_and_the_command(tmp_path, capsys):
+    files = write_reference("external", tmp_path)
+    pte, ptd = files["model.pte"], files[EXT_PTD]
+    from ptdstream.check.structure import check_structure
+
+    report = check_structure(pte)
+    missing = ", ".join(repr(t) for t in read_program_weights(pte).keys)
+    assert [c.detail for c in report.problems] == [
+        f"no .ptd given; missing: {missing}; {ptd} beside it holds them: ptdstream verify {pte} {ptd}"]
+    code, _, err = _verify(capsys, pte, "-q")
+    assert (code, err) == (1, f"ptdstream verify: INVALID {pte}: external data: no .ptd given; missing: {missing}; "
+                              f"{ptd} beside it holds them: ptdstream verify {pte} {ptd}\n")
+    assert check_structure(pte, [ptd]).ok  # the command it gives passes
+
+
+def test_verify_names_only_the_siblings_that_hold_missing_keys(tmp_path):
+    from ptdstream.check.structure import check_structure
+
+    files = write_reference("external", tmp_path / "set")
+    pte, ptd = files["model.pte"], files[EXT_PTD]
+    write_reference("xnnpack_ptd", tmp_path / "other")  # a .ptd of other keys
+    shutil.copyfile(tmp_path / "other" / "model.ptd", tmp_path / "set" / "other.ptd")
+    (tmp_path / "set" / "junk.ptd").write_bytes(b"not a ptd")
+    detail = check_structure(pte).problems[0].detail
+    assert detail.endswith(f"; {ptd} beside it holds them: ptdstream verify {pte} {ptd}")
+    os.remove(ptd)
+    assert check_structure(pte).problems[0].detail.startswith("no .ptd given; missing: ")
+    assert "beside it" not in check_structure(pte).problems[0].detail

@@ -185,8 +185,9 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list
             layouts.setdefault(e.key, (art.path, e.layout))
     key = {t.fqn: runtime_key(t.fqn) for t in pte.external_tensors}  # cut at a NUL, as the runtime reads it
     missing = [t.fqn for t in pte.external_tensors if key[t.fqn] not in layouts]
+    given = "missing from the given .ptd files" if ptds else "no .ptd given; missing"
     checks = [Check(pte_path, "external data", not missing,
-                    f"missing from the given .ptd files: {_names(missing)}" if missing
+                    f"{given}: {_names(missing)}{_beside(pte_path, ptds, {key[f] for f in missing})}" if missing
                     else f"all {len(pte.external_tensors)} external tensors found")]
     wrong = [f"{t.fqn!r} program {t.layout} vs {layouts[key[t.fqn]][0]} {layouts[key[t.fqn]][1]}"
              for t in pte.external_tensors
@@ -194,3 +195,42 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list
     checks.append(Check(pte_path, "external layouts", not wrong,
                         "; ".join(wrong[:3]) if wrong else "layouts match where recorded"))
     return checks
+
+
+#: The most .ptd files beside a program that :func:`_beside` reads (a folder of many models).
+_SIBLINGS = 64
+
+
+def _beside(pte_path: str, ptds: Sequence[Artifact], keys: Set[str]) -> str:
+    """Where the missing ``keys`` are: the .ptd files in the program's folder, not
+    given, that hold any of them (section maps only; at most :data:`_SIBLINGS` read),
+    and the command with them: ``; out/model.ptd beside it holds them: ptdstream
+    verify out/model.pte out/model.ptd``. Empty when no file there holds one."""
+    import shlex
+
+    folder = os.path.dirname(pte_path) or "."
+    given = {os.path.realpath(a.path) for a in ptds}
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".ptd"))[:_SIBLINGS]
+    except OSError:
+        return ""
+    found: list[str] = []
+    held: set[str] = set()
+    for name in names:
+        path = os.path.join(os.path.dirname(pte_path), name)
+        if os.path.realpath(path) in given:
+            continue
+        try:
+            art = read_artifact(path)
+        except (OSError, FormatError):
+            continue
+        mine = {e.key for e in art.named} & keys
+        if mine:
+            found.append(path)
+            held |= mine
+    if not found:
+        return ""
+    which = "them" if held == set(keys) else f"{len(held)} of them"
+    verb = "holds" if len(found) == 1 else "hold"
+    line = " ".join(shlex.quote(p) for p in [pte_path, *(a.path for a in ptds), *found])
+    return f"; {', '.join(found)} beside it {verb} {which}: ptdstream verify {line}"
