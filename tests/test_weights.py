@@ -315,7 +315,8 @@ def test_cli(exports, tmp_path, capsys):
     assert "8 keys" in capsys.readouterr().out
     # out/ holds the .ptd written above: refused at once (exit 2) without -f, before the checkpoint is read
     assert main(["weights", pte, "--from", ckpt, "-o", str(out)]) == 2
-    assert capsys.readouterr().err == f"ptdstream weights: error: output {out / PTD} exists; use -f/--force to replace it\n"
+    assert capsys.readouterr().err == (f"ptdstream weights: error: output {out / PTD} exists; use -f/--force to "
+                                       "replace it\n")
     assert main(["weights", pte, "--from", ckpt, "-o", str(out), "-f"]) == 1
     err = capsys.readouterr().err
     assert (out / PTD).read_bytes() == files["B"][PTD]  # nothing written
