@@ -151,3 +151,62 @@ def test_verify_names_only_the_siblings_that_hold_missing_keys(tmp_path):
     os.remove(ptd)
     assert check_structure(pte).problems[0].detail.startswith("no .ptd given; missing: ")
     assert "beside it" not in check_structure(pte).problems[0].detail
+
+
+def test_verify_of_a_file_that_is_no_program_stops_at_its_parse(tmp_path, capsys):
+    """``verify notes.txt model.ptd``: the parse failure, the .ptd's own checks, and no
+    'ok notes.txt: keys unique across .ptd files' under a file that is no program."""
+    files = write_reference("external", tmp_path)
+    (tmp_path / "notes.txt").write_bytes(b"hello notes")
+    code, out, _ = _verify(capsys, tmp_path / "notes.txt", files[EXT_PTD])
+    lines = out.splitlines()
+    assert code == 1 and lines[0] == (f"FAIL {tmp_path / 'notes.txt'}: parse: {tmp_path / 'notes.txt'}: at offset 4: "
+                                      "identifier b'o no' is neither ET.. (.pte) nor FT.. (.ptd): not an ExecuTorch "
+                                      "file")
+    assert not any("notes.txt" in line for line in lines[1:])
+    assert lines[-1] == "INVALID: 1 check failed"
+
+
+def test_verify_against_a_file_of_the_other_kind_says_so(tmp_path, capsys):
+    files = write_reference("xnnpack_ptd", tmp_path / "ref")
+    out = tmp_path / "out"
+    shutil.copytree(tmp_path / "ref", out)
+    code, stdout, _ = _verify(capsys, out / "model.pte", "--against", tmp_path / "ref" / "model.ptd")
+    size = os.path.getsize(files["model.ptd"])
+    assert (code, stdout) == (1, f"MISMATCH {out / 'model.pte'}: a program (.pte) compared with a data file (.ptd): "
+                                 f"they cannot be identical; compare it with {tmp_path / 'ref' / 'model.pte'} "
+                                 f"(reference {tmp_path / 'ref' / 'model.ptd'}, {size:,} bytes)\n")
+    code, stdout, _ = _verify(capsys, out / "model.ptd", "--against", out / "model.pte")
+    assert code == 1 and stdout.startswith(f"MISMATCH {out / 'model.ptd'}: a data file (.ptd) compared with a program "
+                                           "(.pte): they cannot be identical; compare it with the reference's .ptd (")
+
+
+def test_a_manifest_names_the_differing_bytes_first_and_the_piece_as_a_piece(tmp_path, capsys):
+    from ptdstream.cli import main
+
+    files = write_reference("external", tmp_path)
+    ptd = files[EXT_PTD]
+    assert main(["manifest", ptd, "-o", str(tmp_path / "m.manifest"), "--piece-size", "4096", "-q"]) == 0
+    size = os.path.getsize(ptd)
+    with open(ptd, "r+b") as f:
+        f.seek(size - 1)
+        last = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([last[0] ^ 1]))
+    code, out, _ = _verify(capsys, ptd, "--manifest", tmp_path / "m.manifest")
+    piece = (size - 1) // 4096
+    assert code == 1 and out.startswith(f"BAD {ptd}: differs in bytes [")
+    assert f" (first bad piece {piece}, bytes [{piece * 4096:,}, {size:,})); section " in out
+
+
+def test_verify_of_an_xnnpack_program_names_the_backend_it_needs(tmp_path, capsys):
+    from ptdstream.check.structure import check_structure
+
+    files = write_reference("xnnpack_ptd", tmp_path)
+    report = check_structure(files["model.pte"], [files["model.ptd"]])
+    assert report.ok and report.needs_backends == ("XnnpackBackend",)
+    code, out, _ = _verify(capsys, files["model.pte"], files["model.ptd"])
+    assert code == 0
+    assert f"ok   {files['model.pte']}: needs backends: XnnpackBackend (registered in executorch.runtime)\n" in out
+    plain = write_reference("external", tmp_path / "portable")
+    assert check_structure(plain["model.pte"], [plain[EXT_PTD]]).needs_backends == ()

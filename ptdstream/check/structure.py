@@ -21,8 +21,8 @@ from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identi
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from .runtime import registry as runtime_registry
-from .runtime.kernels import needs_line, operators_of, parse_libraries
-from .runtime.load import called_operators, runtime_load_checks
+from .runtime.kernels import backends_line, needs_line, operators_of, parse_libraries
+from .runtime.load import called_operators, delegate_backends, runtime_load_checks
 from .runtime.rules import runtime_key
 
 __all__ = ["StructureReport", "check_structure"]
@@ -47,6 +47,8 @@ class StructureReport(Report):
     checks: tuple[Check, ...]
     #: The shipped kernel libraries the program's operators are in (``check.kernels``), when checked.
     needs_kernels: tuple[str, ...] = ()
+    #: The backends the program's delegates name (``XnnpackBackend``), when it loads.
+    needs_backends: tuple[str, ...] = ()
 
     derived = ("ok",)
 
@@ -158,7 +160,7 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
         for named in art.named:
             if art.path not in owners.setdefault(named.key, []):
                 owners[named.key].append(art.path)
-    if ptds:
+    if ptds and pte is not None and pte.kind == "pte":  # across files: under the program it loads with
         shared = sorted(k for k, paths in owners.items() if len(paths) > 1)
         checks.append(Check(pte_path, "keys unique across .ptd files", not shared,
                             f"in several files: {_names(shared)}" if shared else f"{len(owners)} keys"))
@@ -168,10 +170,15 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
             results = runtime_load_checks(pte_path, pte, [(a.path, a) for a in ptds], operators, backends,
                                           max_planned_nbytes)
             checks.extend(Check(pte_path, name, ok, detail) for name, ok, detail in results)
-            if operators is not None and all(ok for _, ok, _ in results):
+            loads = all(ok for _, ok, _ in results)
+            delegates = tuple(delegate_backends(pte_path, pte)) if loads else ()
+            if delegates:  # the backends too, not only the kernels: an XNNPACK program needs XNNPACK
+                checks.append(Check(pte_path, "needs backends", True, backends_line(delegates)))
+            if operators is not None and loads:
                 needed, line = needs_line(called_operators(pte_path, pte))
                 checks.append(Check(pte_path, "needs kernels", True, line))
-                return StructureReport(pte_path, ptd_paths, tuple(checks), needed)
+                return StructureReport(pte_path, ptd_paths, tuple(checks), needed, delegates)
+            return StructureReport(pte_path, ptd_paths, tuple(checks), (), delegates)
     return StructureReport(pte_path, ptd_paths, tuple(checks))
 
 

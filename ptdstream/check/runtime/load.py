@@ -17,7 +17,7 @@ from .errors import RuleError
 from .method import check_method
 from .rules import HEAD_NBYTES, ProgramFile, PtdMap, check_program, default_planned_limit
 
-__all__ = ["called_operators", "runtime_load_checks"]
+__all__ = ["called_operators", "delegate_backends", "runtime_load_checks"]
 
 
 def _read(path: str, nbytes: int) -> bytes:
@@ -99,4 +99,21 @@ def called_operators(pte_path: str, pte_art: Artifact) -> list[str]:
                 raw = op.Overload()
                 full = name + (b"." + raw.split(b"\0", 1)[0] if raw is not None and len(raw) > 0 else b"")
                 seen[full.decode("utf-8", "surrogateescape")] = None  # as Method::resolve_operator spells it
+    return list(seen)
+
+
+def delegate_backends(pte_path: str, pte_art: Artifact) -> list[str]:
+    """The backend ids of every method's delegates, each once, in the order first
+    named: the backends the runtime must have registered (``BackendDelegate::Init``).
+    For a program whose :func:`runtime_load_checks` passed.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    root = program_root(_read(pte_path, pte_art.flatbuffer_end))
+    seen: dict[str, None] = {}
+    for p in range(root.ExecutionPlanLength()):
+        plan = root.ExecutionPlan(p)
+        for i in range(plan.DelegatesLength()):
+            seen[plan.Delegates(i).Id().split(b"\0", 1)[0].decode("utf-8", "surrogateescape")] = None
     return list(seen)
