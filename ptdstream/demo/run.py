@@ -35,14 +35,13 @@ Run it: ``python -m ptdstream.demo --out ./ptdstream-demo`` (or ``ptdstream demo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ..progress import Stages
 from . import DATA_TAG, METHODS, check_folders
 from .checks import ATOL, RuntimeCheck, TiedEmbedding, check_runtime, find_tied_embedding
 from .rss import PeakRssSampler
@@ -54,26 +53,6 @@ if TYPE_CHECKING:  # imported where they are used: torch and the writer load onl
     from ..check.compare import CompareReport
     from ..save import SaveReport
     from .model import TinyLM
-
-
-class Stages:
-    """Prints each stage of the demo on ``stream`` as it starts and when it ends,
-    with its wall time in seconds; silent when ``stream`` is None."""
-
-    def __init__(self, stream: TextIO | None, total: int) -> None:
-        self.stream, self.total, self.count = stream, total, 0
-
-    @contextlib.contextmanager
-    def stage(self, what: str) -> Iterator[None]:
-        self.count += 1
-        start = time.perf_counter()
-        self._say(f"[{self.count}/{self.total}] {what} ...")
-        yield
-        self._say(f"[{self.count}/{self.total}] {what}: done in {time.perf_counter() - start:.1f} s")
-
-    def _say(self, line: str) -> None:
-        if self.stream is not None:
-            print(line, file=self.stream, flush=True)
 
 
 @dataclass(frozen=True)

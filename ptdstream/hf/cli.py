@@ -20,12 +20,15 @@ from collections.abc import Sequence
 from ..errors import PtdstreamError
 from .routes import QUANTIZE_OPTIONS, quantization_refusal
 
-__all__ = ["FORCE_FLAGS", "HELP", "HELP_WITHOUT_COMMAND", "OPTIMUM_RECIPES", "WEIGHTLESS_FLAG", "main", "usage_error"]
+__all__ = ["FORCE_FLAGS", "HELP", "HELP_WITHOUT_COMMAND", "OPTIMUM_RECIPES", "QUIET_FLAGS", "WEIGHTLESS_FLAG", "main",
+           "usage_error"]
 
 #: The command-line flag of :func:`main` (removed before optimum-cli parses the rest).
 WEIGHTLESS_FLAG = "--weightless"
 #: ptdstream's flag to replace the .pte/.ptd files of an earlier export in ``-o`` (removed too).
 FORCE_FLAGS = ("-f", "--force")
+#: ptdstream's flag to print nothing but errors: no stage lines, no report (removed too).
+QUIET_FLAGS = ("-q", "--quiet")
 
 #: optimum-executorch 1.1.0's recipe names (``recipe_registry`` after
 #: ``discover_recipes()``, ``optimum/exporters/executorch/recipe_registry.py``),
@@ -41,7 +44,8 @@ The options of the export itself are optimum-cli's:
 """
 
 #: What :func:`main` prints before optimum-cli's own ``--help``.
-HELP = f"""usage: python -m ptdstream.hf export executorch -m DIR --task TASK --recipe RECIPE -o OUT [--weightless] [-f]
+HELP = f"""usage: python -m ptdstream.hf export executorch -m DIR --task TASK --recipe RECIPE -o OUT
+           [--weightless] [-f] [-q]
 
 optimum-cli with every .pte/.ptd saved by ptdstream's streaming writer (the same bytes as executorch's).
 ptdstream's options and checks (made before optimum, torch or transformers is imported):
@@ -51,6 +55,9 @@ ptdstream's options and checks (made before optimum, torch or transformers is im
   -f, --force           replace the .pte/.ptd files of an earlier export in OUT; without it an
                         OUT that holds any .pte or .ptd file is refused (the export writes
                         model.pte and a .ptd per tag, named only once it has run)
+  -q, --quiet           print nothing but errors; without it each stage (load, torch.export of
+                        each method, lowering, save) is printed on stderr as it begins and ends,
+                        with its seconds, then the files written
   -m/--model DIR        a local folder with config.json (nothing is downloaded)
   -o/--output_dir OUT   a folder (created if missing); not one holding .pte/.ptd files, without -f
   --recipe RECIPE       one of {", ".join(OPTIMUM_RECIPES)}
@@ -129,7 +136,9 @@ def _output_error(out: str | None, force: bool) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``optimum-cli`` with ptdstream saving (:func:`ptdstream.hf.saving.run_optimum_cli`),
-    plus ``--weightless`` and ``-f``/``--force`` anywhere in ``argv``.
+    plus ``--weightless``, ``-f``/``--force`` and ``-q``/``--quiet`` anywhere in ``argv``:
+    without ``-q`` each stage of the export is printed on stderr as it begins and
+    ends (:mod:`ptdstream.hf.stages`), then the files written.
 
     ``python -m ptdstream.hf export executorch -m DIR --task text-generation
     --recipe xnnpack -o OUT --weightless``. Before optimum (and torch) is imported:
@@ -155,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(HELP, flush=True)
     weightless = WEIGHTLESS_FLAG in args
     force = any(a in FORCE_FLAGS for a in args)
-    args = [a for a in args if a != WEIGHTLESS_FLAG and a not in FORCE_FLAGS]
+    quiet = any(a in QUIET_FLAGS for a in args)
+    args = [a for a in args if a != WEIGHTLESS_FLAG and a not in FORCE_FLAGS + QUIET_FLAGS]
     if "-h" not in args and "--help" not in args:
         error = usage_error(args, force)
         if error is not None:
@@ -171,12 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .saving import run_optimum_cli
 
     if not weightless:
-        return run_optimum_cli(args)
+        return run_optimum_cli(args, progress=not quiet, quiet=quiet)
     from ..weightless.hf import pretrained_without_weights
 
     try:
         with pretrained_without_weights():
-            return run_optimum_cli(args)
+            return run_optimum_cli(args, progress=not quiet, quiet=quiet)
     except PtdstreamError as e:
         print(f"ptdstream.hf: error: {e}", file=sys.stderr)
         return 1

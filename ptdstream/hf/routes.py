@@ -23,6 +23,8 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
 
     ``weightless``: load no weight (see :mod:`ptdstream.hf`); ``model_dir``
     must hold safetensors shards whose keys, dtypes and shapes are the model's.
+    ``progress=True``: each stage printed on stderr as it begins and ends, with
+    its seconds (load, ``torch.export`` of each method, lowering, save).
 
     Raises:
         NeedsWeightValuesError: with ``weightless``, an option that needs the
