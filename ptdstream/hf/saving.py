@@ -35,9 +35,6 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..hooks.emitter import constants_by_reference
-from ..hooks.install import installed
-from ..hooks.xnnpack import xnnpack_constants_by_reference
 from ..reports import Report
 
 __all__ = ["ExportReport", "quiet_export", "run_main_export", "run_optimum_cli", "saving_with_ptdstream"]
@@ -124,6 +121,10 @@ def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:
     Nests with :func:`ptdstream.install`: an install made before entering stays
     after leaving (the patches are restored by the last exit).
     """
+    from ..hooks.emitter import constants_by_reference  # executorch and torch: when an export runs
+    from ..hooks.install import installed
+    from ..hooks.xnnpack import xnnpack_constants_by_reference
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(installed())
         if by_reference:
@@ -225,7 +226,7 @@ def _stages(progress: bool):
 
     stages = Stages(sys.stderr, elapsed=True)
     if "optimum.exporters.executorch" not in sys.modules:
-        stages.begin("import optimum-executorch, transformers and torch")
+        stages.begin("import torch, executorch, transformers and optimum-executorch")
     return stages
 
 
