@@ -161,6 +161,18 @@ def read_folder(folder: str) -> dict[str, bytes]:
     return out
 
 
+def write_two_file_set(folder, version: int) -> None:
+    """Save a two-file set (a.ptd, b.ptd) into ``folder`` whose files both differ between versions."""
+    from ptdstream.save import write_data_files
+    from ptdstream.store import StreamingNamedDataStore
+
+    store = StreamingNamedDataStore()
+    g = torch.Generator().manual_seed(version)
+    for tag in ("a", "b"):
+        store.add_named_data(f"{tag}.w", torch.randn(64 + version, generator=g), alignment=16, external_tag=tag)
+    write_data_files(store, str(folder))
+
+
 @functools.cache
 def _seeded(name: str) -> torch.nn.Module:
     torch.manual_seed(0)

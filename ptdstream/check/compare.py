@@ -60,6 +60,7 @@ class CompareReport(Report):
 
     @property
     def ok(self) -> bool:
+        """Whether the output could be compared and equals the reference, byte for byte."""
         return self.error is None and self.first_diff_offset is None
 
     def summary(self) -> str:

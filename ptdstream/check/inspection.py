@@ -126,6 +126,7 @@ class InspectReport(Report):
 
     @property
     def duplicated_nbytes(self) -> int:
+        """Bytes stored more than once, over every group of duplicates."""
         return sum(g.duplicated_nbytes for g in self.duplicates)
 
     derived = ("duplicated_nbytes",)

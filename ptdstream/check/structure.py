@@ -45,7 +45,7 @@ class StructureReport(Report):
     pte_path: str
     ptd_paths: tuple[str, ...]
     checks: tuple[Check, ...]
-    #: The shipped kernel libraries the program's operators are in (``check.kernels``), when checked.
+    #: The shipped kernel libraries the program's operators are in (``check.runtime.kernels``), when checked.
     needs_kernels: tuple[str, ...] = ()
     #: The backends the program's delegates name (``XnnpackBackend``), when it loads.
     needs_backends: tuple[str, ...] = ()
@@ -54,10 +54,12 @@ class StructureReport(Report):
 
     @property
     def ok(self) -> bool:
+        """Whether every check passed."""
         return all(c.ok for c in self.checks)
 
     @property
     def problems(self) -> tuple[Check, ...]:
+        """The checks that failed, in order."""
         return tuple(c for c in self.checks if not c.ok)
 
     def summary(self) -> str:

@@ -41,6 +41,7 @@ def check(args) -> None:
 
 
 def run(args) -> int:
+    """``ptdstream demo``: the exit code of the built-in example."""
     from ..demo.run import main
 
     return int(main(args) or 0)

@@ -42,6 +42,7 @@ def check(args) -> None:
 
 
 def run(args) -> int:
+    """``ptdstream extract``: list a packed file's keys, or write one key's or segment's bytes."""
     from ..pack.extract import PackedArtifact
 
     with PackedArtifact(args.packed) as packed:

@@ -21,6 +21,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    """``ptdstream inspect``: print each file's sections, keys and duplicate content."""
     from ..check.inspection import inspect_files
 
     print_report(args, inspect_files(args.files))

@@ -48,6 +48,7 @@ def check(args) -> None:
 
 
 def run(args) -> int:
+    """``ptdstream manifest``: write the integrity manifest of a set of files."""
     from ..manifest.describe import write_manifest_report
 
     print_report(args, write_manifest_report(args.files, _output(args), args.piece_size))

@@ -62,6 +62,7 @@ def output_of(args):
 
 
 def run(args) -> int:
+    """``ptdstream pack``: compress a file into seekable zstd."""
     from ..pack.compress import pack
 
     out = output_of(args)

@@ -33,6 +33,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    """``ptdstream recover``: complete or roll back the half-published sets of each folder."""
     from ..write.journal import RecoveryError, recover
 
     for folder in args.folders:  # before touching any: a typo must not read as "all well"
@@ -61,7 +62,7 @@ def run(args) -> int:
 def _with_link_folders(folders):
     """``folders`` and, after each, the folders its symlinks point into (where a save
     through the link wrote its journal, resolved as the writer resolves it)."""
-    from ..write.sink import resolve_target
+    from ..write.folder import resolve_target
 
     out = []
     for folder in folders:

@@ -39,6 +39,7 @@ def output_of(args):
 
 
 def run(args) -> int:
+    """``ptdstream unpack``: decompress a packed file."""
     from ..pack.decompress import unpack
 
     out = output_of(args)

@@ -74,9 +74,9 @@ def register(subparsers) -> None:
 def unrecovered_sets(files):
     """The unrecovered set publications (journals) in the folders of ``files`` and
     where a save wrote their journal: beside the file a symlink names, resolved as
-    the writer resolves it (:func:`ptdstream.write.sink.resolve_target`)."""
+    the writer resolves it (:func:`ptdstream.write.folder.resolve_target`)."""
+    from ..write.folder import resolve_target
     from ..write.journal import unrecovered
-    from ..write.sink import resolve_target
 
     folders = sorted({os.path.dirname(p) for f in files
                       for p in (os.path.abspath(f), resolve_target(os.path.abspath(f)))})
@@ -84,6 +84,8 @@ def unrecovered_sets(files):
 
 
 def run(args) -> int:
+    """``ptdstream verify``: the exit code of the check ``args`` pick (an unrecovered set in a folder makes it
+    invalid)."""
     pending = unrecovered_sets(args.files)
     for p in pending:  # the files may be a mix of two saves until the set is completed
         names = ", ".join(os.path.basename(t) for t in p.targets) or "unreadable journal"

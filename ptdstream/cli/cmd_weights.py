@@ -173,6 +173,8 @@ def _existing_parent(path: str) -> str:
 
 
 def run(args) -> int:
+    """``ptdstream weights``: write the ``.ptd`` files of a program from a checkpoint
+    (:func:`~ptdstream.weights.write_ptd`)."""
     from ..weights import write_ptd
 
     with _folder(args.out):

@@ -60,6 +60,7 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises :class:`UsageError` instead of printing and exiting."""
 
     def error(self, message: str):
+        """Raise :class:`UsageError` (exit 2) with ``message`` and a pointer to ``--help``, instead of exiting."""
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 

@@ -64,6 +64,7 @@ class RuntimeCheck:
 
     @property
     def ok(self) -> bool:
+        """Whether every output of the runtime matched eager PyTorch's."""
         return all(self.matches.values())
 
 

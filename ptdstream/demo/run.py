@@ -132,10 +132,12 @@ class DemoResult:
 
     @property
     def identical(self) -> bool:
+        """Whether there were files and each is byte-identical to upstream's."""
         return bool(self.files) and all(f.ok for f in self.files)
 
     @property
     def exit_code(self) -> int:
+        """0 when the files are identical and the runtime check (if run) passed, else 1."""
         runtime_ok = self.runtime is None or self.runtime.ok
         return 0 if self.identical and runtime_ok else 1
 

@@ -106,7 +106,7 @@ def _handed_over(piece, label: str, fingerprint: bool) -> Source:
     """The source of a piece, with the fingerprint it is checked against when
     written: the xxh3-128 of a CPU piece (:meth:`~ptdstream.sources.base.Source.hand_over`),
     the GPU fingerprint of a CUDA piece (checked once its bytes are copied out, as
-    :mod:`ptdstream.hooks.cuda.backend` does). ``fingerprint=False`` for a copy the
+    :mod:`ptdstream.hooks.cuda.keeping` does). ``fingerprint=False`` for a copy the
     writer made itself (nobody else can change it)."""
     if not (fingerprint and piece.numel()):
         return as_source(piece, label=label)

@@ -60,10 +60,13 @@ class NamedEntry:
 
 @dataclass(frozen=True)
 class ExternalTensor:
-    """A program tensor whose data lives in a .ptd under ``fqn``."""
+    """A program tensor whose data lives in a .ptd under ``fqn``; ``buffer_index``
+    is its ``data_buffer_idx`` (the emitter's index into its external constant
+    buffers, equal for tensors whose bytes were equal at export)."""
 
     fqn: str
     layout: TensorMeta
+    buffer_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Section:
 
     @property
     def nbytes(self) -> int:
+        """The section's length in bytes."""
         return self.end - self.start
 
 
@@ -87,7 +91,8 @@ class Artifact:
     ``header`` is an :class:`~ptdstream.format.identity.ExtendedHeader` (None for a .pte
     that is a raw flatbuffer) or a :class:`~ptdstream.format.identity.FlatTensorHeader`;
     ``flatbuffer_end`` ends the metadata (header included, it starts at 0);
-    ``constant_offsets`` are the tensor offsets within the constant segment.
+    ``constant_offsets`` are the tensor offsets within the constant segment;
+    ``delegates`` are a program's ``(method, backend id)`` pairs, in plan order.
     """
 
     path: str
@@ -104,6 +109,7 @@ class Artifact:
     constant_offsets: tuple[int, ...] = ()
     external_tensors: tuple[ExternalTensor, ...] = ()
     version: int = 0
+    delegates: tuple[tuple[str, str], ...] = ()
 
     @functools.cached_property
     def _sections(self) -> tuple[Section, ...]:
@@ -131,16 +137,19 @@ class Artifact:
 
 
 def fail(name: str, offset: int, what: str) -> FormatError:
+    """A :class:`FormatError` whose one line names the file, the offset of the bad field and what is wrong."""
     return FormatError(f"{name}: at offset {offset}: {what}")
 
 
 def check_index(name: str, base: int, spans: Sequence[tuple[int, int]], index: int, what: str) -> None:
+    """Raise (:func:`fail`) unless ``index`` names one of ``spans``' segments; ``what`` names the referrer."""
     if not 0 <= index < len(spans):
         raise fail(name, base, f"{what} names segment {index}, but there are {len(spans)} segments")
 
 
 def subsegments(name: str, base: int, spans: Sequence[tuple[int, int]], index: int, offsets: Iterable[int],
                 what: str) -> tuple[int, ...]:
+    """The offsets within segment ``index``, checked to be ascending and inside it (:func:`fail` otherwise)."""
     check_index(name, base, spans, index, f"{what} segment")
     seg_offset, seg_nbytes = spans[index]
     values = tuple(int(o) for o in offsets)
@@ -162,6 +171,7 @@ def label(labels: dict[int, list[Any]], index: int, label: str, key: str | None 
 
 def segments_of(name: str, base: int, spans: Sequence[tuple[int, int]], labels: dict[int, list[Any]], limit: int,
                 has_header: bool) -> tuple[Segment, ...]:
+    """The :class:`Segment` of each ``(offset, size)`` span, checked to end before ``limit`` and not to overlap."""
     out = []
     for i, (offset, size) in enumerate(spans):
         if offset < 0 or size < 0:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, fields
+from typing import ClassVar, TypeVar
 
 __all__ = [
     "FLAT_TENSOR_VERSION",
@@ -29,6 +29,7 @@ __all__ = [
     "SKIPPABLE_MAGIC_BASE",
     "ExtendedHeader",
     "FlatTensorHeader",
+    "InsertedHeader",
     "ZSTD_MAGIC",
     "expected_identifier",
     "is_zstd",
@@ -87,15 +88,64 @@ def expected_identifier(kind: str) -> bytes:
 
 
 def u32(value: int) -> bytes:
+    """``value`` as a little-endian unsigned 32-bit integer."""
     return struct.pack("<I", value)
 
 
 def u64(value: int) -> bytes:
+    """``value`` as a little-endian unsigned 64-bit integer."""
     return struct.pack("<Q", value)
 
 
+_H = TypeVar("_H", bound="InsertedHeader")
+
+
 @dataclass(frozen=True)
-class ExtendedHeader:
+class InsertedHeader:
+    """A header inserted at byte 8 of a flatbuffer (after its root offset and file
+    identifier): ``MAGIC`` (4 bytes), u32 length, then one u64 per field of the
+    subclass before ``length``, in field order.
+
+    A reader accepts a length of at least ``MINIMUM_LENGTH`` (the fields ending
+    within it must be there); the fields past it are read only when the length
+    is at least ``LENGTH``, else they are 0. A writer always writes ``LENGTH``.
+    ``length`` is the length the header bytes gave (``LENGTH`` for one built here).
+    """
+
+    MAGIC: ClassVar[bytes]
+    LENGTH: ClassVar[int]
+    MINIMUM_LENGTH: ClassVar[int]
+
+    def to_bytes(self) -> bytes:
+        """The ``LENGTH`` header bytes: always the full length."""
+        return self.MAGIC + u32(self.LENGTH) + b"".join(u64(getattr(self, name)) for name in self._u64_fields())
+
+    @classmethod
+    def from_bytes(cls: type[_H], data: bytes) -> _H | None:
+        """Parse the bytes at file offset 8; ``None`` if no valid header is there."""
+        if len(data) < cls.MINIMUM_LENGTH or data[0:4] != cls.MAGIC:
+            return None
+        (length,) = struct.unpack_from("<I", data, 4)
+        if length < cls.MINIMUM_LENGTH:
+            return None
+        names = cls._u64_fields()
+        required = (cls.MINIMUM_LENGTH - 8) // 8  # after the magic and the length
+        if length >= cls.LENGTH:
+            if len(data) < cls.LENGTH:
+                return None
+            required = len(names)
+        values = dict.fromkeys(names, 0)  # a field past the length read is 0
+        values.update(zip(names, struct.unpack_from(f"<{required}Q", data, 8), strict=False))
+        values["length"] = length
+        return cls(**values)
+
+    @classmethod
+    def _u64_fields(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "length"]
+
+
+@dataclass(frozen=True)
+class ExtendedHeader(InsertedHeader):
     """The .pte extended header, inserted at byte 8 of the program flatbuffer.
 
     Byte layout (``_program.py::_ExtendedHeader``; read by
@@ -113,35 +163,9 @@ class ExtendedHeader:
     segment_data_size: int
     length: int = LENGTH
 
-    def to_bytes(self) -> bytes:
-        """The 32 header bytes (always the full length)."""
-        return (
-            self.MAGIC
-            + u32(self.LENGTH)
-            + u64(self.program_size)
-            + u64(self.segment_base_offset)
-            + u64(self.segment_data_size)
-        )
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> ExtendedHeader | None:
-        """Parse the bytes at file offset 8; ``None`` if no valid header is there."""
-        if len(data) < cls.MINIMUM_LENGTH or data[0:4] != cls.MAGIC:
-            return None
-        (length,) = struct.unpack_from("<I", data, 4)
-        if length < cls.MINIMUM_LENGTH:
-            return None
-        program_size, base = struct.unpack_from("<QQ", data, 8)
-        data_size = 0
-        if length >= cls.LENGTH:
-            if len(data) < cls.LENGTH:
-                return None
-            (data_size,) = struct.unpack_from("<Q", data, 24)
-        return cls(program_size, base, data_size, length)
-
 
 @dataclass(frozen=True)
-class FlatTensorHeader:
+class FlatTensorHeader(InsertedHeader):
     """The .ptd header, inserted at byte 8 of the FlatTensor flatbuffer.
 
     Byte layout (``flat_tensor/serialize/serialize.py::FlatTensorHeader``; read by
@@ -152,6 +176,7 @@ class FlatTensorHeader:
 
     MAGIC: ClassVar[bytes] = b"FH01"
     LENGTH: ClassVar[int] = 40
+    MINIMUM_LENGTH: ClassVar[int] = LENGTH
     #: The flatbuffer is aligned to 16 after the header (``_FLATBUFFER_ALIGNMENT``).
     FLATBUFFER_ALIGNMENT: ClassVar[int] = 16
 
@@ -160,27 +185,3 @@ class FlatTensorHeader:
     segment_base_offset: int
     segment_data_size: int
     length: int = LENGTH
-
-    def to_bytes(self) -> bytes:
-        """The 40 header bytes."""
-        return (
-            self.MAGIC
-            + u32(self.LENGTH)
-            + u64(self.flatbuffer_offset)
-            + u64(self.flatbuffer_size)
-            + u64(self.segment_base_offset)
-            + u64(self.segment_data_size)
-        )
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> FlatTensorHeader | None:
-        """Parse the bytes at file offset 8; ``None`` if no valid header is there."""
-        if len(data) < cls.LENGTH or data[0:4] != cls.MAGIC:
-            return None
-        (length,) = struct.unpack_from("<I", data, 4)
-        if length < cls.LENGTH:
-            return None
-        offset, size, base, data_size = struct.unpack_from("<QQQQ", data, 8)
-        return cls(offset, size, base, data_size, length=length)
-
-

@@ -83,6 +83,7 @@ class Placement:
 
     @property
     def end(self) -> int:
+        """The offset just past the placed bytes."""
         return self.offset + self.nbytes
 
 

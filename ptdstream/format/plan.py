@@ -68,10 +68,12 @@ class Extent:
 
     @staticmethod
     def metadata(data: bytes, section: str) -> Extent:
+        """An extent of bytes the plan holds (headers, flatbuffers)."""
         return Extent(ExtentKind.METADATA, len(data), section, data=data)
 
     @staticmethod
     def zeros(nbytes: int, section: str) -> Extent:
+        """An extent of ``nbytes`` zero bytes (padding)."""
         return Extent(ExtentKind.ZEROS, nbytes, section)
 
     @staticmethod
@@ -81,6 +83,8 @@ class Extent:
         keys: Sequence[str] = (),
         fingerprint: Fingerprint | None = None,
     ) -> Extent:
+        """An extent streamed from ``source``, its first bytes taken now (``prefix``); ``keys`` and
+        ``fingerprint`` as the attributes."""
         return Extent(
             ExtentKind.SOURCE,
             source.nbytes,
@@ -108,6 +112,7 @@ class SegmentPlan:
 
     @property
     def nbytes(self) -> int:
+        """The segment's length in bytes: its parts', padding parts included."""
         return sum(p.nbytes for p in self.parts)
 
 

@@ -19,6 +19,8 @@ __all__ = ["parse_ptd"]
 
 
 def parse_ptd(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
+    """The section map of a ``.ptd`` of ``nbytes`` bytes whose first 64 bytes are ``head``
+    (:func:`~ptdstream.format.reader.parse_artifact`)."""
     header = FlatTensorHeader.from_bytes(head[8 : 8 + FlatTensorHeader.LENGTH])
     if header is None:
         raise fail(name, 8, f"no FlatTensor header: expected b'FH01' with length >= {FlatTensorHeader.LENGTH}, "

@@ -36,6 +36,8 @@ _TENSOR_TYPE = 5  # schema.KernelTypes.Tensor
 
 
 def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
+    """The section map of a ``.pte`` of ``nbytes`` bytes whose first 64 bytes are ``head``
+    (:func:`~ptdstream.format.reader.parse_artifact`)."""
     header = None
     program_size, base, data_nbytes = nbytes, 0, 0
     if head[8:12] == ExtendedHeader.MAGIC:
@@ -73,8 +75,10 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
     for sub in map(program.MutableDataSegments, range(program.MutableDataSegmentsLength())):
         subsegments(name, base, spans, sub.SegmentIndex(), _offsets(sub), "mutable data")
         label(labels, sub.SegmentIndex(), "mutable data")
+    delegates = []
     for plan in map(program.ExecutionPlan, range(program.ExecutionPlanLength())):
         for d in map(plan.Delegates, range(plan.DelegatesLength())):
+            delegates.append((text(plan.Name()), text(d.Id())))
             ref = d.Processed()
             if ref is not None and ref.Location() == _SEGMENT_LOCATION:
                 check_index(name, base, spans, ref.Index(), f"delegate {text(d.Id())!r}")
@@ -93,6 +97,7 @@ def parse_pte(name: str, nbytes: int, head: bytes, read_at: ReadAt) -> Artifact:
         flatbuffer_end=program_size, segment_base_offset=base, segment_data_nbytes=data_nbytes,
         segments=segments, named=tuple(named), constant_segment_index=const_index,
         constant_offsets=tuple(const_offsets), external_tensors=tuple(external), version=version,
+        delegates=tuple(delegates),
     )
 
 
@@ -114,5 +119,5 @@ def _external_tensors(program: Any) -> tuple[ExternalTensor, ...]:
             fqn = text(info.FullyQualifiedName())
             layout = TensorMeta(t.ScalarType(), tuple(t.Sizes(j) for j in range(t.SizesLength())),
                                 tuple(t.DimOrder(j) for j in range(t.DimOrderLength())))
-            found.setdefault(fqn, ExternalTensor(fqn, layout))
+            found.setdefault(fqn, ExternalTensor(fqn, layout, t.DataBufferIdx()))
     return tuple(found.values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from ..errors import FormatError
+from ..system.files import pread_bytes
 from .artifact import Artifact, ReadAt, fail
 from .identity import HEAD_NBYTES, is_zstd, kind_of
 from .ptd_reader import parse_ptd
@@ -40,7 +41,7 @@ def read_artifact(path: str) -> Artifact:
         fd = f.fileno()
 
         def read_at(offset: int, count: int) -> bytes:
-            data = os.pread(fd, count, offset)
+            data = pread_bytes(fd, count, offset)
             if len(data) != count:
                 raise FormatError(f"{path}: at offset {offset}: read {len(data)} of {count} bytes (file changed?)")
             return data

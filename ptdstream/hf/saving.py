@@ -55,6 +55,7 @@ class ExportReport(Report):
 
     @property
     def nbytes(self) -> int:
+        """Bytes written, over every file."""
         return sum(n for _, n in self.files)
 
     derived = ("nbytes",)

@@ -5,8 +5,10 @@ reference), ``xnnpack`` (XNNPACK's constants by reference), ``reachability`` (th
 partitioners' closure sets as bitsets), ``blobs`` (delegate blobs that stay in
 files), ``fx_sources`` (generated graph sources freed with their code),
 ``install`` (the drop-in for executorch's save methods) and ``cuda/`` (the CUDA
-backend's weights). They patch only through :mod:`ptdstream.upstream.patching`
-and reach private names only through :mod:`ptdstream.upstream`.
+backend's weights: ``backend``, the context; ``routing``, the collector's calls;
+``keeping``, where each storage's bytes stay; and their mechanisms). They patch
+only through :mod:`ptdstream.upstream.patching` and reach private names only
+through :mod:`ptdstream.upstream`.
 
 Who imports them: the ways in above (``weightless/``: the emitter, fx sources and
 the CUDA backend's sharing; ``hf/``: install, the emitter and XNNPACK's constants

@@ -56,9 +56,11 @@ class SourceBackedData(FileBackedData):
         return self.source.nbytes
 
     def prefix(self, size: int) -> bytes:
+        """The first ``size`` bytes of the data (upstream's dedup looks at them first)."""
         return self.source.prefix(size)
 
     def sha256(self) -> bytes:
+        """The SHA-256 of the data: the one handed over, else streamed once and cached."""
         cached = adapter.cached_sha256(self)
         if cached is None:
             digest = hashlib.sha256()
@@ -69,9 +71,11 @@ class SourceBackedData(FileBackedData):
         return cached
 
     def to_bytes(self) -> bytes:
+        """The whole data joined in memory (upstream's slow path, as for any ``FileBackedData``)."""
         return b"".join(bytes(p) for p in self._pieces())
 
     def write_to_file(self, outfile) -> None:
+        """Write the data to ``outfile`` piece by piece."""
         for piece in self._pieces():
             outfile.write(piece)
 
@@ -124,6 +128,7 @@ class EmitterHashlib:
 
     @staticmethod
     def sha256(data=b"", **kwargs):
+        """``hashlib.sha256(data)``, or for a :class:`ByReference` object its own streamed digest."""
         if isinstance(data, ByReference) and not kwargs:
             return _Digest(data.sha256())
         return hashlib.sha256(data, **kwargs)

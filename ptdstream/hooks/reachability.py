@@ -65,9 +65,11 @@ class NodeSet(AbstractSet):
         return set(iterable)  # ``|``, ``&``, ``-``, ``^`` give a plain set, as upstream's sets do
 
     def copy(self) -> set[Any]:
+        """A plain ``set`` of the nodes."""
         return set(self)
 
     def union(self, *others: Iterable[Any]) -> set[Any]:
+        """A plain ``set`` of the nodes and those of ``others``."""
         return set(self).union(*others)
 
     def __iter__(self) -> Iterator[Any]:

@@ -1,6 +1,6 @@
 """An integrity manifest's data (:class:`IntegrityManifest`) and its bytes in
 ptdstream's own flatbuffer schema (``schema/manifest.fbs``, identifier ``PSM1``,
-generated code in ``ptdstream/check/manifest_fb``): :func:`to_bytes` (deterministic)
+generated code in ``ptdstream/manifest/manifest_fb``): :func:`to_bytes` (deterministic)
 and :func:`from_bytes` (bounded work on untrusted input)."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class IntegrityManifest:
 
 
 def to_bytes(manifest: IntegrityManifest) -> bytes:
-    """Serialize with the generated builder (``ptdstream/check/manifest_fb``); deterministic."""
+    """Serialize with the generated builder (``ptdstream/manifest/manifest_fb``); deterministic."""
     from .manifest_fb import FileEntry as FE
     from .manifest_fb import KeyFingerprint as KF
     from .manifest_fb import Manifest as M

@@ -59,6 +59,7 @@ class ManifestReport(Report):
 
     @property
     def ok(self) -> bool:
+        """Whether every file matched the manifest."""
         return all(c.ok for c in self.checks)
 
     def summary(self) -> str:

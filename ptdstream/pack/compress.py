@@ -76,6 +76,7 @@ class PackReport(Report):
 
     @property
     def ratio(self) -> float:
+        """Bytes in over bytes packed."""
         return self.nbytes / self.packed_nbytes
 
     def summary(self) -> str:

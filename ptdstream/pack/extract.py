@@ -115,6 +115,7 @@ class PackedArtifact:
                              self.reader.frames_decoded - before, sum(1 for f in self.reader.table.frames if f.nbytes))
 
     def close(self) -> None:
+        """Close the packed file (idempotent)."""
         self.reader.close()
 
     def __enter__(self) -> PackedArtifact:

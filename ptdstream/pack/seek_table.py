@@ -84,9 +84,11 @@ class FrameEntry:
 
     @property
     def end(self) -> int:
+        """The content offset just past the frame's content."""
         return self.offset + self.nbytes
 
     def where(self, name: str) -> str:
+        """The frame named in messages: index, compressed offset and size, content range."""
         return (f"{name}: frame {self.index} at offset {self.compressed_offset} "
                 f"({self.compressed_nbytes} bytes, content [{self.offset}, {self.end}))")
 
@@ -103,6 +105,7 @@ class SeekTable:
 
     @property
     def nbytes(self) -> int:
+        """The content's length in bytes (the end of the last frame)."""
         return self.frames[-1].end if self.frames else 0
 
     @functools.cached_property
@@ -229,6 +232,7 @@ class ContentFrame:
     FRAME_NBYTES = SKIPPABLE_HEADER_NBYTES + _BODY.size + 4
 
     def to_frame(self) -> bytes:
+        """The whole skippable frame: header, 52-byte body and its checksum."""
         body = self._BODY.pack(self.BODY_MAGIC, self.VERSION, 0, self.content_nbytes,
                                self.content_xxh3_128, self.frame_nbytes, self.head_nbytes)
         body += struct.pack("<I", frame_checksum(body))

@@ -75,6 +75,7 @@ class SeekableReader:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
         return self._fd is None
 
     def _check_open(self) -> int:

@@ -54,6 +54,7 @@ class PinnedRing:
 
     @staticmethod
     def get(device: torch.device, chunk_nbytes: int, count: int = 4) -> PinnedRing:
+        """The ring of ``device`` for ``(chunk_nbytes, count)``, made at the first call (thread-safe)."""
         key = (device.index or 0, chunk_nbytes, count)
         with _RINGS_LOCK:
             ring = _RINGS.get(key)

@@ -24,6 +24,7 @@ class Fingerprint:
 
     @property
     def hex(self) -> str:
+        """The digest as hex."""
         return self.digest.hex()
 
     def __str__(self) -> str:
@@ -38,8 +39,10 @@ class StreamingDigest:
         self.nbytes = 0
 
     def update(self, piece: bytes | bytearray | memoryview) -> None:
+        """Add the next piece of the content."""
         self._hash.update(piece)
         self.nbytes += len(piece)
 
     def finish(self) -> Fingerprint:
+        """The :class:`Fingerprint` of every piece added."""
         return Fingerprint(self.nbytes, ALGO, self._hash.digest())

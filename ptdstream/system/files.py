@@ -7,7 +7,7 @@ import os
 import stat
 from collections.abc import Iterable
 
-__all__ = ["case_insensitive", "check_regular_inputs", "files_of", "pread_exact", "pwrite_all",
+__all__ = ["case_insensitive", "check_regular_inputs", "files_of", "pread_bytes", "pread_exact", "pwrite_all",
            "refuse_overwrite", "same_file"]
 
 
@@ -24,6 +24,24 @@ def pread_exact(fd: int, view: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+def pread_bytes(fd: int, nbytes: int, offset: int) -> bytes:
+    """``nbytes`` bytes of ``fd`` from file ``offset`` (bytes), looping on short
+    reads; fewer only when the file ends first (callers turn that into their own
+    error, naming file and offset, as for :func:`pread_exact`)."""
+    data = os.pread(fd, nbytes, offset)
+    if len(data) == nbytes or not data:
+        return data
+    parts = [data]
+    done = len(data)
+    while done < nbytes:
+        more = os.pread(fd, nbytes - done, offset + done)
+        if not more:
+            break
+        parts.append(more)
+        done += len(more)
+    return b"".join(parts)
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> int:

@@ -2,10 +2,9 @@
 
 Imported by every layer, it imports nothing of ptdstream above it: ``names`` (the
 registry of private names, checked against each release), ``adapter`` (one
-accessor per private name), ``patching`` (the one scoped, thread-safe patching
-mechanism) and ``untrusted`` (bounded parsing of untrusted program flatbuffers
-into executorch's dataclasses). The readers of :mod:`ptdstream.format` need none
-of it.
+accessor per private name) and ``patching`` (the one scoped, thread-safe patching
+mechanism). Files ptdstream did not write are read by :mod:`ptdstream.format`'s
+bounds-checked readers, which need none of it.
 """
 
 __all__: list = []

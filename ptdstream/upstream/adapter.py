@@ -93,8 +93,7 @@ def flat_tensor_to_flatbuffer(flat_tensor) -> bytes:
 
 def flatbuffer_to_program(data: bytes):
     """Parse a trusted program flatbuffer into ``executorch.exir.schema.Program``
-    (the manager's own output; untrusted files are read by :mod:`ptdstream.format`, or by
-    :mod:`.untrusted` where executorch's dataclasses are needed)."""
+    (the manager's own output; untrusted files are read by :mod:`ptdstream.format`)."""
     return resolve(_FB, "_flatbuffer_to_program")(data)
 
 

@@ -70,9 +70,11 @@ class Scope:
 
     @property
     def active(self) -> bool:
+        """Whether the scope is open."""
         return self._stack is not None
 
     def open(self, factory) -> None:
+        """Enter ``factory()`` and keep it open until :meth:`close`, unless the scope is open already."""
         with self._lock:
             if self._stack is not None:
                 return
@@ -81,6 +83,7 @@ class Scope:
             self._stack = stack
 
     def close(self) -> None:
+        """Exit what :meth:`open` entered, if anything (idempotent)."""
         with self._lock:
             stack, self._stack = self._stack, None
         if stack is not None:

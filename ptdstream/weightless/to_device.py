@@ -139,6 +139,8 @@ class DeviceLoads:
             self._bound[view] = (key, tensor)
 
     def staging_for(self, device: Any) -> HostStaging:
+        """The staging ring to load into ``device`` through: the context's, else the pinned ring of a CUDA device or
+        a :class:`HostStaging`."""
         if self._staging is not None:
             return self._staging(device)
         if device.type == "cuda":

@@ -43,7 +43,7 @@ import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,33 +76,30 @@ class ProgramWeights:
 
 
 def read_program_weights(path: str) -> ProgramWeights:
-    """The external weights of the ``.pte`` at ``path`` (reads only its metadata).
+    """The external weights of the ``.pte`` at ``path`` (reads only its metadata,
+    once, with the bounds-checked reader :func:`~ptdstream.format.reader.read_artifact`).
+
+    Each layout is an upstream ``TensorLayout``, as
+    ``exir/_serialize/_serialize.py::_extract_external_tensor_layouts`` gives it.
 
     Raises:
         FormatError: not a valid ``.pte``.
+        ValueError: a tensor's ScalarType is none of executorch's.
     """
+    from executorch.exir.scalar_type import ScalarType
+    from executorch.exir.tensor_layout import TensorLayout
+
     from ..errors import FormatError
     from ..format.reader import read_artifact
-    from ..upstream import adapter
-    from ..upstream.untrusted import parse_program
 
     path = os.fspath(path)
     art = read_artifact(path)
     if art.kind != "pte":
         raise FormatError(f"{path}: is a .ptd, not a program (.pte)")
-    with open(path, "rb") as f:
-        program = parse_program(os.pread(f.fileno(), art.flatbuffer_end, 0))
-    layouts = adapter.external_tensor_layouts(program)
-    delegates = tuple(
-        (str(plan.name), str(d.id)) for plan in program.execution_plan or [] for d in plan.delegates or []
-    )
-    buffer_index: dict[str, int] = {}
-    for plan in program.execution_plan or []:
-        for value in plan.values or []:
-            info = getattr(value.val, "extra_tensor_info", None)
-            if info is not None and info.fully_qualified_name in layouts:
-                buffer_index.setdefault(str(info.fully_qualified_name), int(value.val.data_buffer_idx))
-    return ProgramWeights(path, layouts, delegates, buffer_index)
+    layouts = {t.fqn: TensorLayout(ScalarType(t.layout.scalar_type), list(t.layout.sizes), list(t.layout.dim_order))
+               for t in art.external_tensors}
+    buffer_index = {t.fqn: t.buffer_index for t in art.external_tensors}
+    return ProgramWeights(path, layouts, art.delegates, buffer_index)
 
 
 def _changed_classes(keys, before: Mapping[str, int], after: Mapping[str, int]) -> tuple[str, ...]:
@@ -316,44 +313,80 @@ def write_ptd(program: str, checkpoint: str | Checkpoint, out_dir: str, *,
         ArgumentTypeError: a ``progress`` outside the contract (nothing read).
         IntegrityError, OSError: a read or write failed (nothing published).
     """
-    from ..format.layout import check_alignment
-    from ..progress import check_progress, progress_callback
-    from ..system.files import refuse_overwrite
-    from ..write.set_writer import write_save_plan
-
     start = time.perf_counter()
+    out_dir = _check_arguments(out_dir, progress, segment_alignment)
+    with _opened(checkpoint, format, old_checkpoint, old_format) as (ckpt, old):
+        weights = program if isinstance(program, ProgramWeights) else read_program_weights(program)
+        plan, nkeys, changed = plan_ptd_files(weights, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
+                                              allow_extra=allow_extra, segment_alignment=segment_alignment,
+                                              old_checkpoint=old, keep=keep)
+        _refuse_overwriting(plan, [weights.path, *like], (ckpt, old), force)
+        reports = _write(plan, progress, chunk_nbytes, window_nbytes)
+    return _report(reports, plan, nkeys, changed, time.perf_counter() - start)
+
+
+def _check_arguments(out_dir, progress: Any, segment_alignment: int) -> str:
+    """Step 1 of :func:`write_ptd`, before any file is opened: the ``progress``
+    contract, the alignment (upstream's text) and the output folder; returns
+    ``out_dir`` as a str.
+
+    Raises:
+        ArgumentTypeError, ValueError, FileNotFoundError: as :func:`write_ptd`.
+    """
+    from ..format.layout import check_alignment
+    from ..progress import check_progress
+
     check_progress(progress)
     check_alignment(segment_alignment, "segment_alignment")  # before a checkpoint is opened
     out_dir = os.fspath(out_dir)
     if not os.path.isdir(out_dir):
         raise FileNotFoundError(f"{out_dir}: output folder does not exist")
-    owned = not isinstance(checkpoint, Checkpoint)
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, format)
-    old_owned = old_checkpoint is not None and not isinstance(old_checkpoint, Checkpoint)
-    try:
-        old = (open_checkpoint(old_checkpoint, old_format)
-               if old_checkpoint is not None and not isinstance(old_checkpoint, Checkpoint) else old_checkpoint)
-    except BaseException:
-        if owned:
-            ckpt.close()
-        raise
-    try:
-        plan, nkeys, changed = plan_ptd_files(program, ckpt, out_dir, like=like, tag=tag, key_map=key_map,
-                                              allow_extra=allow_extra, segment_alignment=segment_alignment,
-                                              old_checkpoint=old, keep=keep)
-        inputs = [program.path if isinstance(program, ProgramWeights) else program, *like, *ckpt.files(),
-                  *(old.files() if old is not None else ())]
-        refuse_overwrite(inputs, [f.path for f in plan.files], force=force)
-        with contextlib.ExitStack() as stack:
-            callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
-            reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
-                                      progress=callback)
-    finally:
-        if owned:
-            ckpt.close()
-        if old_owned and old is not None:
-            old.close()
-    seconds = time.perf_counter() - start
+    return out_dir
+
+
+@contextlib.contextmanager
+def _opened(checkpoint: str | Checkpoint, format: str, old_checkpoint: None | str | Checkpoint,
+            old_format: str) -> Iterator[tuple[Checkpoint, Checkpoint | None]]:
+    """Step 2 of :func:`write_ptd`: ``(checkpoint, old_checkpoint)`` open (a path
+    opened with its format, an open :class:`Checkpoint` as it is); what this
+    opened is closed on leaving, on any exit (a failed second open included)."""
+    with contextlib.ExitStack() as stack:
+        def open_(given: str | Checkpoint, how: str) -> Checkpoint:
+            if isinstance(given, Checkpoint):
+                return given
+            opened = open_checkpoint(given, how)
+            stack.callback(opened.close)
+            return opened
+
+        ckpt = open_(checkpoint, format)
+        yield ckpt, None if old_checkpoint is None else open_(old_checkpoint, old_format)
+
+
+def _refuse_overwriting(plan, files: Sequence[str], checkpoints: Sequence[Checkpoint | None], force: bool) -> None:
+    """Step 5 of :func:`write_ptd`: refuse, before anything is written, an output
+    that is one of the inputs (``files``: the program and the ``like`` files; every
+    file of ``checkpoints``) or, unless ``force``, that exists
+    (:func:`~ptdstream.system.files.refuse_overwrite`)."""
+    from ..system.files import refuse_overwrite
+
+    inputs = [*files, *(path for c in checkpoints if c is not None for path in c.files())]
+    refuse_overwrite(inputs, [f.path for f in plan.files], force=force)
+
+
+def _write(plan, progress: Any, chunk_nbytes: int, window_nbytes: int) -> list:
+    """Step 6 of :func:`write_ptd`: every file of ``plan`` written to a temp file,
+    synced and published as a set (:func:`~ptdstream.write.set_writer.write_save_plan`),
+    with a progress bar or callback over its bytes; the ``FileReport`` of each."""
+    from ..progress import progress_callback
+    from ..write.set_writer import write_save_plan
+
+    with contextlib.ExitStack() as stack:
+        callback = progress_callback(stack, progress, plan.nbytes, f"writing {len(plan.files)} .ptd file(s)")
+        return write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, progress=callback)
+
+
+def _report(reports: Sequence, plan, nkeys: int, changed: tuple[str, ...], seconds: float) -> WeightsReport:
+    """Step 7 of :func:`write_ptd`: the :class:`WeightsReport` of what was written."""
     nbytes = sum(r.nbytes for r in reports)
     return WeightsReport(tuple(reports), nbytes, seconds, nbytes / max(seconds, 1e-9) / 1e9,
                          plan.dedup_saved_nbytes, nkeys, changed)

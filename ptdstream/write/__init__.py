@@ -2,10 +2,13 @@
 
 * ``tempfiles``: temp, backup and journal names (any byte a name may hold);
   liveness by ``flock``, not pid; folder locks.
-* ``sink``: the ``Sink`` protocol and ``ChunkedFileSink`` with its state enum
-  (creates, writes, syncs, publishes or aborts its temp file); ``prepare_folder``;
-  ``direct_io`` (O_DIRECT staging, several writes in flight); ``stream_sink``
-  (a pipe or standard output).
+* ``sink_protocol``: the ``Sink`` protocol the writer writes to, the
+  ``SinkState`` enum, ``write_zeros``.
+* ``folder``: the folder step (``prepare_folder``, once per folder before its
+  first temp file) and ``resolve_target`` (the file a write to a path replaces).
+* ``sink``: ``ChunkedFileSink``, one temp file's life (creates, writes, syncs,
+  publishes or aborts it); ``direct_io`` (O_DIRECT staging, several writes in
+  flight); ``stream_sink`` (a pipe or standard output).
 * ``writer``: one ``FilePlan`` into a sink, every source read once through the
   ring and checked against its planned size, prefix and digest.
 * ``publish`` (the folder step once per folder, then a set of synced temp files,

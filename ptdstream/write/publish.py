@@ -11,7 +11,8 @@ import os
 from collections.abc import Iterable
 
 from . import journal, tempfiles
-from .sink import ChunkedFileSink, prepare_folder, resolve_target
+from .folder import prepare_folder, resolve_target
+from .sink import ChunkedFileSink
 
 __all__ = ["folder_locks", "publish_set", "remove_stale_temp_files"]
 
@@ -47,7 +48,7 @@ def _folders(paths: Iterable[str]) -> list[str]:
 
 def prepare_folders(targets: Iterable[str]) -> list[str]:
     """The folder step of a save, once per folder, before any temp file is
-    created: :func:`ptdstream.write.sink.prepare_folder` for the folder of
+    created: :func:`ptdstream.write.folder.prepare_folder` for the folder of
     each file a target's publication renames over (a symlink's target's folder).
     Then make the sinks with ``ChunkedFileSink(..., clean_folder=False)``.
     Returns the folders, in first-seen order."""

@@ -19,7 +19,7 @@ leftovers of a killed process, in any PID namespace, are recognisable
 (:func:`ptdstream.write.tempfiles.stale_temp_files`).
 
 Folder recovery (removing killed writers' leftovers and completing a set
-publication a killed save left half done: :func:`prepare_folder`, which runs
+publication a killed save left half done: :func:`ptdstream.write.folder.prepare_folder`, which runs
 :func:`ptdstream.write.journal.clean_folder`) runs once per save and folder,
 before the save's first temp file is created. A sink used on its own does it
 itself (``clean_folder=True``, the default); a set-level writer runs it once
@@ -35,12 +35,11 @@ Not thread-safe.
 
 from __future__ import annotations
 
-import enum
 import errno
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import StateError
@@ -48,53 +47,22 @@ from ..system import fsops
 from ..system.pagecache import drop_pages
 from ..system.writeback import WritebackWindows
 from ..timeline import stage_timeline
-from . import journal, tempfiles
+from . import tempfiles
 from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
+from .folder import prepare_folder, resolve_target
+from .sink_protocol import SinkState, write_zeros
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from _typeshed import ReadableBuffer
 
-__all__ = ["ChunkedFileSink", "Sink", "SinkState", "write_zeros"]
+__all__ = ["ChunkedFileSink"]
 
 #: O_DIRECT: bytes per write from the staging block, and the alignment of the
 #: last (padded, then truncated) block.
 DIRECT_BLOCK_NBYTES = CHUNK_NBYTES
 DIRECT_ALIGNMENT = 4096
-_ZEROS = bytes(1 << 20)
-
-
-@runtime_checkable
-class Sink(Protocol):
-    """Where the writer puts a file's bytes, in order (:func:`ptdstream.write.writer.write_plan`).
-
-    ``write(data)`` appends every byte of a bytes-like object (looping on short
-    writes); ``write_zeros(nbytes)`` appends zero bytes. Implementations:
-    :class:`ChunkedFileSink` (a temp file published atomically) and
-    :class:`~ptdstream.write.stream_sink.StreamSink` (a caller's open file).
-    """
-
-    def write(self, data: ReadableBuffer) -> None: ...
-
-    def write_zeros(self, nbytes: int) -> None: ...
-
-
-def write_zeros(write: Callable[[memoryview], None], nbytes: int) -> None:
-    """Call ``write`` with views of a shared 1 MiB zero buffer until ``nbytes``
-    zero bytes (``nbytes >= 0``) were written."""
-    view = memoryview(_ZEROS)
-    while nbytes > 0:
-        n = min(nbytes, len(_ZEROS))
-        write(view[:n])
-        nbytes -= n
-
-class SinkState(enum.Enum):
-    OPEN = "open"
-    WRITING = "writing"
-    SYNCED = "synced"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
 
 
 class ChunkedFileSink:
@@ -116,7 +84,7 @@ class ChunkedFileSink:
         write_fn: ``os.write``-like function (tests inject short writes and faults).
         direct_depth: O_DIRECT writes in flight (I/O threads).
         pwrite_fn: ``os.pwrite``-like function for the O_DIRECT path.
-        clean_folder: run the folder step (:func:`prepare_folder`) for the
+        clean_folder: run the folder step (:func:`~ptdstream.write.folder.prepare_folder`) for the
             folder of the file renamed over before creating the temp file. Keep
             it on for a sink used on its own; a writer of several files runs
             :func:`ptdstream.write.publish.prepare_folders` once for all of
@@ -376,30 +344,3 @@ class ChunkedFileSink:
         except BaseException:
             self.abort()
             raise
-
-
-#: fsync a folder so a rename in it is durable (ignored where unsupported).
-fsync_dir = fsops.fsync_dir
-
-
-def prepare_folder(folder: str) -> None:
-    """The folder step a save runs once per folder before creating its temp
-    files: complete the set publications killed saves left half done and remove
-    dead writers' leftovers (:func:`ptdstream.write.journal.clean_folder`; live
-    writers' files are never touched). A folder that does not exist is skipped
-    (the temp file's creation reports it). A journal that cannot be completed
-    is left for ``ptdstream recover`` (:class:`~ptdstream.write.journal.RecoveryError`
-    is not raised): the files of this save are still published atomically."""
-    if os.path.isdir(folder):
-        try:
-            journal.clean_folder(folder)
-        except journal.RecoveryError:
-            pass
-
-
-def resolve_target(target: str) -> str:
-    """The file a write to ``target`` replaces: ``target`` itself, or, when it is a
-    symlink, the file the link points to (followed to the end, as ``open`` does)."""
-    if os.path.islink(target):
-        return os.path.realpath(target)
-    return target

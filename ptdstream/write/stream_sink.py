@@ -7,7 +7,7 @@ import os
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .sink import write_zeros
+from .sink_protocol import write_zeros
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -21,7 +21,8 @@ class Writable(Protocol):
     """What upstream's ``write_to_file`` takes: any object with a ``write`` method
     (what it accepts and returns differs between file objects, hence ``Any``)."""
 
-    def write(self, data: Any, /) -> Any: ...
+    def write(self, data: Any, /) -> Any:
+        """Take ``data`` (bytes or a view); what it returns is ignored."""
 
 
 class StreamSink:
@@ -45,6 +46,7 @@ class StreamSink:
         self.nbytes = 0
 
     def write(self, data: ReadableBuffer) -> None:
+        """Write every byte of ``data`` to the file (a raw file again after a short write)."""
         view = memoryview(data).cast("B")
         if not self._views:
             self._file.write(bytes(view))
@@ -60,6 +62,7 @@ class StreamSink:
         self.nbytes += len(view)
 
     def write_zeros(self, nbytes: int) -> None:
+        """Write ``nbytes`` zero bytes."""
         write_zeros(self.write, nbytes)
 
 

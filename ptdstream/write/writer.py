@@ -21,7 +21,7 @@ from ..sources.base import BufferRing, Source
 from ..sources.fingerprint import Fingerprint, StreamingDigest, check_expected
 from ..system.threads import FdThread
 from ..timeline import stage_timeline
-from .sink import Sink
+from .sink_protocol import Sink
 
 __all__ = ["write_plan"]
 
@@ -135,7 +135,7 @@ def write_plan(
 
     Args:
         plan: the file's plan.
-        sink: a :class:`~ptdstream.write.sink.Sink` (an open
+        sink: a :class:`~ptdstream.write.sink_protocol.Sink` (an open
             :class:`~ptdstream.write.sink.ChunkedFileSink`, a ``StreamSink``).
         ring: reused buffers for file sources.
         progress: called with the bytes of each piece handed to the sink.

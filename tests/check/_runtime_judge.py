@@ -1,6 +1,6 @@
 """Judge files with the real ExecuTorch runtime, surviving its crashes.
 
-Run as ``python tests/_runtime_judge.py MEM_HEADROOM_BYTES``. Reads JSON lines
+Run as ``python tests/check/_runtime_judge.py MEM_HEADROOM_BYTES``. Reads JSON lines
 ``[pte_path, ptd_path_or_null]`` from stdin until EOF; writes one JSON line per job:
 ``["ok", ""]`` when ``Runtime.get().load_program(pte, data_path=ptd)`` and
 ``load_method`` of every method succeed, else ``["refused", message]`` or

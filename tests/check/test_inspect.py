@@ -7,7 +7,7 @@ import json
 
 import pytest
 import xxhash
-from _models_rv import assert_only, param_bytes, patched, write_reference
+from _small_exports import assert_only, param_bytes, patched, write_reference
 
 from ptdstream.check.inspection import alignment_of, inspect_files
 from ptdstream.errors import FormatError

@@ -1,6 +1,6 @@
 """verify looks an external tensor up as the runtime does: by its
 ``fully_qualified_name`` read as a C string (cut at its first NUL), against the
-.ptd key taken whole (check.runtime_rules.runtime_key); both behaviours of
+.ptd key taken whole (check.runtime.rules.runtime_key); both behaviours of
 executorch.runtime are pinned here."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import struct
 import tracemalloc
 
 import pytest
-from _models_rv import assert_only, manager, patched, truncated, write_reference
+from _small_exports import assert_only, manager, patched, truncated, write_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,5 +1,5 @@
 """Single-byte changes inside an XNNPACK delegate blob: verify accepts none that the
-runtime's XNNPACK backend refuses at method load (check/xnnpack_blob + check/xnnpack_graph),
+runtime's XNNPACK backend refuses at method load (check/runtime/xnnpack_blob + check/runtime/xnnpack_graph),
 and the unchanged export still passes."""
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def test_manifest_is_written_read_and_verified_and_a_bad_key_is_named_escaped(pt
 
 
 def test_verify_names_the_keys_it_resolves(ptd, capsys, tmp_path):
-    from _models_rv import write_reference
+    from _small_exports import write_reference
 
     pte = write_reference("plain", tmp_path / "p")["model.pte"]
     code, out, _ = _cli(capsys, "verify", pte, ptd)  # a program first: each .ptd after it is checked too

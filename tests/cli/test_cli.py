@@ -10,7 +10,7 @@ import sys
 import types
 
 import pytest
-from _models_rv import assert_only, patched, truncated, write_reference
+from _small_exports import assert_only, patched, truncated, write_reference
 
 from ptdstream.cli import main
 from ptdstream.cli.cmd_verify import INTEGRITY_HINT

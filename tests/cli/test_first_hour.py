@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from _models_rv import model, patched, truncated, write_reference
+from _small_exports import model, patched, truncated, write_reference
 
 from ptdstream.cli import main
 from ptdstream.cli.cmd_verify import INTEGRITY_HINT

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from _models_rv import assert_only, write_reference
+from _small_exports import assert_only, write_reference
 
 from ptdstream.cli import main
 
@@ -58,7 +58,7 @@ def test_verify_given_a_ptd_first_says_to_give_the_pte_first(tmp_path, capsys, m
 def _mismatch(tmp_path):
     """The external-constants program and a checkpoint of it with one key left out
     and another of the wrong dtype."""
-    from _models_rv import model
+    from _small_exports import model
     from safetensors.torch import save_file
 
     files = write_reference("external", tmp_path / "ref")

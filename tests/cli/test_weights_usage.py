@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from _models_rv import model, write_reference
+from _small_exports import model, write_reference
 
 from ptdstream.cli import main
 

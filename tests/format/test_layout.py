@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -80,6 +81,20 @@ def test_headers_match_upstream_bytes():
     full = ExtendedHeader(10, 20, 0).to_bytes()
     short = full[:4] + (24).to_bytes(4, "little") + full[8:24]
     assert ExtendedHeader.from_bytes(short) == ExtendedHeader(10, 20, 0, length=24)
+
+
+@pytest.mark.parametrize("cls", [ExtendedHeader, FlatTensorHeader])
+def test_both_headers_parse_by_one_rule(cls):
+    """MAGIC, u32 length, u64 fields: the full header round-trips; a short buffer, another
+    magic or a length under the minimum is no header; a longer length is kept."""
+    values = [(i + 1) << (8 * i) for i in range(len(dataclasses.fields(cls)) - 1)]
+    full = cls(*values).to_bytes()
+    assert len(full) == cls.LENGTH and cls.from_bytes(full) == cls(*values)
+    assert cls.from_bytes(full[: cls.MINIMUM_LENGTH - 1]) is None
+    assert cls.from_bytes(b"XX00" + full[4:]) is None
+    assert cls.from_bytes(full[:4] + (cls.MINIMUM_LENGTH - 1).to_bytes(4, "little") + full[8:]) is None
+    longer = cls.from_bytes(full[:4] + (cls.LENGTH + 8).to_bytes(4, "little") + full[8:])
+    assert longer == cls(*values, length=cls.LENGTH + 8) and longer.to_bytes() == full
 
 
 blob_lists = st.lists(

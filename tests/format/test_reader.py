@@ -10,7 +10,7 @@ import tracemalloc
 from itertools import pairwise
 
 import pytest
-from _models_rv import assert_only, param_bytes, patched, truncated, write_reference
+from _small_exports import assert_only, param_bytes, patched, truncated, write_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -147,7 +147,7 @@ def test_ptd_parser_agrees_with_upstream_deserializer(tmp_path):
 
 
 def test_ptdstream_save_output_reads_like_upstream(tmp_path):
-    from _models_rv import manager
+    from _small_exports import manager
 
     ref = write_reference("xnnpack_ptd", tmp_path / "ref")
     (tmp_path / "out").mkdir()

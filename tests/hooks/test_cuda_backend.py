@@ -82,7 +82,8 @@ def test_routed_weights_give_upstream_bytes(tmp_path):
 def test_equal_storages_share_one_copy_and_probe_twins_stay_apart(tmp_path):
     """The collector's per-storage hook: equal content -> one device copy and one
     digest; same size and same sampled bytes but one other byte -> two copies, two digests."""
-    from ptdstream.hooks.cuda.backend import PROBE_NBYTES, stream_cuda_weights
+    from ptdstream.hooks.cuda.backend import stream_cuda_weights
+    from ptdstream.hooks.cuda.twins import PROBE_NBYTES
     from ptdstream.upstream.adapter import cuda_weight_collector
 
     collector = cuda_weight_collector()

@@ -10,7 +10,7 @@ import torch
 from conftest import Mlp
 
 from ptdstream.hooks.cuda import sharing
-from ptdstream.hooks.cuda.backend import CudaWeightStream
+from ptdstream.hooks.cuda.routing import CudaWeightStream
 from ptdstream.upstream import adapter
 
 

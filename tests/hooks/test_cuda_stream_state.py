@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from ptdstream.errors import StateError
-from ptdstream.hooks.cuda.backend import CudaWeightStats, CudaWeightStream, StreamState, stream_cuda_weights
+from ptdstream.hooks.cuda.backend import stream_cuda_weights
+from ptdstream.hooks.cuda.keeping import CudaWeightStats
+from ptdstream.hooks.cuda.routing import CudaWeightStream, StreamState
 from ptdstream.upstream import adapter
 
 
@@ -151,7 +153,7 @@ def test_move_from_of_a_path_not_written_here_is_upstreams(collector, tmp_path):
 @pytest.fixture
 def trims(monkeypatch, collector):
     """Counts of upstream's ``trim_host_memory`` and of ptdstream's ``malloc_trim`` calls."""
-    from ptdstream.hooks.cuda import backend
+    from ptdstream.hooks.cuda import routing
 
     calls = {"upstream": 0, "malloc_trim": 0}
 
@@ -163,7 +165,7 @@ def trims(monkeypatch, collector):
         return True
 
     monkeypatch.setattr(collector, "trim_host_memory", upstream_trim)
-    monkeypatch.setattr(backend, "malloc_trim", ours)
+    monkeypatch.setattr(routing, "malloc_trim", ours)
     return calls
 
 

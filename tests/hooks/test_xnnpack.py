@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from _probes import global_users as _global_users
+from _bytecode import global_users as _global_users
 from conftest import Mlp, TiedLM, export, read_folder, reference_files
 
 import ptdstream

@@ -1,4 +1,4 @@
-"""system.files: one file by device and inode; the overwrite rule of the CLI."""
+"""system.files: exact positional reads; one file by device and inode; the overwrite rule of the CLI."""
 
 from __future__ import annotations
 
@@ -7,7 +7,30 @@ import os
 import pytest
 
 from ptdstream.errors import OverwriteError
-from ptdstream.system.files import refuse_overwrite, same_file
+from ptdstream.system import files
+from ptdstream.system.files import pread_bytes, refuse_overwrite, same_file
+
+
+def test_pread_bytes_reads_exactly_across_short_reads_and_stops_at_the_end(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(200)))
+    real = os.pread
+    calls = []
+
+    def short(fd, n, offset):  # a read that returns at most 7 bytes, as a slow file system may
+        calls.append((n, offset))
+        return real(fd, min(n, 7), offset)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert pread_bytes(fd, 50, 100) == bytes(range(100, 150))  # read whole
+        monkeypatch.setattr(files.os, "pread", short)
+        assert pread_bytes(fd, 50, 10) == bytes(range(10, 60))
+        assert calls[:2] == [(50, 10), (43, 17)]
+        assert pread_bytes(fd, 50, 180) == bytes(range(180, 200))  # the file ends first: fewer bytes
+        assert pread_bytes(fd, 5, 300) == b""
+    finally:
+        os.close(fd)
 
 
 def test_same_file_by_device_and_inode(tmp_path):

@@ -16,7 +16,7 @@ import os
 import pathlib
 
 import pytest
-from _probes import global_users as _global_users
+from _bytecode import global_users as _global_users
 from conftest import Mlp, export
 
 import ptdstream

@@ -228,7 +228,7 @@ def test_no_registration_outlives_the_contexts_in_any_exit_order(tmp_path, monke
     then it exits: no shared storage nor host name is left registered."""
     import contextlib
 
-    from ptdstream.hooks.cuda.backend import CudaWeightStream
+    from ptdstream.hooks.cuda.routing import CudaWeightStream
 
     model, path = _checkpoint(tmp_path)
     other = tmp_path / "other.safetensors"

@@ -9,7 +9,7 @@ import pytest
 from conftest import skip_unless_pages_can_drop
 
 from ptdstream import ChunkedFileSink, StateError
-from ptdstream.write.sink import SinkState
+from ptdstream.write.sink_protocol import SinkState
 from ptdstream.write.tempfiles import stale_temp_files
 
 

@@ -151,6 +151,7 @@ class ProgramFile:
 
 
 def need(ok: bool, rule: str, detail: str) -> None:
+    """Raise :class:`RuleError` naming ``rule`` (the runtime check, its upstream file) and ``detail`` unless ``ok``."""
     if not ok:
         raise RuleError(rule, detail)
 
@@ -161,6 +162,7 @@ def _items(length: int, get) -> Iterator:
 
 
 def numbers(obj, name: str) -> tuple[int, ...] | None:
+    """The vector field ``name`` of a flatc table ``obj`` as a tuple, None when the field is absent."""
     if getattr(obj, f"{name}IsNone")():
         return None
     get = getattr(obj, name)
@@ -179,6 +181,7 @@ def tensor_nbytes(scalar_type: int, sizes: Sequence[int]) -> int | None:
 
 
 def valid_type(t: int) -> bool:
+    """Whether ``t`` is a ScalarType the runtime knows (one with an element size)."""
     return 0 <= t < len(ELEMENT_SIZE)
 
 
@@ -249,6 +252,7 @@ def _snake(name: str) -> str:
 
 
 def in_file(offset: int, nbytes: int, file_nbytes: int, rule: str, what: str) -> None:
+    """Require ``[offset, offset + nbytes)`` (bytes) to lie inside a file of ``file_nbytes`` bytes (:func:`need`)."""
     need(offset <= _U64 and offset + nbytes <= file_nbytes, rule,
           f"{what} [{offset}, {offset + nbytes}) runs past the end of the file ({file_nbytes} bytes)")
 
@@ -293,6 +297,7 @@ def _tensor_problem(t) -> str | None:
 
 
 def list_items(value) -> tuple[int, ...] | None:
+    """The items of an ``EValue`` holding a ``*List`` table (ints, doubles or bools by its type), None when absent."""
     from ...format.program_fb.IntList import IntList  # same layout for every *List table: items at slot 4
 
     tab = value.Val()

@@ -25,7 +25,7 @@ the program's tensors (mutated buffers are cloned by Inductor's
 ``_unlift_graph``); the release is the one in-place change, and it is the one
 skipped.
 
-:func:`is_shared` tells :mod:`ptdstream.hooks.cuda.backend` that an AOTI
+:func:`is_shared` tells :mod:`ptdstream.hooks.cuda.keeping` that an AOTI
 storage is such a weight, so that it keeps a reference instead of a copy;
 :func:`host_weight` names the shared host weight a CUDA storage may be the
 device copy of (weights on the host: :mod:`ptdstream.hooks.cuda.hosted`).

@@ -37,7 +37,7 @@ def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch, tmp_p
 
 def test_python_m_ptdstream_hf_runs_optimum_cli():
     """``python -m ptdstream.hf export executorch --help`` is ptdstream's lines, then optimum-cli's own parser."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "ptdstream.hf", "export", "executorch", "--help"],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -175,7 +175,7 @@ def test_the_export_prints_its_stages_as_they_run(tmp_path, monkeypatch, capsys)
 def _hf_cli(*argv, cwd):
     """Run ``python -X importtime -m ptdstream.hf ARGV`` in ``cwd``: the process, its CPU
     seconds, the modules it imported."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream.hf", *argv], capture_output=True,
@@ -243,7 +243,7 @@ def test_hf_help_names_weightless_before_optimums_help(monkeypatch, capsys):
 def test_hf_help_without_a_command_imports_neither_optimum_nor_torch():
     """Bare ``--help``: ptdstream's lines and how to get the export's own options,
     without importing optimum (whose top-level help lists only its command names)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     code = ("import sys, ptdstream.hf\nrc = ptdstream.hf.main(['--help'])\n"
             "print(rc, sorted(m for m in ('torch', 'optimum', 'executorch') if m in sys.modules))")

@@ -13,7 +13,11 @@ import pytest
 
 from ptdstream.hf import noise
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("transformers", reason="needs ptdstream[hf] (bash tools/setup.sh --hf)")
+
+pytestmark = pytest.mark.hf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SITE = os.path.dirname(os.path.dirname(pytest.__file__))  # the installed packages
 
 EMIT = r'''

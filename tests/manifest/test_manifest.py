@@ -102,7 +102,7 @@ def test_any_file_gets_pieces_only(tmp_path):
 
 
 def test_generated_manifest_code_matches_a_fresh_generation(tmp_path):
-    """ptdstream/check/manifest_fb/ is what tools/gen_manifest_schema.sh makes from
+    """ptdstream/manifest/manifest_fb/ is what tools/gen_manifest_schema.sh makes from
     schema/manifest.fbs with executorch's flatc, byte for byte."""
     import pathlib
     import subprocess

@@ -1,8 +1,10 @@
-"""Adversarial probes of the reliability claims that hold now (regression tests).
-
-Each probe aims at one README claim and asserts the exact outcome: exit code,
-error text, files unchanged byte for byte. The probes that found bugs are under
-``tools/repro/`` (not run by pytest).
+"""Hostile inputs against the README's reliability claims, each with its exact
+outcome (exit code, error text, files unchanged byte for byte): standard output open
+on an input is refused before a byte is written (claim 4); a planted pickle beside a
+checkpoint or in its place is never unpickled, and a deeply nested safetensors header
+is one line, exit 1 (claim 2); a manifest giving a 2^40-byte block is refused without
+reading (claim 3); a journal naming its folder through ``.`` is refused, touching
+nothing (claim 1).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Worker for tests/test_breaker_probes2.py (a copy of tools/repro2/_dist_probe.py): spawn WORLD gloo
-ranks, each running the scenarios one after another in one group; each rank's outcome written as text.
+"""Worker for tests/distributed/test_rank_faults.py: spawn WORLD gloo ranks, each running the
+scenarios (ranks that disagree, pieces changed after hand-over, a rank killed) one after another
+in one group; each rank's outcome written as text.
 
-usage: python tests/_breaker2_dist.py WORLD OUTROOT SCENARIO...
+usage: python tests/distributed/_rank_faults_worker.py WORLD OUTROOT SCENARIO...
 """
 from __future__ import annotations
 
