@@ -16,7 +16,7 @@ from ..progress import progress_callback
 from ..reports import Report
 from ..sources.fingerprint import StreamingDigest
 from ..write.stream_sink import open_sink, target_name
-from .compress import rate_mbps
+from .compress import rate_mbps, speed_text
 from .plain import decompressed_pieces, file_ends, walk_frames, zstd_kind
 from .seek_table import MAX_FRAME_NBYTES, not_zstd_message
 from .seekable import SeekableReader
@@ -52,7 +52,7 @@ class UnpackReport(Report):
         frames = f"{self.frames} frame{'s' * (self.frames != 1)}"
         plain = " of a plain zstd file (no seek table: streamed)" if self.plain else ""
         return (f"unpacked {self.source} -> {self.target}: {self.nbytes:,} bytes from {frames}{plain}, "
-                f"{self.seconds:.2f} s ({self.mbps:.0f} MB/s); verified: {checked}")
+                f"{self.seconds:.2f} s{speed_text(self.nbytes, self.seconds)}; verified: {checked}")
 
 
 def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = MAX_FRAME_NBYTES,
