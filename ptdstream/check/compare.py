@@ -184,9 +184,10 @@ def compare_files(out_path: str, ref_path: str, chunk_nbytes: int = CHUNK_NBYTES
     out_path, ref_path = os.fspath(out_path), os.fspath(ref_path)
     with open(out_path, "rb") as fo, open(ref_path, "rb") as fr, contextlib.ExitStack() as stack:
         out_n, ref_n = os.fstat(fo.fileno()).st_size, os.fstat(fr.fileno()).st_size
-        kinds = kind_of(os.pread(fo.fileno(), 8, 0)[4:]), kind_of(os.pread(fr.fileno(), 8, 0)[4:])
-        if None not in kinds and kinds[0] != kinds[1]:  # cannot be identical: say why, not "offset 0"
-            return CompareReport(out_path, ref_path, out_n, ref_n, error=_kinds_differ(out_path, ref_path, *kinds))
+        out_kind, ref_kind = kind_of(os.pread(fo.fileno(), 8, 0)[4:]), kind_of(os.pread(fr.fileno(), 8, 0)[4:])
+        if out_kind is not None and ref_kind is not None and out_kind != ref_kind:  # say why, not "offset 0"
+            return CompareReport(out_path, ref_path, out_n, ref_n,
+                                 error=_kinds_differ(out_path, ref_path, out_kind, ref_kind))
         update = progress_callback(stack, progress, ref_n, f"comparing {os.path.basename(out_path)}")
         offset, ob, rb = _first_difference(_FileFiller(fo), _FileFiller(fr, update), chunk_nbytes)
     section, key, source = _name_offset(
