@@ -22,7 +22,7 @@ from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from .runtime import registry as runtime_registry
 from .runtime.kernels import backends_line, needs_line, operators_of, parse_libraries
-from .runtime.load import called_operators, delegate_backends, runtime_load_checks
+from .runtime.load import program_needs, runtime_load_checks
 from .runtime.rules import runtime_key
 
 __all__ = ["StructureReport", "check_structure"]
@@ -173,11 +173,12 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
                                           max_planned_nbytes)
             checks.extend(Check(pte_path, name, ok, detail) for name, ok, detail in results)
             loads = all(ok for _, ok, _ in results)
-            delegates = tuple(delegate_backends(pte_path, pte)) if loads else ()
+            called, named = program_needs(pte_path, pte) if loads else ([], [])
+            delegates = tuple(named)
             if delegates:  # the backends too, not only the kernels: an XNNPACK program needs XNNPACK
                 checks.append(Check(pte_path, "needs backends", True, backends_line(delegates)))
             if operators is not None and loads:
-                needed, line = needs_line(called_operators(pte_path, pte))
+                needed, line = needs_line(called)
                 checks.append(Check(pte_path, "needs kernels", True, line))
                 return StructureReport(pte_path, ptd_paths, tuple(checks), needed, delegates)
             return StructureReport(pte_path, ptd_paths, tuple(checks), (), delegates)
