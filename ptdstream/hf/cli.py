@@ -18,7 +18,6 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import PtdstreamError
-from .noise import silence_known_noise
 from .routes import QUANTIZE_OPTIONS, quantization_refusal
 
 __all__ = ["FORCE_FLAGS", "HELP", "HELP_WITHOUT_COMMAND", "OPTIMUM_RECIPES", "QUIET_FLAGS", "WEIGHTLESS_FLAG", "main",
@@ -179,7 +178,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if refusal is not None:
                 print(f"ptdstream.hf: error: {refusal}", file=sys.stderr)
                 return 1
-    silence_known_noise()  # the pinned stack's known, harmless lines (ptdstream.hf.noise): this process only
     from .saving import run_optimum_cli
 
     if not weightless:

@@ -1,10 +1,11 @@
 """The known, harmless noise of the pinned stack, silenced by ``python -m ptdstream.hf`` only.
 
 Each entry below is printed by every export on this stack and asks nothing of the
-user; the command line's entry point (:func:`ptdstream.hf.cli.main`) drops exactly
-these, by logger and message, before anything is imported. The library
-(``ptdstream.hf.export``) leaves the user's logging and warning filters as they
-are. Everything else still prints: docs/troubleshooting.md lists what remains
+user; the command line's process entry point (``ptdstream/hf/__main__.py``, what
+``python -m ptdstream.hf`` runs) drops exactly these, by logger and message,
+before anything is imported. The library (``ptdstream.hf.export``, and
+``ptdstream.hf.main()`` called from a user's code) leaves the user's logging and
+warning filters as they are. Everything else still prints: docs/troubleshooting.md lists what remains
 (the emitter's ``Mutation on a buffer`` warning names the user's own buffers),
 and ``PTDSTREAM_DEBUG=1`` keeps even these.
 

@@ -96,12 +96,23 @@ def test_importing_torchao_prints_none_of_it_when_silenced():
     assert "Failed to load" not in quiet.stderr and "Enum subclass" not in quiet.stderr, quiet.stderr
 
 
-def test_the_library_leaves_the_users_filters_alone():
+def test_only_the_command_lines_process_drops_them(capsys):
+    """``python -m ptdstream.hf`` (its ``__main__``) installs the filters; the library,
+    ``ptdstream.hf.main()`` called from a user's code included, leaves the user's
+    filters alone."""
     import logging
 
     import ptdstream.hf
-    import ptdstream.hf.cli
 
-    assert ptdstream.hf.export is not None
+    assert ptdstream.hf.main(["--help"]) == 0
+    capsys.readouterr()
     for name, _ in noise.KNOWN_RECORDS:
-        assert not any(isinstance(f, noise._Drop) for f in logging.getLogger(name).filters)
+        assert not any(isinstance(f, noise._Drop) for f in logging.getLogger(name).filters), name
+    code = ("import logging, runpy, sys\nsys.argv = ['ptdstream.hf', '--help']\ntry:\n"
+            "    runpy.run_module('ptdstream.hf', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "from ptdstream.hf.noise import KNOWN_RECORDS, _Drop\n"
+            "print([sum(isinstance(f, _Drop) for f in logging.getLogger(n).filters) for n, _ in KNOWN_RECORDS])")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("PTDSTREAM_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "[1, 1, 1]", proc.stdout + proc.stderr
