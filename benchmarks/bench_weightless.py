@@ -5,6 +5,9 @@ real weights (upstream, ptdstream by reference) vs ``ptdstream.weights_from``.
     python benchmarks/bench_weightless.py --model llama --gib 1 4 --xnnpack --keep-checkpoint /big/ckpt
     python benchmarks/bench_weightless.py --model llama --hidden 4096 --intermediate 11008 --layers 32 \
         --dtype bfloat16 --variants weightless --keep-checkpoint /big/ckpt     # Llama-2-7B-shaped
+    python benchmarks/bench_weightless.py --model llama --gib 1 --dtype bfloat16 --xnnpack --seq 512 \
+        --use-custom-sdpa --use-custom-kv-cache \
+        --variants optimum optimum-weightless optimum-weightless-kept-heap  # optimum's usual flags
 
 With ``--model mlp`` (the default) the model is ``round(gib * 16)`` x ``nn.Linear(4096, 4096, bias=False)`` (64 MiB
 each in fp32), exported to the portable backend with external constants
@@ -45,7 +48,10 @@ variants go through optimum-executorch's ``main_export`` (text-generation,
 static cache of ``--seq`` positions, recipe ``portable`` or ``xnnpack``, the
 weights inside the ``.pte``) with ptdstream saving: ``optimum`` (loaded
 weights) and ``optimum-weightless`` (``ptdstream.hf.export(..., weightless=True)``),
-compared with each other.
+compared with each other; ``optimum-weightless-kept-heap`` is ``optimum-weightless``
+with the C heap never handed back (``ptdstream.weightless.lowering.TRIM_HEAP =
+False``: how it ran before; a before/after in one run). optimum's usual flags
+(its README's): ``--use-custom-sdpa --use-custom-kv-cache --seq 512 --dtype bfloat16``.
 
 With ``--xnnpack`` every variant lowers to XNNPACK with the weights tagged to a
 ``.ptd`` (``program.module()``, ``delegate_external_constants_pass_unlifted``,
@@ -74,7 +80,8 @@ from _measure import RssSampler, digests_then_discard, record_peaks, reset_peak_
 GiB = 1 << 30
 MiB = 1 << 20
 WIDTH = 4096
-VARIANTS = ("upstream", "by-reference", "mapped", "weightless", "optimum", "optimum-weightless")
+VARIANTS = ("upstream", "by-reference", "mapped", "weightless", "optimum", "optimum-weightless",
+            "optimum-weightless-kept-heap")
 DEFAULT_VARIANTS = ("upstream", "by-reference", "mapped", "weightless")
 TARGET_NBYTES = 512 * MiB
 FLAT_NBYTES = 64 * MiB  # weightless's peak at two sizes may differ by this much
@@ -166,9 +173,14 @@ def child(args) -> dict:
         torch.arange(args.seq, dtype=torch.long).unsqueeze(0) % args.vocab,)
     t0 = time.perf_counter()
     if args.variant.startswith("optimum"):
+        if args.variant == "optimum-weightless-kept-heap":
+            import ptdstream.weightless.lowering
+
+            ptdstream.weightless.lowering.TRIM_HEAP = False
+        flags = {k: True for k in ("use_custom_sdpa", "use_custom_kv_cache") if getattr(args, k)}
         ptdstream.hf.export(args.checkpoint, out, task="text-generation",
                             recipe="xnnpack" if args.xnnpack else "portable", max_seq_len=args.seq,
-                            dtype=args.dtype, weightless=args.variant == "optimum-weightless")
+                            dtype=args.dtype, weightless=args.variant.startswith("optimum-weightless"), **flags)
         res["export_s"], res["save_s"] = time.perf_counter() - t0, 0.0
     elif args.variant == "weightless" and args.model == "llama":
         with ptdstream.weights_from(args.checkpoint) as weights:
@@ -231,6 +243,7 @@ def run_child(args, variant: str) -> dict:
            "--hidden", str(args.hidden), "--intermediate", str(args.intermediate), "--vocab", str(args.vocab),
            "--dtype", args.dtype, "--seq", str(args.seq)]
     cmd += ["--strict"] * args.strict + ["--xnnpack"] * args.xnnpack + ["--checkpoint-dtype", args.checkpoint_dtype]
+    cmd += ["--use-custom-sdpa"] * args.use_custom_sdpa + ["--use-custom-kv-cache"] * args.use_custom_kv_cache
     print(f"[{time.strftime('%H:%M:%S')}] {variant}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     os.sync()
@@ -239,7 +252,8 @@ def run_child(args, variant: str) -> dict:
 
 
 def table(results: dict, weights_nbytes: int) -> str:
-    head = (f"{'variant':<18} {'weights GiB':>11} {'export s':>8} {'save s':>7} {'total s':>7} "
+    width = max(18, *map(len, results))
+    head = (f"{'variant':<{width}} {'weights GiB':>11} {'export s':>8} {'save s':>7} {'total s':>7} "
             f"{'peak+ GiB':>9} {'anon+ GiB':>9} {'file GiB':>8} {'identical':>9}")
     lines = [head, "-" * len(head)]
     up = results.get("upstream")
@@ -250,10 +264,10 @@ def table(results: dict, weights_nbytes: int) -> str:
         ref = results.get("optimum") if variant.startswith("optimum") else up
         same = "ref" if variant in ("upstream", "optimum") else ("n/a" if ref is None else
                                                                ("yes" if r["files"] == ref["files"] else "NO"))
-        lines.append(f"{variant:<18} {weights_nbytes / GiB:>11.2f} {r['export_s']:>8.1f} {r['save_s']:>7.2f} "
+        lines.append(f"{variant:<{width}} {weights_nbytes / GiB:>11.2f} {r['export_s']:>8.1f} {r['save_s']:>7.2f} "
                      f"{r['total_s']:>7.1f} {added / GiB:>9.2f} {anon / GiB:>9.2f} {r['peak_file'] / GiB:>8.2f} "
                      f"{same:>9}")
-        if variant in ("weightless", "optimum-weightless"):
+        if variant in ("weightless", "optimum-weightless", "optimum-weightless-kept-heap"):
             verdicts.append((f"{variant}: peak added <= {TARGET_NBYTES // MiB} MiB", added <= TARGET_NBYTES))
             if ref is not None:
                 verdicts.append((f"{variant}: byte-identical to {'optimum' if ref is not up else 'upstream'}",
@@ -273,7 +287,7 @@ def added_nbytes(r: dict) -> int:
 def flat_verdicts(by_size: dict) -> list[str]:
     """Each weightless variant run at two sizes or more: its peaks within FLAT_NBYTES."""
     lines = []
-    for variant in ("weightless", "optimum-weightless"):
+    for variant in ("weightless", "optimum-weightless", "optimum-weightless-kept-heap"):
         peaks = [added_nbytes(rs[variant]) for rs in by_size.values() if variant in rs]
         if len(peaks) > 1:
             spread = max(peaks) - min(peaks)
@@ -329,6 +343,10 @@ def main() -> int:
     p.add_argument("--dtype", choices=tuple(llama.SAFETENSORS_DTYPES), default="float32",
                    help="llama: weights' and export's dtype")
     p.add_argument("--seq", type=int, default=8, help="llama: tokens of the example (and optimum's max_seq_len)")
+    p.add_argument("--use-custom-sdpa", action="store_true",
+                   help="optimum variants: optimum's --use_custom_sdpa (executorch's custom SDPA op)")
+    p.add_argument("--use-custom-kv-cache", action="store_true",
+                   help="optimum variants: optimum's --use_custom_kv_cache (its custom KV cache)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

@@ -45,6 +45,7 @@ import importlib
 
 from .errors import (
     ArgumentTypeError,
+    CheckpointFileError,
     CheckpointMismatchError,
     FlatbufferError,
     FormatError,
@@ -104,6 +105,7 @@ __all__ = [
     "ArgumentTypeError",
     "BindingError",
     "BufferRing",
+    "CheckpointFileError",
     "CheckpointMismatchError",
     "ChunkedFileSink",
     "DataFilesReport",

@@ -17,8 +17,9 @@ with different data is a plain ``ValueError`` with upstream's exact text
 
 from __future__ import annotations
 
-__all__ = ["ArgumentTypeError", "CheckpointMismatchError", "FlatbufferError", "FormatError", "IntegrityError",
-           "LayoutError", "MissingKeyError", "OverwriteError", "PtdstreamError", "RecoveryError", "StateError"]
+__all__ = ["ArgumentTypeError", "CheckpointFileError", "CheckpointMismatchError", "FlatbufferError", "FormatError",
+           "IntegrityError", "LayoutError", "MissingKeyError", "OverwriteError", "PtdstreamError", "RecoveryError",
+           "StateError"]
 
 
 class PtdstreamError(Exception):
@@ -28,6 +29,21 @@ class PtdstreamError(Exception):
 class FormatError(PtdstreamError):
     """A file is not a valid .pte/.ptd: bad magic, a size field beyond the file, a
     flatbuffer that does not parse. Raised by the reader, verify and inspect."""
+
+
+class CheckpointFileError(FormatError, OSError):
+    """A file a checkpoint's index names cannot be used: missing from the folder,
+    unreadable (a folder in its place, no permission), or outside the folder. The
+    message (one line) names the index, the file and the keys it holds;
+    ``filename`` is the file, ``errno`` the system's error (None for a name
+    outside the folder). Raised before anything is read or written; an
+    ``OSError`` too, so code that catches the system's error still does."""
+
+    def __init__(self, errno: int | None, message: str, filename: str | None = None) -> None:
+        super().__init__(errno, message, filename)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class LayoutError(PtdstreamError, ValueError):

@@ -43,7 +43,8 @@ def register(subparsers) -> None:
         exit_codes="checkpoints: a .safetensors file, a Hugging Face folder or model.safetensors.index.json, a "
                    "torch.save state dict (read with weights_only=True), a torch.distributed.checkpoint folder "
                    "only with --format dcp (its metadata is a pickle that runs code: trusted checkpoints only)\n"
-                   "exit codes: 0 written, 1 the checkpoint does not fit the program (nothing written), "
+                   "exit codes: 0 written, 1 the checkpoint does not fit the program, or a shard its index "
+                   "names is missing, unreadable or outside its folder (nothing written), "
                    "2 usage error, unreadable input or an -o folder that cannot be created or written",
         progress=True,
         run=run, inputs=lambda a: [a.program, *a.like, *files_of(a.checkpoint), *files_of(a.old_checkpoint)],

@@ -3,7 +3,9 @@
 * ``base``: the :class:`Source` protocol with its frozen ``Expectation``
   (fingerprints, a file's ``FileIdentity``), ``is_mutable`` and ``hand_over()``;
   :class:`BufferRing`, the reused ring every read goes through.
-* ``memory``, ``file``, ``tensor``: bytes, file ranges, CPU tensors.
+* ``memory``, ``file``, ``tensor``: bytes, file ranges, CPU tensors; ``concat``:
+  other sources one after another (a checkpoint key derived from byte ranges of
+  its tensors, ``Checkpoint.derive``).
 * ``mapped``: memory-mapped checkpoints, read with ``pread`` while the mapped
   inode is still at its path and the memory is the file's (no private copy per
   ``/proc/self/pagemap``), else through the mapping; the file's identity when the

@@ -85,7 +85,9 @@ def open_checkpoint(path: str, format: str = "auto") -> Checkpoint:
         FormatError: a directory holding ``.metadata`` and no safetensors, without
             ``format="dcp"``; a safetensors checkpoint named as DCP; a format
             that does not fit ``path``; a checkpoint that reads but is malformed (see each kind).
-        OSError: a checkpoint file that cannot be opened or read (permission, a missing shard), naming it.
+        CheckpointFileError: a shard a Hugging Face index names that is missing, unreadable or outside its
+            folder (one line naming the index, the shard and its keys; an ``OSError`` too).
+        OSError: a checkpoint file that cannot be opened or read (permission), naming it.
         ValueError: ``format`` is none of :data:`FORMATS`.
     """
     path = os.fspath(path)

@@ -124,7 +124,7 @@ class DcpCheckpoint(Checkpoint):
             raise IntegrityError(f"{self.path}: key {key!r}: DCP could not load it: {type(e).__name__}: {e}") from None
         return tensor
 
-    def source(self, key: str) -> Source:
+    def _source(self, key: str) -> Source:
         return DcpTensorSource(self.path, self.entries[key], self._load_one)
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import FormatError, IntegrityError
+from ..errors import CheckpointFileError, FormatError, IntegrityError
 from .base import Expectation, FileIdentity, Source
 from .checkpoint_base import Checkpoint, CheckpointEntry
 from .safetensors_header import check_safetensors_header
@@ -98,7 +98,10 @@ class SafetensorsCheckpoint(Checkpoint):
         FormatError: an index that is not JSON or has no ``weight_map``, a shard
             that does not hold the key its index names, a header that lies, or
             a file safetensors refuses.
-        OSError: a file that cannot be opened or read (permission, missing shard), naming it.
+        CheckpointFileError: a shard the index names that is missing, cannot be
+            read (a folder, no permission) or lies outside the index's folder
+            (names the index, the shard and its keys).
+        OSError: a single file that cannot be opened or read (permission), naming it.
     """
 
     kind = "safetensors"
@@ -115,6 +118,9 @@ class SafetensorsCheckpoint(Checkpoint):
         else:
             shards, folder = None, os.path.dirname(path)
         files = [os.path.basename(path)] if shards is None else list(dict.fromkeys(shards.values()))
+        if shards is not None:
+            for name in sorted(set(files)):  # every shard's state first: one error names the first bad one
+                _check_shard(path, folder, name, shards)
         try:
             for name in files:
                 file = os.path.join(folder, name)
@@ -122,7 +128,11 @@ class SafetensorsCheckpoint(Checkpoint):
         except (FormatError, IntegrityError):
             raise
         except Exception as e:  # safetensors' own errors (SafetensorError, OSError), reported
-            if _unreadable(e, path) is not None:  # cannot be read: not a bad file
+            unreadable = _unreadable(e, path)
+            if unreadable is not None and shards is not None:  # a shard that went away or broke meanwhile
+                raise _shard_error(path, os.path.basename(str(unreadable.filename)), shards,
+                                   unreadable) from None
+            if unreadable is not None:  # cannot be read: not a bad file
                 raise
             raise FormatError(f"{path}: safetensors could not read it: {type(e).__name__}: {e}") from None
         if shards is not None:
@@ -153,13 +163,74 @@ class SafetensorsCheckpoint(Checkpoint):
     def _mapped(self) -> dict[str, torch.Tensor]:
         return self._tensors
 
-    def source(self, key: str) -> Source:
+    def _source(self, key: str) -> Source:
         where = self.entries[key].where
         return _mapped_source(self._tensors[key], f"{where}: key {key!r}", self._opened[where])
+
+    def range_source(self, key: str, offset: int, nbytes: int) -> Source:
+        where = self.entries[key].where
+        return _mapped_source(_byte_range(self.tensor(key), key, offset, nbytes),
+                              f"{where}: key {key!r} bytes {offset}:{offset + nbytes}", self._opened[where])
 
     def close(self) -> None:
         self._tensors.clear()
         self._handles.clear()
+
+
+def _keys_of(name: str, shards: dict[str, str]) -> str:
+    keys = [k for k, v in shards.items() if v == name]
+    return f"{len(keys)} key(s): {', '.join(repr(k) for k in keys[:2])}{', ...' if len(keys) > 2 else ''}"
+
+
+def _shard_error(index: str, name: str, shards: dict[str, str], error: OSError) -> CheckpointFileError:
+    folder = os.path.dirname(index) or "."
+    file = os.path.join(folder, name)
+    if isinstance(error, FileNotFoundError):
+        what = (f"is not in {folder} (the folder is incomplete: copy the shard there, or save or download the "
+                "model again)")
+    else:
+        what = f"cannot be read: {error.strerror or error}"
+    return CheckpointFileError(error.errno, f"{index}: shard {name!r} (for {_keys_of(name, shards)}) {what}",
+                               file)
+
+
+def _check_shard(index: str, folder: str, name: str, shards: dict[str, str]) -> None:
+    """Refuse a shard the index names that is missing or not a readable regular file.
+
+    Raises:
+        CheckpointFileError: names the index, the shard and its keys.
+    """
+    import errno
+    import stat
+
+    file = os.path.join(folder, name)
+    try:
+        st = os.stat(file)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), file)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", file)
+        os.close(os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+    except OSError as e:
+        raise _shard_error(index, name, shards, e) from None
+
+
+def _byte_range(tensor: torch.Tensor, key: str, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + nbytes)`` of a row-major tensor, as a view of its memory.
+
+    Raises:
+        FormatError: the tensor is not row-major (contiguous).
+        ValueError: the range lies outside it.
+    """
+    import torch
+
+    size = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous():
+        raise FormatError(f"key {key!r}: not row-major (strides {tuple(tensor.stride())}): it cannot be read in "
+                          "byte ranges")
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise ValueError(f"key {key!r}: bytes {offset}:{offset + nbytes} lie outside its {size} bytes")
+    return tensor.reshape(-1).view(torch.uint8)[offset:offset + nbytes]
 
 
 def _hf_weight_map(path: str) -> dict[str, str]:
@@ -172,8 +243,11 @@ def _hf_weight_map(path: str) -> dict[str, str]:
     except (ValueError, KeyError, TypeError) as e:
         raise FormatError(f"{path}: not a Hugging Face safetensors index: {type(e).__name__}: {e}") from None
     for name in sorted(set(shards.values())):
-        if os.path.basename(name) != name or name in (".", ".."):
-            raise FormatError(f"{path}: shard name {name!r} is not a file name in the index's folder")
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise CheckpointFileError(None, f"{path}: shard name {name!r} (for {_keys_of(name, shards)}) is not "
+                                            "a file name in the index's folder "
+                                            f"{os.path.dirname(path) or '.'} (a checkpoint is read only from its "
+                                            "own folder)", name)
     return shards
 
 
@@ -235,7 +309,12 @@ class TorchCheckpoint(Checkpoint):
             seen.setdefault(ident, key)
             self.entries[key] = _entry(key, tensor, path)
 
-    def source(self, key: str) -> Source:
+    def range_source(self, key: str, offset: int, nbytes: int) -> Source:
+        return _mapped_source(_byte_range(self.tensor(key), key, offset, nbytes),
+                              f"{self.path}: key {key!r} bytes {offset}:{offset + nbytes}", self._opened,
+                              read_file=self._native)
+
+    def _source(self, key: str) -> Source:
         # torch.load byte-swaps (in its private mapping) an archive saved with the
         # other byte order: then only the mapping has the bytes to write.
         return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", self._opened,

@@ -14,6 +14,7 @@
   ``refuse_overwrite``, ``stdout_input`` / ``refuse_stdout_input`` (standard output
   open on an input; ``-`` compares stdin's file), ``files_of`` (a folder input's
   files), the case-sensitivity probe.
+* ``heap``: ``malloc_trim``, the C heap's free pages handed back to the system.
 * ``fsops``: every publishing rename, link, unlink and fsync, behind one hook
   that tests use to kill a process at each of them.
 """

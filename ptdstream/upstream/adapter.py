@@ -29,6 +29,8 @@ __all__ = [
     "cuda_weight_collector",
     "emitter_class",
     "emitter_module",
+    "convert_and_load_state_dict",
+    "export_trace_module",
     "export_verifier_module",
     "external_tensor_layouts",
     "fake_tensor_mode",
@@ -42,6 +44,7 @@ __all__ = [
     "init_file_backed",
     "manager_class",
     "manager_parts",
+    "model_conversion_mapping",
     "partitioner_modules",
     "preload_serializer",
     "pretrained_model_class",
@@ -340,6 +343,13 @@ def program_module():
     return resolve("executorch.exir.program._program")
 
 
+def export_trace_module():
+    """torch's export tracing module (``torch/export/_trace.py``): ``torch.export.export``
+    imports its module global ``_export`` when called, and calls it with the module to trace."""
+    resolve("torch.export._trace", "_export")
+    return resolve("torch.export._trace")
+
+
 def constant_prop_module():
     """executorch's constant propagation module (``exir/passes/constant_prop_pass.py``):
     ``get_propagated_const_tensor_dict`` fills the dict its module global
@@ -354,6 +364,23 @@ def pretrained_model_class() -> type:
 
     resolve("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model")
     return transformers.PreTrainedModel
+
+
+def convert_and_load_state_dict(model: Any, state_dict: dict[str, Any], weight_mapping: list[Any],
+                                dtype: Any = None, dtype_plan: Any = None) -> tuple:
+    """``transformers.core_model_loading.convert_and_load_state_dict_in_model`` as
+    ``PreTrainedModel._load_pretrained_model`` calls it for a CPU load (no tensor
+    parallelism, quantizer, device map or offload): renames and converts
+    ``state_dict``'s tensors by ``weight_mapping`` and sets them on ``model``.
+    Returns transformers' ``(missing, unexpected, mismatched, offload index, conversion errors)``."""
+    convert = resolve("transformers.core_model_loading", "convert_and_load_state_dict_in_model")
+    return tuple(convert(model, state_dict, weight_mapping, None, None, dtype, None, dtype_plan, None, None, None))
+
+
+def model_conversion_mapping(model: Any) -> list[Any]:
+    """``transformers.conversion_mapping.get_model_conversion_mapping(model)``: the
+    renamings and conversions ``from_pretrained`` applies to ``model``'s checkpoint."""
+    return list(resolve("transformers.conversion_mapping", "get_model_conversion_mapping")(model))
 
 
 def preload_serializer() -> None:

@@ -109,6 +109,13 @@ NAMES: tuple[PrivateName, ...] = (
                 "computes each folded constant; run under weightless's transposing mode (transposes in bands)"),
     PrivateName("torch.utils._python_dispatch", "TorchDispatchMode",
                 "weightless: a bound weight's folded transpose written to a file in bands"),
+    PrivateName("torch.export._trace", "", "module global '_export' (torch.export.export's, looked up when called) "
+                "shadowed by weightless (meta parameters made storage-less first)"),
+    PrivateName("torch.export._trace", "_export", "traces torch.export.export's module (wrapped by weightless)"),
+    PrivateName("transformers.core_model_loading", "convert_and_load_state_dict_in_model",
+                "from_pretrained's key renaming and fusing, run by weightless on stand-ins (transformers 5.0.0rc1)"),
+    PrivateName("transformers.conversion_mapping", "get_model_conversion_mapping",
+                "a model's weight conversion mapping, as from_pretrained computes it (transformers 5.0.0rc1)"),
     PrivateName("transformers.modeling_utils", "PreTrainedModel._load_pretrained_model",
                 "from_pretrained's one weight-reading step, replaced by weightless.hf (transformers 5.0.0rc1)"),
 )

@@ -3,12 +3,18 @@
 :func:`weights_from` (``ptdstream.weights_from``) is the entry point;
 :mod:`ptdstream.weightless.context` tells the route and what it refuses.
 
+* ``lowering``: the one ``with`` line: in a thread with an open context,
+  ``torch.export`` first makes a module's meta parameters storage-less, and each
+  program is bound as it reaches lowering (``run_decompositions``, where
+  ``to_edge`` and ``to_edge_transform_and_lower`` begin) or emission, by the
+  context that recorded its tensors' keys or else the innermost one.
 * ``storage_less``: models whose parameters are cpu FakeTensors (from a factory,
   or a meta-device module), buffers real.
 * ``binding``: each storage-less constant of the exported programs matched by
-  FQN to a checkpoint tensor, tied names once, every missing, extra, dtype or
-  shape problem at once (float32/float16/bfloat16 to one another planned as
-  converted); ``convert``: such a tensor, or any DCP tensor, converted piece by
+  FQN (or its recorded key) to a checkpoint tensor, tied names once, every
+  missing, extra, dtype or shape problem at once (float32/float16/bfloat16 to
+  one another planned as converted), idempotent (a bound constant counts as
+  bound); ``convert``: such a tensor, or any DCP tensor, converted piece by
   piece into a file of the context's folder and mapped back.
 * ``context``: the context manager; the emitter's constants by reference, the
   generated graph sources released with their code, ``emit_program`` refusing an

@@ -22,6 +22,12 @@ checkpoint: :mod:`ptdstream.weightless.folding`). A storage-less buffer the
 program mutates and does not initialize (a KV cache: upstream serializes only
 its shape) needs no checkpoint key: it stays storage-less unless the checkpoint
 holds it.
+
+Binding is idempotent: a constant that is no longer storage-less but is the
+tensor a context bound to a key (``origins``: tensor id -> key, see
+:class:`~ptdstream.weightless.WeightsFrom`) counts as bound to that key, so a
+bound program's unlifted module exported again (XNNPACK's tagging route) binds
+with nothing left to do, and no checkpoint key it holds reads as extra.
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ from .storage_less import is_storage_less
 
 #: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
 FOLDED_PREFIX = "_prop_tensor_constant"
+#: What a storage-less buffer marked for initialization is told (``exir/passes/init_mutable_pass.py``).
+INITIALIZED_NOTE = ("(a mutable buffer marked et_init_buffer, by InitializedMutableBufferPass: its initial values are "
+                    "serialized; give it real values in the model, or a checkpoint key)")
 
-__all__ = ["FOLDED_PREFIX", "BindingPlan", "bind_programs", "plan_binding",
+__all__ = ["FOLDED_PREFIX", "INITIALIZED_NOTE", "BindingPlan", "bind_programs", "needing_values", "plan_binding",
            "unbound_constants", "values_never_serialized"]
 
 
@@ -128,9 +137,16 @@ def _describe(entry: Any) -> str:
 
 
 def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[str, str] | None = None,
-                 allow_extra: bool = False) -> BindingPlan:
+                 allow_extra: bool = False, origins: Mapping[int, str] | None = None) -> BindingPlan:
     """Match every storage-less constant of ``programs`` ({method: ExportedProgram})
     to a key of ``checkpoint`` (a :class:`~ptdstream.sources.checkpoint_base.Checkpoint`).
+
+    A constant's key: ``key_map[fqn]`` where ``key_map`` names its FQN, else
+    ``origins[id(tensor)]`` (a key recorded for that very tensor: the model's
+    own name of it, whatever module wraps the model), else its FQN. A constant
+    that is not storage-less and whose tensor ``origins`` records (bound
+    already) counts as bound to its recorded key: that key is used, not extra;
+    a ``key_map`` that sends it to another key is a problem.
 
     A group of tied names takes the first of its names (in program order, after
     ``key_map``) that the checkpoint holds; each of its names the checkpoint
@@ -144,6 +160,7 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
             quantized constant made from storage-less weights, all at once.
     """
     key_map = dict(key_map or {})
+    origins = origins or {}
     entries = checkpoint.entries
     problems: list[str] = []
     groups: dict[str, tuple[tuple[str, str, str], ...]] = {}
@@ -152,7 +169,7 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
     dtypes: dict[str, Any] = {}  # checkpoint key -> the export's dtype of the names bound to it
     roles = _Roles(programs)
     for places in _places(programs).values():
-        keys = [key_map.get(fqn, fqn) for _, _, fqn, _ in places]
+        keys = [key_map.get(fqn, origins.get(id(t), fqn)) for _, _, fqn, t in places]
         held = [k for k in dict.fromkeys(keys) if k in entries]
         names = ", ".join(f"{fqn!r}" + (f" (method {m!r})" if len(programs) > 1 else "") for m, _, fqn, _ in places)
         if not held and all(roles.never_serialized(m, t, fqn) for m, t, fqn, _ in places):
@@ -160,9 +177,11 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
         if not held:
             wanted = ", ".join(repr(k) for k in dict.fromkeys(keys))
             folded = any(fqn.startswith(FOLDED_PREFIX) for _, _, fqn, _ in places)
+            initialized = any(roles.initialized(m, t, fqn) for m, t, fqn, _ in places)
             problems.append(f"missing: {names} needs checkpoint key {wanted}, which the checkpoint does not hold"
                             + (" (a constant that constant_prop_pass folded from storage-less weights: it "
-                               "needs their values, so bind before constant_prop_pass)" if folded else ""))
+                               "needs their values, so bind before constant_prop_pass)" if folded else "")
+                            + (f" {INITIALIZED_NOTE}" if initialized else ""))
             continue
         used.update(held)
         tensor = places[0][3]
@@ -192,14 +211,23 @@ def plan_binding(programs: Mapping[str, Any], checkpoint: Any, key_map: Mapping[
     for method, ep in programs.items():
         for table in ("state_dict", "constants"):
             for fqn, tensor in getattr(ep, table).items():
+                bound_to = origins.get(id(tensor)) if not is_storage_less(tensor) else None
+                if bound_to is not None:  # bound already (an export of a bound program's module): counts as bound
+                    used.add(bound_to)
+                    if key_map.get(fqn, bound_to) != bound_to:
+                        problems.append(f"bound: {fqn!r} is bound to checkpoint key {bound_to!r} already, key_map "
+                                        f"sends it to {key_map[fqn]!r}: drop it from key_map, or export the "
+                                        "model again")
                 if derived_from_storage_less(tensor):
                     used.add(key_map.get(fqn, fqn))  # its checkpoint key is not extra: it is this one's
                     where = f"{fqn!r}" + (f" (method {method!r})" if len(programs) > 1 else "")
                     problems.append(f"quantized: {where} is a {type(tensor).__name__} made from a storage-less "
                                     f"weight (its inner tensors hold no bytes); {QUANTIZATION_ADVICE}")
+    derived = getattr(checkpoint, "derived", {})
+    used.update(part for key in used & derived.keys() for part, _, _ in derived[key])  # a fused key's pieces
     if not allow_extra:
         for key, entry in entries.items():
-            if key not in used and checkpoint.aliases.get(key, key) not in used:
+            if key not in used and key not in derived and checkpoint.aliases.get(key, key) not in used:
                 problems.append(f"extra: checkpoint key {key!r} ({_describe(entry)}, {entry.where}) is no "
                                 "storage-less constant of the export (pass allow_extra=True to ignore it)")
     if problems:
@@ -213,27 +241,39 @@ def _dim_order(tensor: Any) -> tuple[int, ...]:
 
 
 def bind_programs(programs: Mapping[str, Any], checkpoint: Any, plan: BindingPlan,
-                  tensor_of: Any) -> list[Any]:
+                  tensor_of: Any, made_before: dict[tuple[str, bool], Any] | None = None) -> dict[str, list[Any]]:
     """Replace each planned place by the checkpoint's tensor (``tensor_of(key)``:
     memory-mapped, or a converted copy mapped from a file), one tensor object per group; parameters stay
-    ``torch.nn.Parameter`` with their ``requires_grad``. Returns the tensors placed."""
+    ``torch.nn.Parameter`` with their ``requires_grad``. ``made_before``: ``{(key, requires_grad): Parameter}``
+    of earlier calls, reused and filled (programs bound one at a time get the same objects as bound together).
+    Returns the tensors placed, by key."""
     import torch
 
-    placed: dict[int, Any] = {}
+    placed: dict[str, dict[int, Any]] = {}
+    made_before = {} if made_before is None else made_before
     for key, places in plan.groups.items():
         mapped = tensor_of(key)
-        made: dict[bool, Any] = {}
+        made: dict[bool, Any] = {flag: p for (k, flag), p in made_before.items() if k == key}
         for method, table, fqn in places:
             old = getattr(programs[method], table)[fqn]
             if isinstance(old, torch.nn.Parameter):
                 if old.requires_grad not in made:
-                    made[old.requires_grad] = torch.nn.Parameter(mapped, requires_grad=old.requires_grad)
+                    made[old.requires_grad] = made_before[key, old.requires_grad] = torch.nn.Parameter(
+                        mapped, requires_grad=old.requires_grad)
                 new = made[old.requires_grad]
             else:
                 new = mapped
             getattr(programs[method], table)[fqn] = new
-            placed[id(new)] = new
-    return list(placed.values())
+            placed.setdefault(key, {})[id(new)] = new
+    return {key: list(tensors.values()) for key, tensors in placed.items()}
+
+
+def needing_values(programs: Mapping[str, Any]) -> list[Any]:
+    """The storage-less constants of ``programs`` whose values would be serialized
+    (all but :func:`values_never_serialized`), each tensor once, in program order."""
+    roles = _Roles(programs)
+    return [places[0][3] for places in _places(programs).values()
+            if not all(roles.never_serialized(m, t, fqn) for m, t, fqn, _ in places)]
 
 
 def unbound_constants(programs: Mapping[str, Any]) -> list[str]:
@@ -246,7 +286,5 @@ def unbound_constants(programs: Mapping[str, Any]) -> list[str]:
         for m, t, fqn, _ in places:
             if roles.never_serialized(m, t, fqn):
                 continue
-            left.append(f"{m}: {fqn!r}" + (" (a mutable buffer marked et_init_buffer, by InitializedMutableBufferPass: "
-                                          "its initial values are serialized; give it real values in the model, "
-                                          "or a checkpoint key and bind)" if roles.initialized(m, t, fqn) else ""))
+            left.append(f"{m}: {fqn!r}" + (f" {INITIALIZED_NOTE}" if roles.initialized(m, t, fqn) else ""))
     return sorted(left)

@@ -1,29 +1,36 @@
 """``weights_from(checkpoint)``: export, lower, emit and save while no weight is held.
 
-The route, for the portable backend with external constants
-(``ExecutorchBackendConfig(external_constants=True)``)::
+The route: an export script, unchanged, inside one ``with`` line (portable with
+external constants, ``ExecutorchBackendConfig(external_constants=True)``)::
 
-    with ptdstream.weights_from("model.safetensors") as weights:
-        model = weights.model(lambda: MyModel(config))      # storage-less parameters
-        program = weights.bind(torch.export.export(model, example_inputs))
+    with ptdstream.weights_from("model.safetensors"):
+        with torch.device("meta"):
+            model = MyModel(config)                           # no weight allocated
+        program = torch.export.export(model, example_inputs)  # storage-less parameters
         manager = to_edge(program).to_executorch(ExecutorchBackendConfig(external_constants=True))
-        ptdstream.save(manager, "out/model.pte")
+        ptdstream.save(manager, "out/model.pte")              # or upstream's write_to_file
 
-1) :meth:`WeightsFrom.model` builds the model with storage-less cpu parameters
-(:mod:`ptdstream.weightless.storage_less`); 2) ``torch.export`` traces it (no
-parameter is cloned: there are no bytes); 3) :meth:`WeightsFrom.bind` binds
-each storage-less constant by FQN to the checkpoint's memory-mapped tensor,
-after checking them all (:mod:`ptdstream.weightless.binding`); 4) ``to_edge``
-and ``to_executorch`` run as usual; inside the context the emitter keeps each
+1) ``torch.export`` inside the block makes the module's meta parameters and
+meta persistent buffers storage-less cpu tensors first
+(:mod:`ptdstream.weightless.lowering`; :meth:`WeightsFrom.model` does the same
+for a factory or a meta module, :mod:`ptdstream.weightless.storage_less`) and
+traces it (no parameter is cloned: there are no bytes); 2) as the program
+reaches lowering (``run_decompositions``, where ``to_edge`` and
+``to_edge_transform_and_lower`` begin; emission binds any left) each
+storage-less constant is bound by FQN to the checkpoint's memory-mapped
+tensor, after checking them all (:mod:`ptdstream.weightless.binding`; every
+problem at once); :meth:`WeightsFrom.bind` (or :meth:`WeightsFrom.export`) does
+it at once, for errors before lowering and ``key_map``s per program: binding is
+idempotent; 3) ``to_edge`` and ``to_executorch`` run as usual; inside the context the emitter keeps each
 constant as a reference to the mapped tensor
 (:func:`ptdstream.hooks.emitter.constants_by_reference`: its SHA-256, and so
 upstream's dedup classes, streamed from the checkpoint in pieces, pages paged
 out), and a program that still holds a storage-less constant is refused by
 name before emission (so no manager, and nothing written, ever holds one);
-5) ``ptdstream.save`` streams each weight from the checkpoint through its ring.
+4) ``ptdstream.save`` streams each weight from the checkpoint through its ring.
 
 XNNPACK with weights tagged to a ``.ptd`` (``delegate_external_constants_pass_unlifted``
-on ``program.module()``, re-exported, then bound) works the same way: inside the
+on ``program.module()``, re-exported, bound as it is lowered) works the same way: inside the
 context XNNPACK keeps unchanged weights by reference and its per-partition copy
 shares the bound tensors (:mod:`ptdstream.weightless.delegates`).
 
@@ -31,7 +38,7 @@ A checkpoint tensor stored in another float dtype than the export's (float32,
 float16, bfloat16, to one another), and every tensor of a DCP checkpoint (loaded,
 not mapped), is bound to a copy: converted piece by piece into a temporary file
 of ``convert_dir`` and mapped back (:mod:`ptdstream.weightless.convert`), made
-by :meth:`WeightsFrom.bind` after every check passed; each file is removed once
+when the program is bound, after every check passed, once per key; each file is removed once
 mapped (the mapping keeps it), what is left when the context exits (also after
 an exception) too.
 
@@ -65,7 +72,8 @@ ring (:mod:`ptdstream.weightless.to_device`: no host copy, no page of the
 mapping touched, the file checked unchanged); lower inside
 :func:`~ptdstream.stream_cuda_weights` and ``ptdstream.save`` streams them from the GPU.
 
-Patches: the emitter's (see ``constants_by_reference``), XNNPACK's (see
+Patches: ``torch.export``'s and ``run_decompositions`` (:mod:`~ptdstream.weightless.lowering`),
+the emitter's (see ``constants_by_reference``), XNNPACK's (see
 ``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`),
 ``constant_prop_pass``'s (:mod:`~ptdstream.weightless.folding`), torchao's
 ``quantize_`` (:mod:`~ptdstream.weightless.quantization`), the CUDA backend's
@@ -86,7 +94,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -103,6 +110,8 @@ from .convert import ConvertDir
 from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .errors import QuantizationNeedsValuesError, UnboundConstantError
 from .folding import folded_to_files
+from .lowering import bind_found, binding_at_lowering, open_contexts, trim_heap
+from .lowering import opened as opened_in_thread
 from .quantization import quantized_constants, refusing_quantization
 from .storage_less import storage_less_model
 from .to_device import DeviceLoads, loading_bound_to_device
@@ -115,7 +124,6 @@ MAPPED_KINDS = ("safetensors", "torch")
 #: open from the first weights_from on, for the process: a model made by WeightsFrom.model that outlives its
 #: block still has its storage-less constants refused by name at emission (upstream reads no bytes from them)
 _emission_checked = Scope()
-_local = threading.local()  # the WeightsFrom contexts open in this thread (``stack``)
 
 
 def _identity(path: str) -> FileIdentity | None:
@@ -150,8 +158,18 @@ class WeightsFrom:
         self._refused: set[str] = set()  # changed files already refused
         #: the bound tensors the CUDA backend loads straight from the checkpoint to the GPU, and its stats
         self.device_loads = DeviceLoads(checkpoint, self._identities)
+        #: bind by FQN the storage-less constants no context recorded (False: only those :meth:`record` named)
+        self.by_name = True
+        self.programs_bound = 0  #: programs (or sets of methods) that bind changed
+        self._origins: dict[int, str] = {}  # id(recorded or bound tensor) -> checkpoint key
+        self._kept: list[Any] = []  # the recorded tensors, alive so their ids stay theirs
+        self._tensors: dict[str, Any] = {}  # checkpoint key -> its bound tensor (mapped, or a converted copy)
+        self._made: dict[tuple[str, bool], Any] = {}  # (key, requires_grad) -> the Parameter bound
 
     def _files_of(self, key: str) -> list[str]:
+        parts = self.checkpoint.derived.get(key)
+        if parts is not None:  # a fused key: the files of its parts
+            return list(dict.fromkeys(f for k, _, _ in parts for f in self._files_of(k)))
         where = self.checkpoint.entries[key].where
         return [where] if where in self._identities else list(self._identities)
 
@@ -191,11 +209,13 @@ class WeightsFrom:
         """Bind every storage-less constant of ``programs`` (an ``ExportedProgram``
         or ``{method: ExportedProgram}``, changed in place and returned) to the
         checkpoint's tensor of its FQN (through the context's ``key_map``, then
-        this call's ``key_map``, which wins for the FQNs it names).
+        this call's ``key_map``, which wins for the FQNs it names; a tensor
+        :meth:`record` named takes its recorded key where no ``key_map`` names its FQN).
 
         Checks everything first: nothing is converted or bound if anything is
         wrong. Then converts what the plan converts (another float dtype, or a
-        DCP checkpoint), then binds.
+        DCP checkpoint), then binds. Idempotent: constants this context bound
+        already count as bound (a program bound at lowering needs no call).
 
         Raises:
             BindingError: every missing key, extra key, dtype that is not
@@ -205,19 +225,51 @@ class WeightsFrom:
             OSError: a converted copy could not be written (names ``convert_dir``).
         """
         self._check_open("bind")
+        return self._bind(programs, key_map, self.allow_extra)
+
+    def bind_found(self, programs: Mapping[str, Any]) -> None:
+        """:meth:`bind` as a program reaches lowering or emission
+        (:mod:`ptdstream.weightless.lowering`): checkpoint keys it does not use
+        are not extra (its other methods or models may be lowered later)."""
+        self._check_open("bind")
+        self._bind(programs, None, True)
+
+    def _bind(self, programs: Any, key_map: Mapping[str, str] | None, allow_extra: bool) -> Any:
         methods = programs if isinstance(programs, Mapping) else {"forward": programs}
-        plan = plan_binding(methods, self.checkpoint, {**self.key_map, **(key_map or {})}, self.allow_extra)
+        plan = plan_binding(methods, self.checkpoint, {**self.key_map, **(key_map or {})}, allow_extra,
+                            self._origins)
+        if not plan.groups:
+            return programs
         mapped = self.checkpoint.kind in MAPPED_KINDS
-        converted = self._convert({key: plan.converted.get(key, self.checkpoint.entries[key].dtype)
-                                   for key in plan.groups if not mapped or key in plan.converted})
-        add_bound(self._bound, bind_programs(methods, self.checkpoint, plan,
-                                             lambda key: converted[key] if key in converted
-                                             else self.checkpoint.tensor(key)))
-        for key in plan.groups:
-            self.device_loads.add(key, converted[key] if key in converted else self.checkpoint.tensor(key))
-        self.bound_keys.extend(plan.groups)
+        new = [key for key in plan.groups if key not in self._tensors]
+        converted = self._convert({key: plan.converted.get(key, self.checkpoint.entries[key].dtype) for key in new
+                                   if not mapped or key in plan.converted or key in self.checkpoint.derived})
+        for key in new:
+            self._tensors[key] = converted[key] if key in converted else self.checkpoint.tensor(key)
+        placed = bind_programs(methods, self.checkpoint, plan, self._tensors.__getitem__, self._made)
+        add_bound(self._bound, [t for tensors in placed.values() for t in tensors])
+        for key, tensors in placed.items():
+            for tensor in tensors:
+                self._origins[id(tensor)] = key  # kept alive by _bound: the id stays this tensor's
+        for key in new:
+            self.device_loads.add(key, self._tensors[key])
+        self.bound_keys.extend(new)
         self.converted_keys.extend(converted)
+        self.programs_bound += 1
         return programs
+
+    def record(self, tensor: Any, key: str) -> None:
+        """Bind ``tensor`` (a storage-less tensor, kept alive) to checkpoint key
+        ``key`` wherever a program holds it, whatever its FQN there, unless a
+        ``key_map`` names that FQN; this context then binds it at lowering even
+        when an inner context binds by name."""
+        if id(tensor) not in self._origins:
+            self._kept.append(tensor)
+        self._origins[id(tensor)] = key
+
+    def owns(self, tensor: Any) -> bool:
+        """Whether :meth:`record` named ``tensor``'s key (or this context bound it)."""
+        return id(tensor) in self._origins
 
     def _convert(self, dtypes: Mapping[str, Any]) -> dict[str, Any]:
         """Each key's converted copy (``dtypes``: key -> the export's dtype); a
@@ -248,14 +300,17 @@ def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
     def emit_program(methods, *args, **kwargs):
         programs = methods if isinstance(methods, Mapping) else {"forward": methods}
+        bind_found(programs)  # storage-less constants lowering did not see (none in the usual route)
         quantized = quantized_constants(programs)
         if quantized:
             raise QuantizationNeedsValuesError(quantized, "to_executorch")
         left = unbound_constants(programs)
         if left:
             raise UnboundConstantError(left, "to_executorch")
-        for weights in getattr(_local, "stack", ()):
+        for weights in open_contexts():
             weights.check_unchanged(weights.bound_keys, "before to_executorch emitted the program (nothing emitted)")
+        if open_contexts():
+            trim_heap()  # what lowering and the passes freed
         return real(methods, *args, **kwargs)
 
     return emit_program
@@ -282,6 +337,8 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
 
     Raises:
         FormatError: a checkpoint that cannot be read.
+        CheckpointFileError: a shard the folder's index names that is missing,
+            unreadable or outside the folder (names the index, shard and keys).
         FileNotFoundError: nothing at ``checkpoint``.
         NotADirectoryError: ``convert_dir`` is not an existing folder.
         IntegrityError: at exit, a checkpoint file that converted keys come from
@@ -291,13 +348,12 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
     with opened:
         module = adapter.program_module()
         convert = ConvertDir(convert_dir)
-        stack = _local.__dict__.setdefault("stack", [])
         weights: WeightsFrom | None = None
         try:
             _emission_checked.open(lambda: shadowed(module, "emit_program", _checking_emit(module.emit_program)))
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
-            stack.append(weights)
-            with bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
+            with opened_in_thread(weights), binding_at_lowering(), bound_weights(weights._bound), \
+                    constants_by_reference(), sharing_bound_weights(), \
                     folded_to_files(weights._bound, convert.folder), refusing_quantization(), \
                     loading_bound_to_device(weights.device_loads), releasing_generated_sources():
                 yield weights
@@ -306,6 +362,4 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
         finally:
             if weights is not None:
                 weights._open = False
-                if weights in stack:
-                    stack.remove(weights)
             convert.close()

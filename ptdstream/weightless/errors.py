@@ -41,19 +41,18 @@ def _advice(problems: list[str]) -> str:
 
 
 class UnboundConstantError(PtdstreamError, ValueError):
-    """A constant that holds no bytes reached emission or a save: bind the exported
-    program first (``weights.bind(exported_program)``), or (bound already) it
-    came after bind: a program exported again or copied, a constant a pass made.
-    ``names`` lists them."""
+    """A constant that holds no bytes reached emission or a save outside every
+    ``weights_from`` block that could bind it (a program lowered or emitted after
+    its block), or came after binding (a constant a pass made from storage-less
+    values). ``names`` lists them."""
 
     def __init__(self, names: list[str], where: str) -> None:
         self.names = list(names)
         super().__init__(
             f"{where}: {len(names)} constant(s) hold no bytes (storage-less, never bound to a checkpoint "
-            f"tensor): {', '.join(names)}; bind each exported program inside the weights_from block "
-            "(weights.bind(exported_program) after torch.export, before to_edge, or weights.export); if it "
-            "was bound, these came later: a program exported again or copied after bind, or a constant a "
-            "pass made from storage-less values after bind")
+            f"tensor): {', '.join(names)}; export, lower and emit inside the weights_from block, where each "
+            "program is bound as it reaches lowering (or by weights.bind(exported_program)); a program lowered "
+            "or emitted after the block stays unbound, as does a constant a pass made from storage-less values")
 
 
 class QuantizationNeedsValuesError(PtdstreamError, ValueError):

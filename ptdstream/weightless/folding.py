@@ -33,6 +33,9 @@ bytes. Any other call runs as upstream's.
 
 Disk: the folded bytes (about the size of the folded weights) in ``folder``,
 or a fresh folder under ``tempfile.gettempdir()`` (``TMPDIR``), removed on exit.
+After each folded tensor moved to a file, the C heap is handed back
+(:func:`~ptdstream.weightless.lowering.trim_heap`): the one computed before it,
+freed by then, would otherwise stay resident (glibc keeps blocks of a few MiB).
 No upstream code is copied; the name is registered in
 :mod:`ptdstream.upstream.names`, the patch scoped (:mod:`ptdstream.upstream.patching`).
 """
@@ -53,6 +56,7 @@ from ..system.pagecache import file_mapping, page_out
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .delegates import add_bound, is_bound
+from .lowering import trim_heap
 from .mapped_copy import mapped_copy, mapped_transpose
 
 __all__ = ["BAND_NBYTES", "FoldingDict", "folded_to_files"]
@@ -112,6 +116,7 @@ class FoldingDict(OrderedDict):
                 moved = mapped_copy(value, self._target.path())
                 self._target.moved += moved.untyped_storage().nbytes()
                 del value
+                trim_heap()  # the folded tensor before this one, computed in memory and freed by now
                 add_bound(self._target.bound, [moved])
                 for t in inputs:
                     if is_bound(t):

@@ -12,35 +12,39 @@ Two ways in:
   generation config, tied weights) but reads no weight: the one step that reads
   them (``PreTrainedModel._load_pretrained_model``) is replaced, the model's
   meta parameters become storage-less cpu tensors and each one is recorded with
-  its checkpoint key (its name in the model's ``state_dict``; the name the
-  checkpoint holds for a tied group). An exported program is bound when it
-  reaches lowering: ``to_edge`` and ``to_edge_transform_and_lower`` begin with
-  its ``run_decompositions``, where, inside the context, each storage-less
-  constant of a recorded tensor is bound by its key (so
-  ``model.model.layers.0...`` FQNs find ``model.layers.0...`` keys; nothing
-  read), through a :func:`ptdstream.weights_from` context opened on the folder
-  at the first load and kept until exit; tied weights are one tensor, bound
-  once. Until then the program stays storage-less, so optimum's second
-  ``torch.export`` of ``program.module()`` (after ``RemoveRedundantTransposes``)
+  its checkpoint key as transformers reads the folder
+  (:mod:`ptdstream.weightless.hf_keys`: transformers' own renaming and fusing,
+  run on stand-ins; a fused tensor's key is derived from the checkpoint's
+  pieces, copied piece by piece when bound) on a :func:`ptdstream.weights_from`
+  context opened on the folder at the first load and kept until exit
+  (``WeightsFrom.record``). An exported program is bound when it reaches
+  lowering (:mod:`ptdstream.weightless.lowering`: ``to_edge`` and
+  ``to_edge_transform_and_lower`` begin with its ``run_decompositions``),
+  each recorded tensor by its key whatever its FQN (so ``model.model.layers.0...``
+  FQNs find ``model.layers.0...`` keys; nothing read); tied weights are one
+  tensor, bound once. Until then the program stays storage-less, so optimum's
+  second ``torch.export`` of ``program.module()`` (after ``RemoveRedundantTransposes``)
   traces storage-less tensors too (dynamo would clone real ones). Whatever
   runs from the lowering on (``constant_prop_pass``, XNNPACK's preprocess, the
   emitter, the save) sees the checkpoint's mapped tensors.
 
 Refused by name, before anything is written: a checkpoint that is not
 safetensors (``.bin`` files are pickles), a ``state_dict`` passed in, a
-transformers quantizer, a device map beyond the CPU, a model's key the
-checkpoint does not hold (transformers' renaming and fusing conversions are not
-applied: :class:`~ptdstream.weightless.BindingError` names it), a checkpoint
-dtype other than the export's, a ``.to()`` that would move or convert a
-module with storage-less parameters, and optimum's quantization (``qlinear``, ``qembedding``:
-torchao needs the weights' values). Checkpoint keys the model does not use are
+transformers quantizer, a device map beyond the CPU, a model's weight
+transformers cannot load from the folder (no key becomes it, its shape does not
+fit, a fusion fails: :class:`~ptdstream.weightless.BindingError` names each), a
+shard the index names that is missing, unreadable or outside the folder
+(:class:`~ptdstream.CheckpointFileError`), a checkpoint dtype other than the
+export's, a ``.to()`` that would move or convert a module with storage-less
+parameters, and optimum's quantization (``qlinear``, ``qembedding``: torchao
+needs the weights' values). Checkpoint keys the model does not use are
 ignored, as ``from_pretrained`` ignores them. Unlike ``from_pretrained``,
 nothing is initialized: a model without a checkpoint key has no value.
 
 Patches (through :mod:`ptdstream.upstream.patching`, restored by the last exit):
 ``PreTrainedModel._load_pretrained_model`` (registered in
 :mod:`ptdstream.upstream.names`, checked against transformers 5.0.0rc1),
-``torch.nn.Module.to``, ``torch.export.ExportedProgram.run_decompositions`` and optimum's
+``torch.nn.Module.to``, those of :mod:`ptdstream.weightless.lowering` and optimum's
 ``quantize_model_`` in its task modules. They act only in the thread that
 entered the context (elsewhere the originals run), except ``to``, which acts on
 every module holding storage-less tensors (a no-op to the CPU in their dtypes,
@@ -61,8 +65,10 @@ from typing import Any
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .context import WeightsFrom, weights_from
-from .errors import BindingError, NeedsWeightValuesError
-from .storage_less import is_storage_less, storage_less, storage_less_model
+from .errors import NeedsWeightValuesError
+from .hf_keys import record_keys
+from .lowering import binding_at_lowering
+from .storage_less import is_storage_less, storage_less_model
 
 __all__ = ["StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
 
@@ -83,17 +89,32 @@ def model_from_config(folder: str | os.PathLike[str], auto_class: str = "AutoMod
             model = model_from_config("my-llama/")
             program = weights.bind(torch.export.export(model, (tokens,)))
 
-    The model's ``state_dict`` names are the checkpoint's (``save_pretrained``'s).
+    Inside a :func:`ptdstream.weights_from` block on the same folder, each
+    parameter is recorded with its checkpoint key as transformers reads the
+    folder (:func:`~ptdstream.weightless.hf_keys.record_keys`: renamed and fused
+    keys), so a program is bound whatever module wraps the model; elsewhere the
+    model's ``state_dict`` names are the checkpoint's (``save_pretrained``'s).
 
     Raises:
         AttributeError: ``auto_class`` is not a transformers class.
         OSError: no readable ``config.json`` in ``folder``.
+        BindingError: inside such a block, a weight transformers could not load
+            from the folder (every one at once, by name).
     """
     import transformers
 
+    from .lowering import open_contexts
+
     config = transformers.AutoConfig.from_pretrained(os.fspath(folder))
     cls = getattr(transformers, auto_class)
-    return storage_less_model(lambda: cls.from_config(config, **from_config))
+    model = storage_less_model(lambda: cls.from_config(config, **from_config))
+    where = os.path.abspath(folder)
+    for weights in reversed(open_contexts()):
+        path = os.path.abspath(weights.checkpoint.path)
+        if where in (path, os.path.dirname(path)):  # the folder's own context: its keys as transformers reads them
+            record_keys(model, weights, adapter.model_conversion_mapping(model))
+            break
+    return model
 
 
 class StorageLessPretrained:
@@ -103,21 +124,33 @@ class StorageLessPretrained:
 
     def __init__(self, stack: contextlib.ExitStack) -> None:
         self.weights: dict[str, WeightsFrom] = {}
-        self.bound = 0
         self._stack = stack
-        self._origins: dict[int, tuple[str, str]] = {}  # id(storage-less tensor) -> (folder, checkpoint key)
-        self._keep: list[Any] = []  # the recorded tensors, alive so their ids stay theirs
 
-    def _weights_for(self, files: list[str]) -> tuple[str, WeightsFrom]:
-        folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+    @property
+    def bound(self) -> int:
+        """Exported programs bound so far (at lowering)."""
+        return sum(w.programs_bound for w in self.weights.values())
+
+    def _weights_for(self, name: Any, files: list[str]) -> tuple[str, WeightsFrom]:
+        """The context of the folder ``from_pretrained(name)`` resolved ``files`` in,
+        opened on first use: its index checked first (a missing, unreadable or
+        outside shard is refused by name, :class:`~ptdstream.CheckpointFileError`)."""
         bad = [f for f in files if not f.endswith(".safetensors")]
-        if bad or len(folders) != 1:
+        if bad:
             raise NeedsWeightValuesError(
-                f"from_pretrained: weightless export reads safetensors shards of one folder; got {', '.join(files)}"
-                " (.bin files are pickles, not read): save the model with save_pretrained(safe_serialization=True)")
-        folder = folders.pop()
+                f"from_pretrained: weightless export reads safetensors shards; got {', '.join(bad)} (.bin files "
+                "are pickles, not read): save the model with save_pretrained(safe_serialization=True)")
+        given = os.fspath(name) if isinstance(name, (str, os.PathLike)) else ""
+        folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+        folder = os.path.abspath(given) if given and os.path.isdir(given) else sorted(folders)[0]
         if folder not in self.weights:
-            self.weights[folder] = self._stack.enter_context(weights_from(folder, allow_extra=True))
+            weights = self._stack.enter_context(weights_from(folder, allow_extra=True))
+            weights.by_name = False  # binds the tensors load() recorded, by their keys
+            self.weights[folder] = weights
+        outside = sorted(f for f in files if os.path.dirname(os.path.abspath(f)) != folder)
+        if outside:
+            raise NeedsWeightValuesError(f"from_pretrained({given!r}): weightless export reads the safetensors "
+                                         f"shards of one folder ({folder}); got {', '.join(outside)} too")
         return folder, self.weights[folder]
 
     def load(self, model: Any, arguments: dict[str, Any]) -> tuple:
@@ -134,56 +167,9 @@ class StorageLessPretrained:
         if refused:
             raise NeedsWeightValuesError(f"from_pretrained({name!r}): weightless export cannot take "
                                          f"{'; '.join(refused)}: export without weightless")
-        folder, weights = self._weights_for(list(arguments["checkpoint_files"]))
-        held = weights.checkpoint.entries
-        storage_less_model(model)
-        for prefix, module in model.named_modules():
-            for buf_name, buf in list(module._buffers.items()):
-                if (buf is not None and not is_storage_less(buf) and buf_name not in module._non_persistent_buffers_set
-                        and f"{prefix}.{buf_name}".lstrip(".") in held):
-                    module._buffers[buf_name] = storage_less(buf)  # its value is the checkpoint's, as when loaded
-        for param in model.parameters():
-            param._is_hf_initialized = True
-        missing = {k for k in model.state_dict(keep_vars=True) if k not in held}
-        model.tie_weights(missing_keys=missing, recompute_mapping=False)
-        state = model.state_dict(keep_vars=True)
-        for key, tensor in state.items():
-            if is_storage_less(tensor) and (id(tensor) not in self._origins or key in held
-                                            and self._origins[id(tensor)][1] not in held):
-                self._origins[id(tensor)] = (folder, key)
-                self._keep.append(tensor)
-        problems = []
-        for tensor in {id(t): t for t in state.values() if id(t) in self._origins}.values():
-            key = self._origins[id(tensor)][1]
-            entry = held.get(key)
-            if entry is None:
-                problems.append(f"missing: the model's {key!r} ({tensor.dtype} {list(tensor.shape)}) is not in "
-                                "the checkpoint (from_pretrained would initialize it at random)")
-            elif entry.dtype != tensor.dtype or tuple(entry.shape) != tuple(tensor.shape):
-                problems.append(f"{key!r} ({entry.where}): the checkpoint holds {entry.dtype} "
-                                f"{list(entry.shape)}, the model needs {tensor.dtype} {list(tensor.shape)}")
-        if problems:
-            raise BindingError(weights.checkpoint.path, problems)
+        _, weights = self._weights_for(name, list(arguments["checkpoint_files"]))
+        missing = record_keys(model, weights, arguments.get("weight_mapping"), arguments.get("dtype"))
         return model, missing, set(), set(), None, []
-
-    def bind(self, program: Any) -> Any:
-        """Bind ``program``'s recorded storage-less constants to their keys (in place)."""
-        key_map: dict[str, str] = {}
-        folders = set()
-        for table in ("state_dict", "constants"):
-            for fqn, tensor in getattr(program, table).items():
-                origin = self._origins.get(id(tensor)) if is_storage_less(tensor) else None
-                if origin is not None:
-                    folders.add(origin[0])
-                    key_map[fqn] = origin[1]
-        if not folders:
-            return program
-        if len(folders) > 1:
-            raise NeedsWeightValuesError(f"run_decompositions: one program holds weights of {len(folders)} folders "
-                                         f"({', '.join(sorted(folders))}): export each model on its own")
-        self.weights[folders.pop()].bind(program, key_map=key_map)
-        self.bound += 1
-        return program
 
 
 def _active() -> StorageLessPretrained | None:
@@ -204,17 +190,6 @@ def _loading(real: Callable[..., Any]) -> Callable[..., Any]:
         return context.load(bound.arguments["model"], dict(bound.arguments))
 
     return _load_pretrained_model
-
-
-def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(real)
-    def run_decompositions(self: Any, *args: Any, **kwargs: Any) -> Any:
-        context = _active()
-        if context is not None:
-            context.bind(self)
-        return real(self, *args, **kwargs)
-
-    return run_decompositions
 
 
 def _moving(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -292,8 +267,7 @@ def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
         stack.enter_context(shadowed(model_class, "_load_pretrained_model",
                                      classmethod(_loading(model_class._load_pretrained_model.__func__))))
         stack.enter_context(shadowed(torch.nn.Module, "to", _moving(torch.nn.Module.to)))
-        program_class = torch.export.ExportedProgram
-        stack.enter_context(shadowed(program_class, "run_decompositions", _lowering(program_class.run_decompositions)))
+        stack.enter_context(binding_at_lowering())
         for module in _optimum_task_modules():
             stack.enter_context(shadowed(module, "quantize_model_", _refusing_quantization(module.quantize_model_)))
         _local.active = getattr(_local, "active", None) or []

@@ -32,7 +32,7 @@ from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .errors import MetaBufferError
 
-__all__ = ["is_storage_less", "storage_less", "storage_less_model"]
+__all__ = ["is_storage_less", "meta_to_storage_less", "storage_less", "storage_less_model"]
 
 _local = threading.local()  # the fake mode of the thread building a model
 
@@ -65,9 +65,14 @@ def storage_less(tensor: Any) -> Any:
     return fake
 
 
-def _convert(model: Any) -> None:
-    """Meta parameters and persistent buffers -> storage-less cpu, in place; tied
-    parameters stay tied (one storage-less tensor per original object)."""
+def meta_to_storage_less(model: Any) -> None:
+    """``model``'s meta parameters and meta persistent buffers -> storage-less cpu
+    tensors, in place; tied parameters stay tied (one storage-less tensor per
+    original object); nothing else changes (a module without meta tensors is left as it is).
+
+    Raises:
+        MetaBufferError: a non-persistent buffer on the meta device, by name.
+    """
     done: dict[int, Any] = {}
     bad = []
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -137,5 +142,5 @@ def storage_less_model(factory_or_module: Callable[[], Any] | Any) -> Any:
             model = factory_or_module()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"the model factory returned a {type(model).__name__}, not a torch.nn.Module")
-    _convert(model)
+    meta_to_storage_less(model)
     return model.eval()

@@ -157,7 +157,7 @@ class DeviceLoads:
         memory = (bound.data_ptr(), bound.numel() * bound.element_size())
         if private_copies(*memory) is not False:  # written in place (or unknown): its memory, as .to reads
             return self._from_memory(label, bound, read_file=False)
-        if self.checkpoint.kind in ("safetensors", "torch"):
+        if self.checkpoint.kind in ("safetensors", "torch") and key not in self.checkpoint.derived:
             source = self.checkpoint.source(key)
             view = self.checkpoint.tensor(key)
             identity = self.identities.get(entry.where)

@@ -394,3 +394,47 @@ def test_a_10_mb_header_of_empty_objects_is_refused_in_bounded_memory(tmp_path):
                         "(safetensors takes strings only)"), proc.stderr[-2000:]
     assert int(lines[1].split()[1]) < 100 << 10, lines[1]
     assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_a_derived_key_reads_its_parts_in_order_from_the_file(tmp_path, kind):
+    """A key made of byte ranges of other keys (a fused tensor): its source is the
+    parts one after another, read as the keys are (64-byte pieces: ranges split)."""
+    from safetensors.torch import save_file
+
+    state = {"a": torch.arange(40, dtype=torch.float32).reshape(4, 10), "b": torch.arange(40, 80, dtype=torch.float32)}
+    path = tmp_path / ("c.safetensors" if kind == "safetensors" else "c.pt")
+    save_file(state, path) if kind == "safetensors" else torch.save(state, path)
+    parts = (("a", 40, 40), ("b", 0, 80), ("a", 0, 40), ("b", 120, 40))  # rows 1, b[0:20], row 0, b[30:40]
+    with open_checkpoint(str(path)) as ckpt:
+        entry = ckpt.derive("fused", parts, torch.float32, (5, 10), "fused from a and b")
+        assert (entry.shape, entry.dim_order, entry.nbytes, entry.where) == ((5, 10), (0, 1), 200, "fused from a and b")
+        assert ckpt.entries["fused"] is entry and ckpt.derived == {"fused": parts}
+        want = torch.cat([state["a"][1], state["b"][:20], state["a"][0], state["b"][30:]])
+        assert _bytes(ckpt.source("fused")) == _raw(want)
+        assert ckpt.source("fused").prefix(48) == _raw(want)[:48]
+        assert _bytes(ckpt.range_source("b", 12, 20)) == _raw(state["b"])[12:32]
+        with pytest.raises(FormatError, match="derived from 4 pieces .* it has no mapped view"):
+            ckpt.tensor("fused")
+        short = r"its parts hold 160 bytes, a torch.float32 tensor of shape \[5, 10\] 200"
+        for bad, message in ((("a", 150, 20),), "is not a range of a checkpoint tensor"), \
+                            ((("fused", 0, 4),), "is not a range of a checkpoint tensor"), ((("a", 0, 160),), short):
+            with pytest.raises(ValueError, match=message):
+                ckpt.derive("other", bad, torch.float32, (5, 10), "bad")
+        with pytest.raises(ValueError, match="'a' is in the checkpoint already"):
+            ckpt.derive("a", parts, torch.float32, (5, 10), "bad")
+        assert "other" not in ckpt.entries
+
+
+def test_a_concatenated_part_that_gives_too_few_bytes_is_refused_by_name():
+    from ptdstream.sources.concat import ConcatSource
+    from ptdstream.sources.memory import MemorySource
+
+    class Short(MemorySource):
+        def pieces(self, ring):
+            yield memoryview(b"abc")
+
+    source = ConcatSource([MemorySource(b"0123456789"), Short(b"abcdef", "short part")], "key 'fused'")
+    assert source.nbytes == 16 and source.prefix(12) == b"0123456789ab"
+    with pytest.raises(IntegrityError, match=r"key 'fused': part 1 \(.*short part.*\) gave 3 bytes, not the 6"):
+        b"".join(bytes(p) for p in source.pieces(BufferRing(4, count=2)))

@@ -20,7 +20,6 @@ from ptdstream.upstream.patching import is_shadowed
 from ptdstream.weightless import (
     BindingError,
     MetaBufferError,
-    UnboundConstantError,
     is_storage_less,
     storage_less_model,
     weights_from,
@@ -208,21 +207,18 @@ def test_allow_extra_ignores_unused_keys(tmp_path):
     assert read_folder(str(tmp_path / "weightless")) == want
 
 
-def test_constant_left_unbound_is_refused_by_name_before_emission(tmp_path):
+def test_a_program_never_bound_is_bound_as_it_reaches_lowering(tmp_path):
     real = _seeded(Mlp)
+    want = _real_files(real, example_inputs(real), tmp_path / "real")
     ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
     with weights_from(ckpt) as weights:
-        program = torch.export.export(weights.model(Mlp), example_inputs(real))  # never bound
-        from executorch.exir import to_edge
-
-        edge = to_edge(program)
-        with pytest.raises(UnboundConstantError) as caught:
-            edge.to_executorch(_config())
-    assert caught.value.names == ["forward: 'l1.bias'", "forward: 'l1.weight'", "forward: 'l2.bias'",
-                                  "forward: 'l2.weight'"]
-    assert "to_executorch: 4 constant(s) hold no bytes" in str(caught.value)
-    assert "weights.bind(exported_program)" in str(caught.value)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+        program = torch.export.export(weights.model(Mlp), example_inputs(real))  # never passed to bind
+        assert all(is_storage_less(t) for t in program.state_dict.values())
+        manager = _lower(program)  # to_edge's run_decompositions binds it
+        assert not any(is_storage_less(t) for t in program.state_dict.values())
+        assert weights.programs_bound == 1 and weights.bound_keys == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+        _save(manager, tmp_path / "weightless")
+    assert read_folder(str(tmp_path / "weightless")) == want
 
 
 def test_meta_non_persistent_buffer_is_refused_by_name(tmp_path):
@@ -328,12 +324,12 @@ def test_constant_prop_before_binding_is_refused_by_name_and_after_binding_match
     constant_prop_pass(edge.exported_program())
     _save(edge.to_executorch(_config()), tmp_path / "real")
     ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
+    early = to_edge(torch.export.export(storage_less_model(Mlp), x))  # lowered outside any block: not bound
+    constant_prop_pass(early.exported_program())  # folds the transposes of storage-less weights
     with weights_from(ckpt) as weights:
-        early = to_edge(torch.export.export(weights.model(Mlp), x))
-        constant_prop_pass(early.exported_program())  # folds the transposes of storage-less weights
         with pytest.raises(BindingError) as caught:
             weights.bind(early.exported_program())
-        late = to_edge(weights.export(weights.model(Mlp), x))
+        late = to_edge(torch.export.export(weights.model(Mlp), x))  # bound as it is lowered
         constant_prop_pass(late.exported_program())  # folded from the mapped checkpoint
         _save(late.to_executorch(_config()), tmp_path / "weightless")
     folded = ("which the checkpoint does not hold (a constant that constant_prop_pass folded from storage-less "

@@ -201,8 +201,9 @@ def test_missing_and_mistyped_weights_refused_by_name_before_any_output(tmp_path
                             max_seq_len=16)
     problems = info.value.problems
     assert len(problems) == 2, problems
-    assert problems[0] == ("missing: the model's 'model.norm.weight' (torch.float32 [32]) is not in the checkpoint "
-                           "(from_pretrained would initialize it at random)")
+    assert problems[0] == ("missing: the model's 'model.norm.weight' (torch.float32 [32]) is not in the checkpoint, "
+                           "under its name or any name transformers converts to it (from_pretrained would initialize "
+                           "it at random)")
     assert problems[1].startswith("'lm_head.weight' (")
     assert problems[1].endswith("the checkpoint holds torch.bfloat16 [128, 32], the model needs torch.float32 "
                                 "[128, 32]")

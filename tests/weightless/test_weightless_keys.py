@@ -78,10 +78,10 @@ def test_a_model_exported_after_the_block_is_refused_by_name_at_emission(tmp_pat
     assert e.value.names == ["forward: 'a.bias'", "forward: 'a.weight'", "forward: 'b.bias'", "forward: 'b.weight'"]
     assert str(e.value) == (
         "to_executorch: 4 constant(s) hold no bytes (storage-less, never bound to a checkpoint tensor): "
-        "forward: 'a.bias', forward: 'a.weight', forward: 'b.bias', forward: 'b.weight'; bind each exported "
-        "program inside the weights_from block (weights.bind(exported_program) after torch.export, before "
-        "to_edge, or weights.export); if it was bound, these came later: a program exported again or copied "
-        "after bind, or a constant a pass made from storage-less values after bind")
+        "forward: 'a.bias', forward: 'a.weight', forward: 'b.bias', forward: 'b.weight'; export, lower and "
+        "emit inside the weights_from block, where each program is bound as it reaches lowering (or by "
+        "weights.bind(exported_program)); a program lowered or emitted after the block stays unbound, as does a "
+        "constant a pass made from storage-less values")
     assert os.listdir(tmp_path) == ["ckpt"]  # nothing written
 
 

@@ -353,12 +353,17 @@ def test_initialized_storage_less_cache_is_refused_by_name_before_emission(tmp_p
     with weights_from(ckpt) as weights:
         model = weights.model(_storage_less_caches_model())
         program = weights.bind(_exported(model, ["decode"])["decode"])
-        with pytest.raises(UnboundConstantError) as caught:
+        with pytest.raises(BindingError) as caught:  # emission binds what it can: the checkpoint has no cache
             _lower(program, passes=[InitializedMutableBufferPass(["layers_0_k_cache"])])
     note = ("(a mutable buffer marked et_init_buffer, by InitializedMutableBufferPass: its initial values are "
-            "serialized; give it real values in the model, or a checkpoint key and bind)")
-    assert caught.value.names == [f"forward: 'layers.0.k_cache' {note}"]
+            "serialized; give it real values in the model, or a checkpoint key)")
+    assert caught.value.problems == [f"missing: 'layers.0.k_cache' needs checkpoint key 'layers.0.k_cache', which "
+                                     f"the checkpoint does not hold {note}"]
     assert os.listdir(out) == []
+    program = _exported(model, ["decode"])["decode"]  # after the block: the emission check names it
+    with pytest.raises(UnboundConstantError) as caught:
+        _lower(program, passes=[InitializedMutableBufferPass(["layers_0_k_cache"])])
+    assert f"forward: 'layers.0.k_cache' {note}" in caught.value.names
 
 
 def test_storage_less_buffer_that_is_only_read_still_needs_a_key(tmp_path):

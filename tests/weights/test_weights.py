@@ -503,5 +503,6 @@ def test_an_index_with_several_bad_shard_names_names_the_same_one_under_any_hash
         run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True,
                              text=True, timeout=120)
         messages.add(run.stdout.strip())
-    assert messages == {f"FormatError {tmp_path / 'model.safetensors.index.json'}: shard name "
-                        f"'../a.safetensors' is not a file name in the index's folder"}, messages
+    assert messages == {f"CheckpointFileError {tmp_path / 'model.safetensors.index.json'}: shard name "
+                        "'../a.safetensors' (for 1 key(s): 'w2') is not a file name in the index's folder "
+                        f"{tmp_path} (a checkpoint is read only from its own folder)"}, messages

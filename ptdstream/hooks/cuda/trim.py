@@ -15,11 +15,10 @@ The modes:
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from typing import Any
 
 from ...errors import ArgumentTypeError
+from ...system.heap import malloc_trim
 
 __all__ = ["MALLOC_TRIM", "TRIM_MODES", "check_mode", "malloc_trim"]
 
@@ -42,21 +41,3 @@ def check_mode(mode: Any) -> bool | str:
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     raise ArgumentTypeError(f"stream_cuda_weights: trim_host_memory={shown} (a {kind_name}) is not one of "
                             f"{MALLOC_TRIM!r}, True, False; pass one of those")
-
-
-@functools.lru_cache(maxsize=1)
-def _libc_trim() -> Any:
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):  # not glibc: nothing to hand back this way
-        return None
-
-
-def malloc_trim() -> bool:
-    """glibc's ``malloc_trim(0)``: free heap pages handed back to the system.
-    ``False`` where the C library has no ``malloc_trim`` (nothing done)."""
-    trim = _libc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True

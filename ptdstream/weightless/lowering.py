@@ -1,0 +1,163 @@
+"""Programs bound as they reach lowering: an existing export script inside one ``with`` line.
+
+While a :func:`~ptdstream.weightless.weights_from` context is open in a thread
+(or a :func:`~ptdstream.weightless.pretrained_without_weights` one), in that
+thread:
+
+* ``torch.export`` (``torch.export.export`` calls ``torch.export._trace._export``,
+  looked up when called, so ``from torch.export import export`` is seen too)
+  first makes a module's meta parameters and meta persistent buffers
+  storage-less cpu tensors, in place, as :meth:`WeightsFrom.model
+  <ptdstream.weightless.WeightsFrom.model>` does (a model the user built under
+  ``torch.device("meta")`` traces as it would with weights; a meta
+  non-persistent buffer is refused by name, :class:`~ptdstream.weightless.MetaBufferError`);
+* ``ExportedProgram.run_decompositions``, where ``to_edge`` and
+  ``to_edge_transform_and_lower`` begin (``exir/program/_program.py``), first
+  binds the program's storage-less constants (:func:`bind_found`), and so does
+  emission (``to_executorch``: :mod:`ptdstream.weightless.context`'s check of
+  ``emit_program``) for any left.
+
+Until it is lowered a program stays storage-less, so a second
+``torch.export`` of its ``program.module()`` (XNNPACK's tagging of external
+weights) traces storage-less tensors too. Binding is idempotent (a constant
+bound already counts as bound: :func:`~ptdstream.weightless.binding.plan_binding`),
+so ``weights.export`` / ``weights.bind`` before it change nothing.
+
+Which context binds a constant (:func:`bind_found`): the innermost open
+context of the thread that recorded that very tensor (``WeightsFrom.record``:
+the Hugging Face route's keys, transformers' renamed and fused keys), else the
+innermost context that binds by name (every ``weights_from`` the user opens).
+A program whose constants two contexts claim is refused by name.
+
+The C heap (:func:`trim_heap`, glibc's ``malloc_trim``) is handed back to the
+system before and after each ``run_decompositions`` and before emission:
+tracing and lowering free many blocks of a few MiB that glibc would otherwise
+keep resident until the process ends (at optimum's usual flags, about 30 MiB
+per decoder layer; benchmarks/README.md).
+
+Patches (through :mod:`ptdstream.upstream.patching`, restored by the last
+exit): ``torch.export._trace._export`` (registered in
+:mod:`ptdstream.upstream.names`) and ``torch.export.ExportedProgram.run_decompositions``.
+They act only in threads with an open context; elsewhere the originals run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ..system.heap import malloc_trim
+from ..upstream import adapter
+from ..upstream.patching import shadowed
+from .binding import needing_values
+from .errors import BindingError
+from .storage_less import meta_to_storage_less
+
+__all__ = ["TRIM_HEAP", "bind_found", "binding_at_lowering", "open_contexts", "opened", "trim_heap"]
+
+_local = threading.local()  # .stack: the WeightsFrom contexts open in this thread, innermost last
+
+#: hand the C heap back at each lowering step (False: as upstream; benchmarks compare both)
+TRIM_HEAP = True
+
+
+def trim_heap() -> None:
+    """:func:`ptdstream.system.heap.malloc_trim` when :data:`TRIM_HEAP` (the weightless route's steps call it)."""
+    if TRIM_HEAP:
+        malloc_trim()
+
+
+def open_contexts() -> list[Any]:
+    """The :class:`~ptdstream.weightless.WeightsFrom` contexts open in this thread, innermost last."""
+    stack: list[Any] = _local.__dict__.setdefault("stack", [])
+    return stack
+
+
+@contextlib.contextmanager
+def opened(weights: Any) -> Iterator[None]:
+    """``weights`` is open in this thread until exit (its programs bound at lowering)."""
+    stack = open_contexts()
+    stack.append(weights)
+    try:
+        yield
+    finally:
+        if weights in stack:
+            stack.remove(weights)
+
+
+def bind_found(programs: Mapping[str, Any]) -> int:
+    """Bind the storage-less constants of ``programs`` ({method: ExportedProgram},
+    changed in place) that need values, through the context that claims them
+    (see the module docstring); returns how many constants were storage-less.
+    Nothing happens outside a context, or when no context claims them (the
+    emission check names them then).
+
+    Raises:
+        BindingError: every missing key, dtype, shape or dim order problem at
+            once (checkpoint keys no constant uses are ignored here: a script
+            may lower its methods, or its models, one at a time); two contexts
+            claiming constants of one program.
+        IntegrityError, OSError: as :meth:`~ptdstream.weightless.WeightsFrom.bind`.
+    """
+    stack = open_contexts()
+    if not stack:
+        return 0
+    found = needing_values(programs)
+    if not found:
+        return 0
+    by_name = next((w for w in reversed(stack) if w.by_name), None)
+    owners: dict[int, Any] = {}
+    for tensor in found:
+        owner = next((w for w in reversed(stack) if w.owns(tensor)), by_name)
+        if owner is not None:
+            owners[id(owner)] = owner
+    if len(owners) > 1:
+        paths = ", ".join(sorted(w.checkpoint.path for w in owners.values()))
+        raise BindingError(paths, [f"one program holds weights of {len(owners)} checkpoints ({paths}): export "
+                                   "each model on its own, or bind with weights.bind(program, key_map=...)"])
+    for owner in owners.values():
+        owner.bind_found(programs)
+    return len(found)
+
+
+def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def run_decompositions(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not open_contexts():
+            return real(self, *args, **kwargs)
+        bind_found({"forward": self})
+        trim_heap()  # what tracing freed
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            trim_heap()  # what the decompositions freed
+
+    return run_decompositions
+
+
+def _exporting(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def _export(mod: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if open_contexts() and isinstance(mod, torch.nn.Module):
+            meta_to_storage_less(mod)
+        return real(mod, *args, **kwargs)
+
+    return _export
+
+
+@contextlib.contextmanager
+def binding_at_lowering() -> Iterator[None]:
+    """While active, in threads with an open context, ``torch.export`` makes meta
+    tensors storage-less and ``run_decompositions`` binds (see the module docstring)."""
+    import torch
+
+    trace = adapter.export_trace_module()
+    program_class = torch.export.ExportedProgram
+    with shadowed(program_class, "run_decompositions", _lowering(program_class.run_decompositions)), \
+            shadowed(trace, "_export", _exporting(trace._export)):
+        yield
