@@ -173,8 +173,8 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
                                           max_planned_nbytes)
             checks.extend(Check(pte_path, name, ok, detail) for name, ok, detail in results)
             loads = all(ok for _, ok, _ in results)
-            called, named = program_needs(pte_path, pte) if loads else ([], [])
-            delegates = tuple(named)
+            called, backend_ids = program_needs(pte_path, pte) if loads else ([], [])
+            delegates = tuple(backend_ids)
             if delegates:  # the backends too, not only the kernels: an XNNPACK program needs XNNPACK
                 checks.append(Check(pte_path, "needs backends", True, backends_line(delegates)))
             if operators is not None and loads:
