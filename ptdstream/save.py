@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .defaults import CHUNK_NBYTES, WINDOW_NBYTES
-from .reports import Report
+from .reports import Report, rate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .format.pte import PteOptions
@@ -40,7 +40,9 @@ class SaveReport(Report):
         files: the files written, .ptd files first, in publish order.
         nbytes: bytes written in all.
         seconds: wall time from plan to the last publish.
-        gbps: ``nbytes / seconds / 1e9`` (GB/s).
+        gbps: ``nbytes / seconds / 1e9`` (GB/s); the summary prints the rate of the
+            write alone (``seconds - plan_seconds``), and only from
+            :data:`~ptdstream.reports.RATE_MIN_NBYTES` (64 MiB) on.
         dedup_saved_nbytes: bytes not written because equal data was already
             stored under another key.
         plan_seconds: the part of ``seconds`` spent planning.
@@ -59,9 +61,10 @@ class SaveReport(Report):
 
     def summary(self) -> str:
         lines = [f"{f.path}  {f.nbytes:,} bytes" for f in self.files]
+        speed = rate(self.nbytes, self.seconds - self.plan_seconds)
         lines.append(
-            f"{self.nbytes:,} bytes in {self.seconds:.2f} s ({self.gbps:.2f} GB/s); "
-            f"dedup saved {self.dedup_saved_nbytes:,} bytes"
+            f"{self.nbytes:,} bytes in {self.seconds:.2f} s (planning {self.plan_seconds:.2f} s, then the write, "
+            f"fsync and publish{': ' + speed if speed else ''}); dedup saved {self.dedup_saved_nbytes:,} bytes"
         )
         return "\n".join(lines)
 

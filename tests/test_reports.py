@@ -168,5 +168,62 @@ def test_the_distributed_report_has_a_summary(tmp_path, program):
     report = _write("distributed.write_data_files", program, tmp_path, False)
     size = (tmp_path / "w.ptd").stat().st_size
     assert report.summary().splitlines()[0] == f"{tmp_path / 'w.ptd'}  {size:,} bytes"
-    assert report.summary().splitlines()[1].startswith(f"{500 * 4 + 7 * 3 * 4:,} bytes written by this rank in ")
+    assert report.summary().splitlines()[1].startswith(f"{500 * 4 + 7 * 3 * 4:,} bytes written by this rank; the "
+                                                       "call took ")
     assert '"rank_nbytes": 2084' in report.to_json()
+
+
+def test_a_rate_is_printed_only_where_it_means_throughput():
+    from ptdstream.reports import RATE_MIN_NBYTES, rate
+
+    assert RATE_MIN_NBYTES == 64 << 20
+    assert rate(RATE_MIN_NBYTES - 1, 0.01) == ""  # a small write: fsync and rename latency, not throughput
+    assert rate(RATE_MIN_NBYTES, 0.0) == ""
+    assert rate(RATE_MIN_NBYTES, 0.5) == "0.13 GB/s"
+    assert rate(RATE_MIN_NBYTES, 0.5, "MB/s") == "134 MB/s"
+
+
+def test_small_writes_print_no_rate_and_say_what_the_seconds_are(tmp_path, monkeypatch):
+    import re
+
+    import ptdstream.reports
+
+    report = write_data_files(_store(), str(tmp_path))
+    line = report.summary().splitlines()[2]
+    assert re.fullmatch(rf"{report.nbytes:,} bytes in \d+\.\d\d s \(planning \d+\.\d\d s, then the write, fsync and "
+                        r"publish\); dedup saved 0 bytes", line), line
+    monkeypatch.setattr(ptdstream.reports, "RATE_MIN_NBYTES", 1)  # as a write of 64 MiB or more prints it
+    assert re.search(r"then the write, fsync and publish: \d+\.\d\d GB/s\); dedup", report.summary())
+
+
+def test_write_ptd_times_the_write_itself(tmp_path, monkeypatch):
+    """``write_seconds`` is the write (temp files, fsync, publish), the span of ``gbps``;
+    what comes before it (opening and checking the checkpoint, planning, on a first
+    call the imports) is the rest of ``seconds``. Before, the API's one figure was the
+    whole call: "41,728 bytes in 47.48 s (0.00 GB/s)" where the CLI said 0.42 s."""
+    import re
+    import time
+
+    from _small_exports import model, write_reference
+    from safetensors.torch import save_file
+
+    import ptdstream.weights.write as weights_write
+
+    files = write_reference("external", tmp_path / "ref")
+    save_file({k: v.detach().contiguous() for k, v in model("external").state_dict().items()},
+              str(tmp_path / "ck.safetensors"))
+    real_plan = weights_write.plan_ptd_files
+
+    def slow_plan(*args, **kwargs):  # the steps before the write take at least 0.5 s here
+        time.sleep(0.5)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(weights_write, "plan_ptd_files", slow_plan)
+    (tmp_path / "out").mkdir()
+    report = weights_write.write_ptd(files["model.pte"], str(tmp_path / "ck.safetensors"), str(tmp_path / "out"))
+    assert 0 < report.write_seconds and report.seconds - report.write_seconds >= 0.5
+    assert report.gbps == report.nbytes / report.write_seconds / 1e9
+    line = report.summary().splitlines()[-1]
+    assert re.fullmatch(rf"4 keys, {report.nbytes:,} bytes written in \d+\.\d\d s \(the write, fsync and publish; "
+                        r"checking and planning before it \d+\.\d\d s\); dedup saved 0 bytes", line), line
+    assert float(line.split("before it ")[1].split(" s)")[0]) >= 0.5

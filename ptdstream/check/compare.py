@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError
+from ..format.identity import kind_of
 from ..format.ptd import ptd_file_name
 from ..format.reader import Artifact, parse_artifact, read_artifact
 from ..progress import progress_callback
@@ -183,12 +184,30 @@ def compare_files(out_path: str, ref_path: str, chunk_nbytes: int = CHUNK_NBYTES
     out_path, ref_path = os.fspath(out_path), os.fspath(ref_path)
     with open(out_path, "rb") as fo, open(ref_path, "rb") as fr, contextlib.ExitStack() as stack:
         out_n, ref_n = os.fstat(fo.fileno()).st_size, os.fstat(fr.fileno()).st_size
+        out_kind, ref_kind = kind_of(os.pread(fo.fileno(), 8, 0)[4:]), kind_of(os.pread(fr.fileno(), 8, 0)[4:])
+        if out_kind is not None and ref_kind is not None and out_kind != ref_kind:  # say why, not "offset 0"
+            return CompareReport(out_path, ref_path, out_n, ref_n,
+                                 error=_kinds_differ(out_path, ref_path, out_kind, ref_kind))
         update = progress_callback(stack, progress, ref_n, f"comparing {os.path.basename(out_path)}")
         offset, ob, rb = _first_difference(_FileFiller(fo), _FileFiller(fr, update), chunk_nbytes)
     section, key, source = _name_offset(
         offset, [("reference", lambda: read_artifact(ref_path)), ("output", lambda: read_artifact(out_path))]
     )
     return CompareReport(out_path, ref_path, out_n, ref_n, offset, section, key, ob, rb, source)
+
+
+#: How a report names each kind of file.
+_KIND_NAMES = {"pte": "a program (.pte)", "ptd": "a data file (.ptd)"}
+
+
+def _kinds_differ(out_path: str, ref_path: str, out_kind: str, ref_kind: str) -> str:
+    """Why a .pte and a .ptd cannot be identical, and the reference's sibling of the
+    output's kind when it exists (``ref/model.ptd`` given for ``out/model.pte``:
+    ``ref/model.pte``)."""
+    sibling = os.path.splitext(ref_path)[0] + "." + out_kind
+    own = os.path.isfile(sibling) and os.path.abspath(sibling) != os.path.abspath(out_path)
+    hint = f"; compare it with {sibling}" if own else f"; compare it with the reference's .{out_kind}"
+    return f"{_KIND_NAMES[out_kind]} compared with {_KIND_NAMES[ref_kind]}: they cannot be identical{hint}"
 
 
 def cord_pieces(cord, chunk_nbytes: int) -> Generator[memoryview, None, None]:

@@ -21,8 +21,8 @@ from ..format.identity import MAX_SUPPORTED_FLAT_TENSOR_VERSION, expected_identi
 from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from .runtime import registry as runtime_registry
-from .runtime.kernels import needs_line, operators_of, parse_libraries
-from .runtime.load import called_operators, runtime_load_checks
+from .runtime.kernels import backends_line, needs_line, operators_of, parse_libraries
+from .runtime.load import program_needs, runtime_load_checks
 from .runtime.rules import runtime_key
 
 __all__ = ["StructureReport", "check_structure"]
@@ -47,6 +47,8 @@ class StructureReport(Report):
     checks: tuple[Check, ...]
     #: The shipped kernel libraries the program's operators are in (``check.runtime.kernels``), when checked.
     needs_kernels: tuple[str, ...] = ()
+    #: The backends the program's delegates name (``XnnpackBackend``), when it loads.
+    needs_backends: tuple[str, ...] = ()
 
     derived = ("ok",)
 
@@ -160,7 +162,7 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
         for named in art.named:
             if art.path not in owners.setdefault(named.key, []):
                 owners[named.key].append(art.path)
-    if ptds:
+    if ptds and pte is not None and pte.kind == "pte":  # across files: under the program it loads with
         shared = sorted(k for k, paths in owners.items() if len(paths) > 1)
         checks.append(Check(pte_path, "keys unique across .ptd files", not shared,
                             f"in several files: {_names(shared)}" if shared else f"{len(owners)} keys"))
@@ -170,10 +172,16 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
             results = runtime_load_checks(pte_path, pte, [(a.path, a) for a in ptds], operators, backends,
                                           max_planned_nbytes)
             checks.extend(Check(pte_path, name, ok, detail) for name, ok, detail in results)
-            if operators is not None and all(ok for _, ok, _ in results):
-                needed, line = needs_line(called_operators(pte_path, pte))
+            loads = all(ok for _, ok, _ in results)
+            called, backend_ids = program_needs(pte_path, pte) if loads else ([], [])
+            delegates = tuple(backend_ids)
+            if delegates:  # the backends too, not only the kernels: an XNNPACK program needs XNNPACK
+                checks.append(Check(pte_path, "needs backends", True, backends_line(delegates)))
+            if operators is not None and loads:
+                needed, line = needs_line(called)
                 checks.append(Check(pte_path, "needs kernels", True, line))
-                return StructureReport(pte_path, ptd_paths, tuple(checks), needed)
+                return StructureReport(pte_path, ptd_paths, tuple(checks), needed, delegates)
+            return StructureReport(pte_path, ptd_paths, tuple(checks), (), delegates)
     return StructureReport(pte_path, ptd_paths, tuple(checks))
 
 
@@ -187,8 +195,9 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list
             layouts.setdefault(e.key, (art.path, e.layout))
     key = {t.fqn: runtime_key(t.fqn) for t in pte.external_tensors}  # cut at a NUL, as the runtime reads it
     missing = [t.fqn for t in pte.external_tensors if key[t.fqn] not in layouts]
+    given = "missing from the given .ptd files" if ptds else "no .ptd given; missing"
     checks = [Check(pte_path, "external data", not missing,
-                    f"missing from the given .ptd files: {_names(missing)}" if missing
+                    f"{given}: {_names(missing)}{_beside(pte_path, ptds, {key[f] for f in missing})}" if missing
                     else f"all {len(pte.external_tensors)} external tensors found")]
     wrong = [f"{t.fqn!r} program {t.layout} vs {layouts[key[t.fqn]][0]} {layouts[key[t.fqn]][1]}"
              for t in pte.external_tensors
@@ -196,3 +205,42 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list
     checks.append(Check(pte_path, "external layouts", not wrong,
                         "; ".join(wrong[:3]) if wrong else "layouts match where recorded"))
     return checks
+
+
+#: The most .ptd files beside a program that :func:`_beside` reads (a folder of many models).
+_SIBLINGS = 64
+
+
+def _beside(pte_path: str, ptds: Sequence[Artifact], keys: Set[str]) -> str:
+    """Where the missing ``keys`` are: the .ptd files in the program's folder, not
+    given, that hold any of them (section maps only; at most :data:`_SIBLINGS` read),
+    and the command with them: ``; out/model.ptd beside it holds them: ptdstream
+    verify out/model.pte out/model.ptd``. Empty when no file there holds one."""
+    import shlex
+
+    folder = os.path.dirname(pte_path) or "."
+    given = {os.path.realpath(a.path) for a in ptds}
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".ptd"))[:_SIBLINGS]
+    except OSError:
+        return ""
+    found: list[str] = []
+    held: set[str] = set()
+    for name in names:
+        path = os.path.join(os.path.dirname(pte_path), name)
+        if os.path.realpath(path) in given:
+            continue
+        try:
+            art = read_artifact(path)
+        except (OSError, FormatError):
+            continue
+        mine = {e.key for e in art.named} & keys
+        if mine:
+            found.append(path)
+            held |= mine
+    if not found:
+        return ""
+    which = "them" if held == set(keys) else f"{len(held)} of them"
+    verb = "holds" if len(found) == 1 else "hold"
+    line = " ".join(shlex.quote(p) for p in [pte_path, *(a.path for a in ptds), *found])
+    return f"; {', '.join(found)} beside it {verb} {which}: ptdstream verify {line}"

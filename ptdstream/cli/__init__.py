@@ -2,11 +2,14 @@
 
 Each ``cmd_<name>`` module has ``register(subparsers)``, which adds its parser
 through :func:`ptdstream.cli.common.add_command` with a ``run(args) -> exit code``
-function. :func:`main` parses, then checks what needs no torch (inputs exist and
-are readable, an empty path refused, standard output refused when it is an
-input, each command's own ``check(args)``), all before torch is imported; the
-readers and ``pack`` are imported under start-up's SIGINT handler, after
-parsing (``--help`` imports no numpy, flatbuffers or torch). Any error maps to an
+function. :func:`main` parses, then checks what needs neither torch nor the
+readers (an empty path refused, inputs that are regular files, exist and are
+readable, outputs that are no input and do not exist without ``-f``, standard
+output refused when it is an input, each command's own ``check(args)``), all
+under start-up's SIGINT handler and before numpy, flatbuffers, zstandard or torch
+is imported: a usage error or a missing file answers in the time of Python's
+start-up. Then the readers and ``pack`` are imported, still under that handler
+(``--help`` imports none of them). Any error maps to an
 exit code and a one-line message (:func:`ptdstream.cli.common.exit_for`): 0 ok;
 1 mismatch, invalid file or output not written (disk full); 2 usage error,
 unreadable input or an output that cannot be created; 130 interrupted. Never a
@@ -92,20 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse(parser, argv)
         if args is None:
             return EXIT_USAGE
+        reads_stdin = _reads_stdin(args)
+        if not reads_stdin:  # under start-up's handler: these touch no file and create nothing
+            _check(args)
         _preload()
-        _end_startup()  # before any file is touched: Ctrl-C raises KeyboardInterrupt, clean-up runs
+        _end_startup()  # before any file is created: Ctrl-C raises KeyboardInterrupt, clean-up runs
         with contextlib.ExitStack() as stack:
-            _read_stdin(args, stack)
-            _refuse_empty_paths(args)
-            check_regular_inputs(args.inputs(args))
-            if all(os.path.lexists(i) for i in args.inputs(args)):  # else the command reports the missing one
-                refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
-            refuse_stdout_input(args.inputs(args), hint=_stdout_hint(args))  # every command writes to stdout
-            args.check(args)  # the command's own arguments
-            if args.imports_torch:  # every answer that needs no torch comes before its import (seconds)
-                _require_inputs(args.inputs(args))
-                if not args.verbose:
-                    quiet_third_party()
+            if reads_stdin:  # the checks need the spooled copy of stdin
+                _read_stdin(args, stack)
+                _check(args)
+            if args.imports_torch and not args.verbose:
+                quiet_third_party()
             return int(args.run(args) or 0)
     except SystemExit as e:  # --help / --version print and exit
         return int(e.code or 0)
@@ -116,6 +116,30 @@ def main(argv: list[str] | None = None) -> int:
         if args is None and "--json" in (sys.argv[1:] if argv is None else argv):
             args = argparse.Namespace(json=True, command=None)  # a usage error of a --json run
         return _report_error(e, args)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Every check that needs neither torch nor the readers, before either is imported
+    (a usage error or a missing input answers at once): empty paths, inputs that are
+    no regular files, outputs that are inputs or exist (without ``-f``), a standard
+    output open on an input, the command's own ``check(args)``, then every input
+    exists and is readable."""
+    _refuse_empty_paths(args)
+    check_regular_inputs(args.inputs(args))
+    if all(os.path.lexists(i) for i in args.inputs(args)):  # else the missing one is reported below
+        refuse_overwrite(args.inputs(args), args.outputs(args), args.force)
+    refuse_stdout_input(args.inputs(args), hint=_stdout_hint(args))  # every command writes to stdout
+    args.check(args)  # the command's own arguments
+    _require_inputs(args.inputs(args))
+
+
+def _reads_stdin(args: argparse.Namespace) -> bool:
+    """Whether an argument that may be ``-`` (standard input) is."""
+    for name in args.stdin:
+        value = getattr(args, name)
+        if "-" in (value if isinstance(value, list) else [value]):
+            return True
+    return False
 
 
 def _preload() -> None:
@@ -169,16 +193,18 @@ def _stdout_hint(args: argparse.Namespace) -> str:
 
 
 def _require_inputs(paths) -> None:
-    """Refuse a missing input before a command imports torch.
+    """Refuse a missing or unreadable input before the readers (and torch) are imported.
 
     Raises:
-        FileNotFoundError: naming the first missing path.
+        OSError: naming the first such path, with the reason ``open`` would give
+            (``FileNotFoundError``, ``NotADirectoryError``, ``PermissionError``).
     """
     import errno
 
     for path in paths:
-        if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        os.stat(path)  # raises naming it: missing, a file on its path, a folder it may not search
+        if not os.access(path, os.R_OK):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
 
 
 def _refuse_empty_paths(args: argparse.Namespace) -> None:

@@ -6,7 +6,7 @@ from ..defaults import CHUNK_NBYTES
 from .common import EXIT_OK, add_command, print_report
 from .errors import UsageError
 
-__all__ = ["register", "run"]
+__all__ = ["check", "register", "run"]
 
 
 def register(subparsers) -> None:
@@ -20,7 +20,7 @@ def register(subparsers) -> None:
         examples=[("ptdstream manifest out/model.pte out/model.ptd", "writes out/model.manifest"),
                   ("ptdstream manifest model.pte model.ptd -o set.manifest -f", "another path, replacing it"),
                   ("ptdstream verify copy/model.pte --manifest out/model.manifest", "check a copy later")],
-        run=run, inputs=lambda a: a.files, outputs=lambda a: [_output(a)])
+        run=run, inputs=lambda a: a.files, outputs=lambda a: [_output(a)], check=check)
     m.add_argument("files", nargs="+", metavar="FILE")
     m.add_argument("-o", "--output", metavar="M", help="manifest path (default: <first file without suffix>.manifest)")
     m.add_argument("--piece-size", type=int, default=CHUNK_NBYTES, metavar="BYTES",
@@ -29,18 +29,27 @@ def register(subparsers) -> None:
 
 def _output(args) -> str:
     """The manifest path: ``-o``, or the first file's path with ``.manifest`` for its suffix."""
-    from ..manifest.describe import manifest_path_for
+    from ..manifest.naming import manifest_path_for
 
     return args.output or manifest_path_for(args.files[0])
 
 
-def run(args) -> int:
-    """``ptdstream manifest``: write the integrity manifest of a set of files."""
-    from ..manifest.codec import MIN_PIECE_NBYTES
-    from ..manifest.describe import write_manifest_report
+def check(args) -> None:
+    """The piece size, before anything is imported.
+
+    Raises:
+        UsageError: ``--piece-size`` below one block (4096 bytes).
+    """
+    from ..manifest.naming import MIN_PIECE_NBYTES
 
     if args.piece_size < MIN_PIECE_NBYTES:
         raise UsageError(f"ptdstream manifest: --piece-size must be at least {MIN_PIECE_NBYTES} (bytes), "
                          f"got {args.piece_size}")
+
+
+def run(args) -> int:
+    """``ptdstream manifest``: write the integrity manifest of a set of files."""
+    from ..manifest.describe import write_manifest_report
+
     print_report(args, write_manifest_report(args.files, _output(args), args.piece_size))
     return EXIT_OK

@@ -11,7 +11,7 @@ from ..errors import LayoutError
 from .common import EXIT_INVALID, EXIT_OK, STDIN_NAME, add_command, print_error, print_report, progress_wanted
 from .errors import UsageError
 
-__all__ = ["INTEGRITY_HINT", "register", "run"]
+__all__ = ["INTEGRITY_HINT", "check", "register", "run"]
 
 #: The libraries ``--kernels`` takes, for ``--help``.
 _LIBRARIES_HELP = ("portable (the runtime's own operators and the portable kernels), optimized (linked into "
@@ -62,7 +62,7 @@ def register(subparsers) -> None:
                    "exit codes: 0 valid or identical, 1 invalid, different, an operator outside --kernels or an "
                    "unrecovered set in the folder, 2 usage error or unreadable input",
         run=run, progress=True, stdin=("files", "against"),
-        inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p])
+        inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p], check=check)
     v.add_argument("files", nargs="+", metavar="FILE", help="OUT (with --against), or OUT.pte [DATA.ptd ...]")
     v.add_argument("--against", metavar="REF", help="reference file to compare the single FILE with")
     v.add_argument("--manifest", metavar="M", help="check each FILE against manifest M (piece digests)")
@@ -95,28 +95,39 @@ def run(args) -> int:
     return EXIT_INVALID if pending else code
 
 
-def _check(args) -> int:
-    report: ManifestReport | CompareReport | StructureReport
+def check(args) -> None:
+    """The options and the kinds of the files, before anything is imported.
+
+    Raises:
+        UsageError: ``--kernels`` with ``--against`` or ``--manifest``; both of
+            those; ``--against`` with more than one FILE; a structure check whose
+            first FILE is a .ptd (:func:`_refuse_data_first`).
+    """
     if args.kernels is not None and (args.manifest is not None or args.against is not None):
         raise UsageError("ptdstream verify: --kernels is for the structure check, not with --against or --manifest "
                          "(see ptdstream verify --help)")
+    if args.manifest is not None and args.against is not None:
+        raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")
+    if args.against is not None and len(args.files) != 1:
+        raise UsageError(f"ptdstream verify: --against compares one FILE, got {len(args.files)} "
+                         "(see ptdstream verify --help)")
+    if args.against is None and args.manifest is None:
+        _refuse_data_first(args)
+
+
+def _check(args) -> int:
+    report: ManifestReport | CompareReport | StructureReport
     if args.manifest is not None:
-        if args.against is not None:
-            raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")
         from ..manifest.verify import verify_files
 
         report = verify_files(args.files, args.manifest)
     elif args.against is not None:
-        if len(args.files) != 1:
-            raise UsageError(f"ptdstream verify: --against compares one FILE, got {len(args.files)} "
-                             "(see ptdstream verify --help)")
         from ..check.compare import compare_files
 
         report = compare_files(args.files[0], args.against, progress=progress_wanted(args))
     else:
         from ..check.structure import check_structure
 
-        _refuse_data_first(args)
         report = check_structure(args.files[0], args.files[1:], kernels=args.kernels)
     print_report(args, report)
     if not report.ok and args.quiet:

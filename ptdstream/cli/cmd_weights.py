@@ -7,12 +7,13 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from ..errors import PtdstreamError
 from ..sources.checkpoint import FORMATS
 from ..system.files import files_of
 from .common import EXIT_OK, STDIN_NAME, add_command, print_report, progress_wanted
 from .errors import UsageError
 
-__all__ = ["check", "register", "run"]
+__all__ = ["check", "outputs", "register", "run"]
 
 
 def _mapping(text: str):
@@ -47,7 +48,7 @@ def register(subparsers) -> None:
                    "2 usage error, unreadable input or an -o folder that cannot be created or written",
         progress=True,
         run=run, inputs=lambda a: [a.program, *a.like, *files_of(a.checkpoint), *files_of(a.old_checkpoint)],
-        outputs=lambda a: (),  # the file names come from the program: write_ptd refuses existing ones (-f)
+        outputs=outputs,
         output_folders=lambda a: [a.out],
         stdin=("program",), imports_torch=True, check=check)
     p.add_argument("program", help="the .pte (only its metadata is read; - for stdin)")
@@ -71,6 +72,30 @@ def register(subparsers) -> None:
                    help="copy KEY's exported bytes unchanged from the --like file holding it (a buffer no "
                         "checkpoint saves, such as a non-persistent causal mask); repeat")
     p.add_argument("--segment-alignment", type=int, default=128, help="bytes (default %(default)s)")
+
+
+def outputs(args) -> list[str]:
+    """The files ``weights`` writes into ``-o``: ``<tag>.ptd`` for each tag (the ``--like``
+    files' names, else ``--tag`` or ``_default_external_constant``) and, with ``--old``,
+    the new ``.pte`` named after PROGRAM: refused before torch is imported where one
+    exists (without ``-f``) or is an input. A tag that names no file is the check's
+    to report (nothing listed for it)."""
+    from ..format.ptd import ptd_file_name
+    from ..weights.check import like_tag
+    from ..weights.write import DEFAULT_TAG
+
+    if not args.out or args.out == "-":  # check() refuses them
+        return []
+    names = []
+    tags = [like_tag(p) for p in args.like] if args.like else [DEFAULT_TAG if args.tag is None else args.tag]
+    for tag in dict.fromkeys(tags):
+        try:
+            names.append(ptd_file_name(tag))
+        except PtdstreamError:  # a separator in the tag: write_ptd names it
+            continue
+    if args.old_checkpoint is not None and args.program != "-":
+        names.append(os.path.basename(args.program))
+    return [os.path.join(args.out, n) for n in names]
 
 
 def check(args) -> None:

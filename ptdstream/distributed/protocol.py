@@ -66,8 +66,9 @@ class DistributedReport(Report):
 
     def summary(self) -> str:
         lines = [f"{path}  {nbytes:,} bytes" for path, nbytes in self.files]
-        lines.append(f"{self.rank_nbytes:,} bytes written by this rank in {self.seconds:.2f} s; "
-                     f"dedup saved {self.dedup_saved_nbytes:,} bytes")
+        lines.append(f"{self.rank_nbytes:,} bytes written by this rank; the call took {self.seconds:.2f} s (every "
+                     f"rank's descriptions gathered, the plan, the writes, the publish); dedup saved "
+                     f"{self.dedup_saved_nbytes:,} bytes")
         return "\n".join(lines)
 
 

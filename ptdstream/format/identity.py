@@ -26,10 +26,13 @@ __all__ = [
     "MAX_SUPPORTED_FLAT_TENSOR_VERSION",
     "PTD_IDENTIFIER_PREFIX",
     "PTE_IDENTIFIER_PREFIX",
+    "SKIPPABLE_MAGIC_BASE",
     "ExtendedHeader",
     "FlatTensorHeader",
     "InsertedHeader",
+    "ZSTD_MAGIC",
     "expected_identifier",
+    "is_zstd",
     "kind_of",
     "u32",
 ]
@@ -53,6 +56,22 @@ IDENTIFIER_PATTERN = re.compile(rb"(ET|FT)[0-9a-zA-Z]{2}\Z")
 #: highest the runtime loads (``FlatTensorDataMap::kMaxSupportedSchemaVersion``).
 FLAT_TENSOR_VERSION = 0
 MAX_SUPPORTED_FLAT_TENSOR_VERSION = 0
+
+
+#: The first 4 bytes (little-endian) of a zstd frame, and the base of the 16 skippable
+#: frame magics (zstd's ``doc/zstd_compression_format.md``): a file that starts with
+#: either is compressed (``ptdstream pack``'s output, or any zstd tool's), no .pte/.ptd.
+ZSTD_MAGIC = 0xFD2FB528
+SKIPPABLE_MAGIC_BASE = 0x184D2A50
+
+
+def is_zstd(head: bytes) -> bool:
+    """Whether a file whose first bytes are ``head`` starts with a zstd frame or a
+    skippable frame."""
+    if len(head) < 4:
+        return False
+    magic = int.from_bytes(head[:4], "little")
+    return magic == ZSTD_MAGIC or magic & ~0xF == SKIPPABLE_MAGIC_BASE
 
 
 def kind_of(identifier: bytes) -> str | None:

@@ -18,7 +18,7 @@ import os
 from ..errors import FormatError
 from ..system.files import pread_bytes
 from .artifact import Artifact, ReadAt, fail
-from .identity import HEAD_NBYTES, kind_of
+from .identity import HEAD_NBYTES, is_zstd, kind_of
 from .ptd_reader import parse_ptd
 from .pte_reader import parse_pte
 
@@ -56,8 +56,12 @@ def parse_artifact(name: str, nbytes: int, read_at: ReadAt) -> Artifact:
     head = read_at(0, min(nbytes, HEAD_NBYTES))
     ident = head[4:8]
     kind = kind_of(ident)
+    if kind is None and is_zstd(head):
+        raise fail(name, 0, "a zstd-compressed file (ptdstream pack's, or any zstd tool's), not a .pte/.ptd: "
+                            f"ptdstream unpack {name} gives the file (ptdstream extract {name} --list: what a "
+                            "packed one holds)")
     if kind is None:
-        raise fail(name, 4, f"identifier {ident!r} is neither ET.. (.pte) nor FT.. (.ptd)")
+        raise fail(name, 4, f"identifier {ident!r} is neither ET.. (.pte) nor FT.. (.ptd): not an ExecuTorch file")
     if kind == "pte":
         return parse_pte(name, nbytes, head, read_at)
     return parse_ptd(name, nbytes, head, read_at)

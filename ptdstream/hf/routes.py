@@ -9,7 +9,11 @@ the API and the command line).
 
 from __future__ import annotations
 
-__all__ = ["export", "refuse_quantization"]
+__all__ = ["QUANTIZE_OPTIONS", "export", "quantization_refusal", "refuse_quantization"]
+
+#: optimum's task options that quantize the eager model (torchao: needs the weights' values),
+#: refused with ``weightless`` before anything is imported (:func:`quantization_refusal`).
+QUANTIZE_OPTIONS = ("qlinear", "qlinear_encoder", "qembedding", "qembedding_encoder")
 
 
 def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
@@ -19,6 +23,8 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
 
     ``weightless``: load no weight (see :mod:`ptdstream.hf`); ``model_dir``
     must hold safetensors shards whose keys, dtypes and shapes are the model's.
+    ``progress=True``: each stage printed on stderr as it begins and ends, with
+    its seconds (load, ``torch.export`` of each method, lowering, save).
 
     Raises:
         NeedsWeightValuesError: with ``weightless``, an option that needs the
@@ -39,18 +45,25 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
         return run_main_export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
 
 
+def quantization_refusal(where: str, options: dict, spelling: str, flag: str, instead: str) -> str | None:
+    """The message refusing every option of :data:`QUANTIZE_OPTIONS` given a value in
+    ``options`` (``spelling.format(name, value)`` names each), for API and CLI alike;
+    None when none is. Imports nothing: the command line answers before torch loads."""
+    asked = [spelling.format(k, options[k]) for k in QUANTIZE_OPTIONS if options.get(k)]
+    if not asked:
+        return None
+    return (f"{where}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
+            f"{flag} does not load; drop the option, or {instead}")
+
+
 def refuse_quantization(where: str, options: dict, spelling: str, flag: str, instead: str) -> None:
-    """Refuse every option of ``QUANTIZE_OPTIONS`` given a value in ``options``
-    (``spelling.format(name, value)`` names each), for API and CLI alike.
+    """Raise :func:`quantization_refusal`'s message, if any.
 
     Raises:
         NeedsWeightValuesError: naming each such option and its value.
     """
-    from ..weightless.errors import NeedsWeightValuesError
-    from ..weightless.hf import QUANTIZE_OPTIONS
+    message = quantization_refusal(where, options, spelling, flag, instead)
+    if message is not None:
+        from ..weightless.errors import NeedsWeightValuesError
 
-    asked = [spelling.format(k, options[k]) for k in QUANTIZE_OPTIONS if options.get(k)]
-    if asked:
-        raise NeedsWeightValuesError(
-            f"{where}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
-            f"{flag} does not load; drop the option, or {instead}")
+        raise NeedsWeightValuesError(message)

@@ -35,9 +35,6 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..hooks.emitter import constants_by_reference
-from ..hooks.install import installed
-from ..hooks.xnnpack import xnnpack_constants_by_reference
 from ..reports import Report
 
 __all__ = ["ExportReport", "quiet_export", "run_main_export", "run_optimum_cli", "saving_with_ptdstream"]
@@ -125,6 +122,10 @@ def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:
     Nests with :func:`ptdstream.install`: an install made before entering stays
     after leaving (the patches are restored by the last exit).
     """
+    from ..hooks.emitter import constants_by_reference  # executorch and torch: when an export runs
+    from ..hooks.install import installed
+    from ..hooks.xnnpack import xnnpack_constants_by_reference
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(installed())
         if by_reference:
@@ -134,7 +135,8 @@ def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:
 
 
 def run_main_export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
-                    by_reference: bool = True, quiet: bool = False, **options) -> dict[str, object]:
+                    by_reference: bool = True, quiet: bool = False, progress: bool = False,
+                    **options) -> dict[str, object]:
     """``optimum.exporters.executorch.main_export`` with ptdstream saving.
 
     Args:
@@ -153,6 +155,9 @@ def run_main_export(model_dir: str, output_dir: str, task: str, recipe: str = "x
         quiet: print no save report. Otherwise, when the export returns, the files it
             wrote are printed on stderr (:class:`ExportReport`: each path and size, the
             time).
+        progress: print each stage on stderr as it begins and ends, with its
+            seconds: load, ``torch.export`` of each method, lowering and emission,
+            save (:mod:`ptdstream.hf.stages`).
         **options: optimum's own task options, passed on unchanged:
             ``qlinear="8da4w"``, ``qembedding="8w"``, ``use_custom_sdpa=True``,
             ``use_custom_kv_cache=True``, ``max_seq_len=...``, ``dtype=...``.
@@ -167,17 +172,19 @@ def run_main_export(model_dir: str, output_dir: str, task: str, recipe: str = "x
         ImportError: optimum-executorch is not installed (``ptdstream[hf]``).
         PtdstreamError: a save failed (upstream's writer would have logged).
     """
+    stages = _stages(progress)
     from optimum.exporters.executorch import main_export
 
     report: list[ExportReport] = []
-    with quiet_export(), saving_with_ptdstream(by_reference), _reporting(os.fspath(output_dir), report):
+    with quiet_export(), saving_with_ptdstream(by_reference), _reporting(os.fspath(output_dir), report), \
+            _staged(stages, os.fspath(model_dir)):
         managers = main_export(model_dir, task=task, recipe=recipe, output_dir=output_dir, **options)
     if not quiet:
         print(report[0].summary(), file=sys.stderr)
     return managers
 
 
-def run_optimum_cli(argv: Sequence[str] | None = None) -> int:
+def run_optimum_cli(argv: Sequence[str] | None = None, *, progress: bool = False, quiet: bool = False) -> int:
     """``optimum-cli`` with ptdstream saving; arguments as ``optimum-cli`` takes them.
 
     ``argv``: optimum-cli's arguments, e.g. ``export executorch -m DIR --task
@@ -185,12 +192,14 @@ def run_optimum_cli(argv: Sequence[str] | None = None) -> int:
     Constants are kept by reference during the export, FutureWarnings and
     coremltools' import warnings silenced (:func:`quiet_export`), and the files
     written into ``-o``/``--output_dir`` are printed on stderr at the end
-    (:class:`ExportReport`). Returns 0; optimum's own errors propagate (its parser
-    exits 2 on bad arguments).
+    (:class:`ExportReport`; not with ``quiet``). With ``progress``, each stage is
+    printed on stderr as it begins and ends (:mod:`ptdstream.hf.stages`).
+    Returns 0; optimum's own errors propagate (its parser exits 2 on bad arguments).
     """
+    args = list(sys.argv[1:] if argv is None else argv)
+    stages = _stages(progress and _is_export(args))
     from optimum.commands.optimum_cli import main as optimum_cli_main
 
-    args = list(sys.argv[1:] if argv is None else argv)
     saved = sys.argv
     sys.argv = ["optimum-cli", *args]
     output_dir = _output_dir(args)
@@ -199,20 +208,56 @@ def run_optimum_cli(argv: Sequence[str] | None = None) -> int:
         with quiet_export(), saving_with_ptdstream(by_reference=True), contextlib.ExitStack() as stack:
             if output_dir is not None:
                 stack.enter_context(_reporting(output_dir, report))
+            stack.enter_context(_staged(stages, _option_value(args, ("-m", "--model")) or ""))
             optimum_cli_main()
     finally:
         sys.argv = saved
-    if report:
+    if report and not quiet:
         print(report[0].summary(), file=sys.stderr)
     return 0
 
 
+def _stages(progress: bool):
+    """The :class:`~ptdstream.progress.Stages` of an export on stderr with ``progress``
+    (else None), its first stage begun when optimum is still to be imported (tens of
+    seconds on a loaded machine: torch, transformers, torchao, executorch)."""
+    if not progress:
+        return None
+    from ..progress import Stages
+
+    stages = Stages(sys.stderr, elapsed=True)
+    if "optimum.exporters.executorch" not in sys.modules:
+        stages.begin("import torch, executorch, transformers and optimum-executorch")
+    return stages
+
+
+def _staged(stages, model_dir: str) -> contextlib.AbstractContextManager[None]:
+    """The stages of the export on ``stages`` (:func:`ptdstream.hf.stages.export_stages`),
+    or nothing for None. Entered innermost (see that module)."""
+    if stages is None:
+        return contextlib.nullcontext()
+    from .stages import export_stages
+
+    return export_stages(stages, model_dir)
+
+
+def _is_export(args: Sequence[str]) -> bool:
+    """Whether optimum-cli's arguments run an export (not ``--help``)."""
+    return list(args[:2]) == ["export", "executorch"] and not {"-h", "--help"} & set(args)
+
+
 def _output_dir(args: Sequence[str]) -> str | None:
     """The value of optimum-cli's ``-o``/``--output_dir`` in ``args``, if given."""
+    return _option_value(args, ("-o", "--output_dir"))
+
+
+def _option_value(args: Sequence[str], names: tuple[str, str]) -> str | None:
+    """The value of the short or long option ``names`` in ``args`` (``-o OUT``,
+    ``--output_dir OUT``, ``--output_dir=OUT``), if given."""
     for i, arg in enumerate(args):
-        if arg in ("-o", "--output_dir") and i + 1 < len(args):
+        if arg in names and i + 1 < len(args):
             return args[i + 1]
-        if arg.startswith("--output_dir="):
+        if arg.startswith(names[1] + "="):
             return arg.split("=", 1)[1]
     return None
 

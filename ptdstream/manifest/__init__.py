@@ -9,8 +9,9 @@ given, sections in file order, keys in the file's key order.
 
 ``describe`` writes one (``ptdstream.save(..., manifest=True)``, ``ptdstream
 manifest``), ``verify`` checks files against one (``ptdstream verify
---manifest``); ``codec`` holds its data and bytes (every count and size checked
-against the file size it gives), ``narrow`` the finer digests that locate a
+--manifest``); ``naming`` holds what a command line checks before the readers
+load (the default manifest path, the smallest piece size); ``codec`` holds its
+data and bytes (every count and size checked against the file size it gives), ``narrow`` the finer digests that locate a
 difference, ``manifest_fb`` the code flatc generates from the schema
 (``tools/gen_manifest_schema.sh``).
 """

@@ -12,6 +12,7 @@ import flatbuffers
 
 from ..errors import FormatError
 from ..format.fb_roots import shown
+from .naming import MIN_PIECE_NBYTES
 
 __all__ = [
     "ALGORITHM",
@@ -33,9 +34,6 @@ MAX_BLOCK_NBYTES = 1 << 20
 #: The smallest block size a manifest may give (bytes, unless 0: no blocks): the
 #: 4 KiB blocks ptdstream writes; smaller ones would cost a check per few bytes.
 MIN_BLOCK_NBYTES = 4096
-#: The smallest piece size a manifest may give and ptdstream writes (bytes): one
-#: block; a digest per fewer bytes would cost more memory and time than the file.
-MIN_PIECE_NBYTES = 4096
 
 
 @dataclass(frozen=True)

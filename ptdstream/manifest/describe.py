@@ -25,20 +25,12 @@ from ..format.reader import read_artifact
 from ..reports import Report
 from ..sources import BufferRing, FileRangeSource
 from ..write.sink import ChunkedFileSink
-from .codec import MIN_PIECE_NBYTES, FileManifest, IntegrityManifest, SectionEntry, to_bytes
+from .codec import FileManifest, IntegrityManifest, SectionEntry, to_bytes
+from .naming import MIN_PIECE_NBYTES, manifest_path_for
 from .narrow import BLOCK_NBYTES, RangeDigester
 
 __all__ = ["ManifestWritten", "describe_file", "iter_piece_digests", "manifest_path_for", "manifest_sink",
            "piece_digests", "write_manifest", "write_manifest_report"]
-
-#: File name suffix of a manifest.
-SUFFIX = ".manifest"
-
-
-def manifest_path_for(path: str) -> str:
-    """The default manifest of a set whose first file is ``path``: the same path
-    with its suffix replaced by ``.manifest`` (``out/model.pte`` -> ``out/model.manifest``)."""
-    return os.path.splitext(os.fspath(path))[0] + SUFFIX
 
 
 def piece_digests(source: FileRangeSource, piece_nbytes: int, digester: RangeDigester) -> list[bytes]:

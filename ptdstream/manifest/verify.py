@@ -107,10 +107,16 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
         return ManifestCheck(path, True, f"{path}: matches the manifest ({entry.nbytes:,} bytes, {len(entry.pieces)} "
             f"piece{'s' if len(entry.pieces) != 1 else ''})")
     offset, span, section = locate(entry, bad, digester, source.nbytes, bad_sections, bad_keys)
-    parts = [f"{path}: first bad piece {bad} at offset {(bad or 0) * entry.piece_nbytes}" if bad is not None
-             else f"{path}: keys"]
+    piece = ""
+    if bad is not None:  # the piece is where the digests first differ, not the differing bytes
+        start = bad * entry.piece_nbytes
+        end = max(min(start + entry.piece_nbytes, max(entry.nbytes, source.nbytes)), start)
+        piece = f"piece {bad}, bytes [{start:,}, {end:,})"
     if offset is not None and span is not None:
-        parts.append(f"differs in bytes [{offset:,}, {offset + span:,})")
+        parts = [f"{path}: differs in bytes [{offset:,}, {offset + span:,})" + (f" (first bad {piece})" if piece
+                                                                                 else "")]
+    else:
+        parts = [f"{path}: first bad {piece}" if piece else f"{path}: keys"]
     if section is not None:
         parts.append(f"section {shown(section.name, True)} at {section.offset:,} ({section.nbytes:,} bytes)"
                      + (f", key {shown(section.key, True)}" if section.key else ""))

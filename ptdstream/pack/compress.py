@@ -32,17 +32,24 @@ from ..format.identity import (
     FlatTensorHeader,
 )
 from ..progress import progress_callback
-from ..reports import Report
+from ..reports import Report, rate
 from ..sources.fingerprint import StreamingDigest
 from ..system.files import pread_exact
 from ..write.stream_sink import open_sink, target_name
 from .seek_table import EMPTY_CHECKSUM, MAX_FRAME_NBYTES, MAX_FRAMES, ContentFrame, encode_seek_table, frame_checksum
 
-__all__ = ["DEFAULT_LEVEL", "PackReport", "artifact_head", "pack", "plan_frames", "rate_mbps"]
+__all__ = ["DEFAULT_LEVEL", "PackReport", "artifact_head", "pack", "plan_frames", "rate_mbps", "speed_text"]
 
 #: Default zstd level, the ``zstd`` command's default.
 DEFAULT_LEVEL = 3
 _local = threading.local()
+
+
+def speed_text(nbytes: int, seconds: float) -> str:
+    """`` (123 MB/s)`` of original content for a summary, or ``""`` below
+    :data:`~ptdstream.reports.RATE_MIN_NBYTES` (64 MiB), where it would not mean throughput."""
+    speed = rate(nbytes, seconds, "MB/s")
+    return f" ({speed})" if speed else ""
 
 
 def rate_mbps(nbytes: int, seconds: float) -> float:
@@ -82,7 +89,7 @@ class PackReport(Report):
     def summary(self) -> str:
         return (f"packed {self.source} ({self.kind or 'file'}, {self.nbytes:,} bytes) -> {self.target}: "
                 f"{self.packed_nbytes:,} bytes, ratio {self.ratio:.3f}, {self.frames} frames, level "
-                f"{self.level}, {self.seconds:.2f} s ({self.mbps:.0f} MB/s)")
+                f"{self.level}, {self.seconds:.2f} s{speed_text(self.nbytes, self.seconds)}")
 
 
 def plan_frames(nbytes: int, frame_nbytes: int = CHUNK_NBYTES, head_nbytes: int = 0) -> list[tuple[int, int]]:

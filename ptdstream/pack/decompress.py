@@ -11,13 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
-from ..errors import IntegrityError
+from ..errors import FormatError, IntegrityError
 from ..progress import progress_callback
 from ..reports import Report
 from ..sources.fingerprint import StreamingDigest
 from ..write.stream_sink import open_sink, target_name
-from .compress import rate_mbps
-from .seek_table import MAX_FRAME_NBYTES
+from .compress import rate_mbps, speed_text
+from .plain import decompressed_pieces, file_ends, walk_frames, zstd_kind
+from .seek_table import MAX_FRAME_NBYTES, not_zstd_message
 from .seekable import SeekableReader
 
 __all__ = ["UnpackReport", "unpack"]
@@ -36,6 +37,8 @@ class UnpackReport(Report):
     seconds: float
     checks: tuple[str, ...]
     content_xxh3_128: str
+    #: A plain zstd file (no seek table: any zstd tool's), streamed from its first frame to its last.
+    plain: bool = False
 
     derived = ("mbps",)
 
@@ -46,14 +49,17 @@ class UnpackReport(Report):
 
     def summary(self) -> str:
         checked = ", ".join(self.checks) if self.checks else "NOTHING (the file carries no checksums)"
-        return (f"unpacked {self.source} -> {self.target}: {self.nbytes:,} bytes from {self.frames} frames, "
-                f"{self.seconds:.2f} s ({self.mbps:.0f} MB/s); verified: {checked}")
+        frames = f"{self.frames} frame{'s' * (self.frames != 1)}"
+        plain = " of a plain zstd file (no seek table: streamed)" if self.plain else ""
+        return (f"unpacked {self.source} -> {self.target}: {self.nbytes:,} bytes from {frames}{plain}, "
+                f"{self.seconds:.2f} s{speed_text(self.nbytes, self.seconds)}; verified: {checked}")
 
 
 def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = MAX_FRAME_NBYTES,
            window_nbytes: int = WINDOW_NBYTES, drop_pages: bool = True,
            piece_nbytes: int = CHUNK_NBYTES) -> UnpackReport:
-    """Decompress the seekable zstd file ``source`` into ``target``, checking it all first.
+    """Decompress the seekable zstd file ``source`` into ``target``, checking it all first;
+    a plain zstd file (any zstd tool's, no seek table) is streamed as ``zstd -d`` does.
 
     Frames are decoded in order, each checked against its zstd checksum and the
     seek table's sizes and checksum, the next one in a helper thread while this
@@ -69,13 +75,20 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
     32 KB file costs about 16 MiB, not 2 GiB.
 
     Raises:
-        FormatError: ``source`` is truncated, not in the seekable format, or its seek
-            table disagrees with its frames (names file, frame index and offset).
+        FormatError: ``source`` is not zstd (a .pte/.ptd itself, or another file: the
+            message says which), is truncated, or its seek table disagrees with its
+            frames (names file, frame index and offset).
         IntegrityError: a frame does not decompress or fails a checksum, or the
             content does not match the manifest. In both cases nothing is published.
         OSError: ``source`` unreadable, or writing ``target`` failed (nothing published).
     """
     start = time.perf_counter()
+    kind, head = _kind(source)
+    if kind is None:
+        raise FormatError(not_zstd_message(os.fspath(source), head))
+    if kind == "plain":
+        return _unpack_plain(os.fspath(source), target, start, progress=progress, window_nbytes=window_nbytes,
+                             drop_pages=drop_pages, piece_nbytes=piece_nbytes)
     with contextlib.ExitStack() as stack:
         reader = stack.enter_context(SeekableReader(source, max_frame_nbytes=max_frame_nbytes, drop_pages=drop_pages))
         update = progress_callback(stack, progress, reader.nbytes, f"unpacking {os.path.basename(source)}")
@@ -109,6 +122,46 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
         checks = _unpack_checks(reader, found.digest)
     return UnpackReport(reader.path, target_name(target), found.nbytes, reader.file_nbytes,
                         sum(1 for f in frames if f.nbytes), time.perf_counter() - start, checks, found.hex)
+
+
+def _kind(source: str) -> tuple[str | None, bytes]:
+    """:func:`~ptdstream.pack.plain.zstd_kind` of the file ``source``, and its first bytes."""
+    fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        head, tail = file_ends(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return zstd_kind(head[:4], tail), head
+
+
+def _unpack_plain(source: str, target, start: float, *, progress, window_nbytes: int, drop_pages: bool,
+                  piece_nbytes: int) -> UnpackReport:
+    """A plain zstd file (no seek table) streamed into ``target``, as ``zstd -d`` does:
+    walked first (:func:`~ptdstream.pack.plain.walk_frames`), then decompressed across
+    its frames, each frame's checksum checked where it carries one."""
+    with contextlib.ExitStack() as stack:
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        stack.callback(os.close, fd)
+        file_nbytes = os.fstat(fd).st_size
+        walked = walk_frames(source, fd, file_nbytes)
+        update = progress_callback(stack, progress, walked.content_nbytes, f"unpacking {os.path.basename(source)}")
+        sink = stack.enter_context(open_sink(target, window_nbytes=window_nbytes, drop_pages=drop_pages))
+        digest = StreamingDigest()
+        for data in decompressed_pieces(source, fd, piece_nbytes):
+            sink.write(data)
+            digest.update(data)
+            update(len(data))
+        found = digest.finish()
+        checks: tuple[str, ...] = ("zstd frame checksums",) if walked.all_checksums else ()
+        if walked.content is not None:  # a packed file without its seek table: the content still checked
+            if (found.nbytes, found.digest) != (walked.content.content_nbytes, walked.content.content_xxh3_128):
+                raise IntegrityError(f"{source}: the decompressed content ({found.nbytes:,} bytes, xxh3-128 "
+                                     f"{found.hex}) is not what its ptdstream manifest says ("
+                                     f"{walked.content.content_nbytes:,} bytes, "
+                                     f"{walked.content.content_xxh3_128.hex()}); nothing was published")
+            checks += ("content xxh3-128",)
+    return UnpackReport(source, target_name(target), found.nbytes, file_nbytes, walked.frames,
+                        time.perf_counter() - start, checks, found.hex, plain=True)
 
 
 def _unpack_checks(reader: SeekableReader, digest: bytes) -> tuple[str, ...]:

@@ -27,9 +27,12 @@ from dataclasses import dataclass
 import xxhash
 
 from ..errors import FormatError
+from ..format.identity import SKIPPABLE_MAGIC_BASE, ZSTD_MAGIC, is_zstd, kind_of
 
 __all__ = [
     "EMPTY_CHECKSUM",
+    "SEEKABLE_MAGIC",
+    "SEEK_TABLE_MAGIC",
     "MAX_FRAMES",
     "MAX_FRAME_NBYTES",
     "SKIPPABLE_HEADER_NBYTES",
@@ -38,15 +41,14 @@ __all__ = [
     "FrameEntry",
     "encode_seek_table",
     "frame_checksum",
+    "not_zstd_message",
     "read_seek_table",
+    "walk_zstd_frame",
     "zstd_frame_extent",
 ]
 
 SEEK_TABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
-ZSTD_MAGIC = 0xFD2FB528
-#: Skippable frames have magic 0x184D2A50 .. 0x184D2A5F.
-SKIPPABLE_MAGIC_BASE = 0x184D2A50
 SKIPPABLE_HEADER_NBYTES = 8
 FOOTER_NBYTES = 9
 CHECKSUM_FLAG = 0x80
@@ -136,6 +138,18 @@ def encode_seek_table(entries: Sequence[tuple[int, int, int]], checksums: bool) 
     return _HEADER.pack(SEEK_TABLE_MAGIC, len(body) + len(footer)) + body + footer
 
 
+def not_zstd_message(name: str, head: bytes) -> str:
+    """Why ``name`` (first bytes ``head``) cannot be unpacked: an ExecuTorch file
+    itself, or no zstd at all."""
+    kind = kind_of(head[4:8]) if len(head) >= 8 else None
+    if kind is not None:
+        return (f"{name}: a .{kind} itself (identifier {head[4:8].decode('ascii', 'replace')}), not a packed file: "
+                "nothing to unpack or extract (ptdstream pack makes a packed file of it)")
+    shown = f"0x{int.from_bytes(head[:4], 'little'):08X}" if len(head) >= 4 else f"{len(head)} bytes"
+    return (f"{name}: not a zstd file: it starts with {shown}, where a zstd frame starts with 0x{ZSTD_MAGIC:08X}; "
+            "nothing to unpack or extract")
+
+
 def read_seek_table(name: str, file_nbytes: int, read_at, max_frame_nbytes: int = MAX_FRAME_NBYTES) -> SeekTable:
     """Parse and check the seek table at the end of a file of ``file_nbytes`` bytes.
 
@@ -147,6 +161,10 @@ def read_seek_table(name: str, file_nbytes: int, read_at, max_frame_nbytes: int 
             format), reserved bits set, or sizes that do not add up to the file.
     """
     least = SKIPPABLE_HEADER_NBYTES + FOOTER_NBYTES
+    head = bytes(read_at(0, min(8, file_nbytes)))
+    if not is_zstd(head) and (file_nbytes < least or _FOOTER.unpack(read_at(file_nbytes - FOOTER_NBYTES,
+                                                                            FOOTER_NBYTES))[2] != SEEKABLE_MAGIC):
+        raise FormatError(not_zstd_message(name, head))
     if file_nbytes < least:
         raise FormatError(f"{name}: file is {file_nbytes} bytes, shorter than the smallest seek table "
                           f"({least} bytes): truncated, or not a seekable zstd file")
@@ -154,7 +172,8 @@ def read_seek_table(name: str, file_nbytes: int, read_at, max_frame_nbytes: int 
     count, descriptor, magic = _FOOTER.unpack(read_at(footer_offset, FOOTER_NBYTES))
     if magic != SEEKABLE_MAGIC:
         raise FormatError(f"{name}: at offset {footer_offset + 5}: last 4 bytes are 0x{magic:08X}, not the seekable "
-                          f"magic 0x{SEEKABLE_MAGIC:08X}: file truncated, or not packed in the seekable format")
+                          f"magic 0x{SEEKABLE_MAGIC:08X}: a plain zstd file (no seek table: ptdstream unpack streams "
+                          "it; extract needs a file ptdstream pack made), or a packed file cut short")
     if descriptor & RESERVED_BITS:
         raise FormatError(f"{name}: at offset {footer_offset + 4}: seek table descriptor 0x{descriptor:02X} "
                           "sets reserved bits 6-2 (a newer format, or a corrupt file)")
@@ -255,25 +274,32 @@ def zstd_frame_extent(data) -> tuple[int, int | None, bool]:
             frame runs beyond ``data`` (the message says which).
     """
     view = memoryview(data)
-    total = len(view)
-    if total < 6 or int.from_bytes(view[:4], "little") != ZSTD_MAGIC:
+    return walk_zstd_frame(lambda offset, nbytes: view[offset : offset + nbytes], len(view))
+
+
+def walk_zstd_frame(read_at, limit: int) -> tuple[int, int | None, bool]:
+    """:func:`zstd_frame_extent` of the frame at offset 0 of a source read with
+    ``read_at(offset, nbytes)`` (any bytes-like), of which ``limit`` bytes may be
+    read: the header, then one 3-byte block header a block (a file is not read
+    whole)."""
+    if limit < 6 or int.from_bytes(read_at(0, 4), "little") != ZSTD_MAGIC:
         raise ValueError("does not start with the zstd frame magic 0xFD2FB528")
-    fhd = view[4]
+    fhd = read_at(4, 1)[0]
     if fhd & 0x08:
         raise ValueError(f"frame header descriptor 0x{fhd:02X} sets the reserved bit")
     single = fhd >> 5 & 1
     fcs_nbytes = (1 if single else 0, 2, 4, 8)[fhd >> 6]
     pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
-    if pos + fcs_nbytes > total:
+    if pos + fcs_nbytes > limit:
         raise ValueError("frame header runs beyond the frame")
     content = None
     if fcs_nbytes:
-        content = int.from_bytes(view[pos : pos + fcs_nbytes], "little") + (256 if fcs_nbytes == 2 else 0)
+        content = int.from_bytes(read_at(pos, fcs_nbytes), "little") + (256 if fcs_nbytes == 2 else 0)
     pos += fcs_nbytes
     while True:
-        if pos + 3 > total:
-            raise ValueError(f"block header at frame byte {pos} runs beyond the {total} bytes given")
-        header = int.from_bytes(view[pos : pos + 3], "little")
+        if pos + 3 > limit:
+            raise ValueError(f"block header at frame byte {pos} runs beyond the {limit} bytes given")
+        header = int.from_bytes(read_at(pos, 3), "little")
         kind = header >> 1 & 3
         if kind == 3:
             raise ValueError(f"block at frame byte {pos} has the reserved block type")
@@ -282,6 +308,6 @@ def zstd_frame_extent(data) -> tuple[int, int | None, bool]:
             break
     has_checksum = bool(fhd & 0x04)
     pos += 4 if has_checksum else 0
-    if pos > total:
-        raise ValueError(f"frame needs {pos} bytes, {total} given")
+    if pos > limit:
+        raise ValueError(f"frame needs {pos} bytes, {limit} given")
     return pos, content, has_checksum

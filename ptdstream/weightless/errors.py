@@ -29,7 +29,15 @@ class BindingError(CheckpointMismatchError):
 
     def __init__(self, checkpoint: str, problems: list[str]) -> None:
         super().__init__("the exported program's storage-less constants (nothing bound)", checkpoint, problems)
-        self.args = (self.args[0] + "\nfix the checkpoint, or map names with key_map={fqn: checkpoint key}",)
+        self.args = (self.args[0] + "\n" + _advice(self.problems),)
+
+
+def _advice(problems: list[str]) -> str:
+    """What to do: a map fixes names (a missing or extra key), never a dtype or a shape."""
+    if any(p.startswith(("missing:", "extra:")) for p in problems):
+        return "fix the checkpoint, or map names with key_map={fqn: checkpoint key}"
+    return ("fix the checkpoint: it holds these weights in other dtypes or shapes than the model (a checkpoint of "
+            "another configuration?); a key_map cannot change a dtype or a shape")
 
 
 class UnboundConstantError(PtdstreamError, ValueError):

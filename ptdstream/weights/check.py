@@ -17,7 +17,7 @@ from typing import Any
 
 from ..sources.checkpoint_base import Checkpoint
 
-__all__ = ["Located", "check_keys", "describe_layout", "mapper", "tags_and_order"]
+__all__ = ["Located", "check_keys", "describe_layout", "like_tag", "mapper", "tags_and_order"]
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None] | None
 #: Where a like= file holds a key: ``(path, file offset, bytes)``.
@@ -42,6 +42,12 @@ def mapper(key_map: KeyMap) -> Callable[[str], str | None]:
     return rename
 
 
+def like_tag(ptd: str | os.PathLike[str]) -> str:
+    """The tag a ``like`` file gives the keys it holds: its name without ``.ptd``."""
+    name = os.path.basename(os.fspath(ptd))
+    return name[: -len(".ptd")] if name.endswith(".ptd") else name
+
+
 def tags_and_order(program, like: Sequence[str], tag, problems: list[str]
                    ) -> tuple[dict[str, list[str]], list[str], dict[str, Located]]:
     """``{tag: [key, ...]}`` in upstream's order, the keys of ``like`` files that
@@ -60,9 +66,7 @@ def tags_and_order(program, like: Sequence[str], tag, problems: list[str]
             if art.kind != "ptd":
                 problems.append(f"like: {ptd} is a .pte, not a .ptd")
                 continue
-            name = os.path.basename(os.fspath(ptd))
-            tag_of_file = name[: -len(".ptd")] if name.endswith(".ptd") else name
-            keys = out.setdefault(tag_of_file, [])
+            keys = out.setdefault(like_tag(ptd), [])
             segments = {s.index: s for s in art.segments}
             for entry in art.named:
                 if entry.key in owner:
@@ -148,14 +152,61 @@ def check_keys(program, ckpt: Checkpoint, key_map: KeyMap, allow_extra: bool, pr
     # A key whose tensor is the very memory of a used key's (tied weights saved twice) is no extra.
     used_roots = {ckpt.aliases[k] for k in used if k in ckpt.aliases}
     extra = [k for k in ckpt.entries if k not in used and not (k in ckpt.aliases and ckpt.aliases[k] in used_roots)]
+    none_found = len(missing) > 1 and not chosen  # a checkpoint of another model, or under other names
     for at, fqn, layout in missing:
-        problems[at] += _missing_hint(fqn, layout, ckpt, extra, located, _rule_of(key_map, fqn))
+        problems[at] += _missing_hint(fqn, layout, ckpt, extra, located, _rule_of(key_map, fqn),
+                                      twins=not none_found)
+    if none_found:
+        problems.insert(missing[0][0], _none_found(lookup, [fqn for _, fqn, _ in missing], ckpt, key_map))
     if extra and not allow_extra:
         shown = ", ".join(repr(k) for k in extra[:50])
         more = f" and {len(extra) - 50} more" if len(extra) > 50 else ""
         problems.append(f"extra: {len(extra)} checkpoint key(s) are not weights of the program: {shown}{more} "
                         "(allow_extra=True / --allow-extra to ignore them)")
     return chosen
+
+
+def _none_found(lookup: Callable[[str], str | None], fqns: Sequence[str], ckpt: Checkpoint,
+                key_map: KeyMap) -> str:
+    """The first problem when none of the program's keys ``fqns`` is in ``ckpt``: one
+    map of prefixes that finds every one (:func:`_prefix_map`), else a checkpoint of
+    another model, with the first names of both."""
+    looked = " (looked up through key_map / --map)" if key_map is not None else ""
+    head = f"none of the program's {len(fqns)} keys is in {ckpt.path}{looked}"
+    found = _prefix_map([lookup(f) or f for f in fqns], ckpt.entries)
+    if found is not None:
+        old, new = found
+        return (f"{head}, but each is there under another prefix: key_map={{{old!r}: {new!r}}} / "
+                f"--map {old}={new}")
+    return (f"{head}: a checkpoint of another model? (the program's keys: {_first(fqns)}; the checkpoint's: "
+            f"{_first(list(ckpt.entries)) or 'none'})")
+
+
+def _first(names: Sequence[str], n: int = 3) -> str:
+    """The first ``n`` of ``names``, quoted, and ``...`` if there are more."""
+    return ", ".join([repr(k) for k in names[:n]] + ["..."] * (len(names) > n))
+
+
+def _prefix_map(names: Sequence[str], keys: Collection[str], tries: int = 64) -> tuple[str, str] | None:
+    """``(old, new)``: one prefix rewrite (``new + name[len(old):]``) that turns every
+    one of ``names`` into one of ``keys`` (``model.layers.0.w`` -> ``layers.0.w``,
+    ``0.weight`` -> ``other.0.weight``), or None. Candidates come from the keys that end
+    like ``names[0]`` (at most ``tries`` of them), each checked against every name:
+    work linear in the number of keys and names."""
+    first = names[0]
+    tails = [first] + [first[i + 1:] for i, c in enumerate(first) if c == "."]  # longest first
+    candidates: dict[tuple[str, str], None] = {}
+    for key in keys:
+        if len(candidates) >= tries:
+            break
+        for tail in tails:  # the longest shared tail: the smallest rewrite
+            if key.endswith(tail) and (len(key) == len(tail) or key[-len(tail) - 1] == "."):
+                candidates.setdefault((first[: len(first) - len(tail)], key[: len(key) - len(tail)]), None)
+                break
+    for old, new in candidates:
+        if old != new and all(n.startswith(old) and new + n[len(old):] in keys for n in names):
+            return old, new
+    return None
 
 
 def _rule_of(key_map: KeyMap, fqn: str) -> str | None:
@@ -171,21 +222,21 @@ def _rule_of(key_map: KeyMap, fqn: str) -> str | None:
 
 
 def _missing_hint(fqn: str, layout, ckpt: Checkpoint, extra: Sequence[str], located: Mapping[str, Located],
-                  rule: str | None = None) -> str:
+                  rule: str | None = None, twins: bool = True) -> str:
     """What resolves a missing key: the user's map that sent it to a key the
-    checkpoint lacks (``rule``), else the unused checkpoint key of its dtype and
-    shape (``key_map``; never the key itself), else the like= file that holds it
-    (``keep``); else nothing."""
+    checkpoint lacks (``rule``), else (with ``twins``: some program key was found)
+    the unused checkpoint key of its dtype and shape (``key_map``; never the key
+    itself), else the like= file that holds it (``keep``); else nothing."""
     sizes = [int(s) for s in layout.sizes]
-    twins = [k for k in extra if k != fqn and list(ckpt.entries[k].shape) == sizes
-             and _scalar_of(ckpt.entries[k].dtype) == int(layout.scalar_type)]
+    twins_of = [k for k in extra if twins and k != fqn and list(ckpt.entries[k].shape) == sizes
+                and _scalar_of(ckpt.entries[k].dtype) == int(layout.scalar_type)]
     if rule is not None:
         own = (f"; {ckpt.path} holds {fqn!r} under the program's own name" if fqn in ckpt.entries else "")
         return (f"; the map is the problem: {rule} renamed it to a key {ckpt.path} lacks{own}; "
                 "fix or drop that map")
-    if len(twins) == 1:
-        return (f"; its checkpoint key {twins[0]!r} has its dtype and shape (a tied weight saved under its "
-                f"other name?): key_map={{{fqn!r}: {twins[0]!r}}} / --map {fqn}={twins[0]}")
+    if len(twins_of) == 1:
+        return (f"; its checkpoint key {twins_of[0]!r} has its dtype and shape (a tied weight saved under its "
+                f"other name?): key_map={{{fqn!r}: {twins_of[0]!r}}} / --map {fqn}={twins_of[0]}")
     if fqn in located:
         return (f"; {located[fqn][0]} holds it (a buffer no checkpoint saves, such as a non-persistent one?): "
                 f"keep=[{fqn!r}] / --keep {fqn} copies its exported bytes unchanged")

@@ -212,8 +212,10 @@ def test_structure_of_program_with_its_data_file(tmp_path):
 def test_structure_reports_missing_external_keys(tmp_path):
     files = write_reference("external", tmp_path)
     report = check_structure(files["model.pte"], [])
+    pte, ptd = files["model.pte"], files[EXT_PTD]
     assert [(c.name, c.detail) for c in report.problems] == [
-        ("external data", "missing from the given .ptd files: 'a.weight', 'a.bias', 'b.weight', 'b.bias'")
+        ("external data", "no .ptd given; missing: 'a.weight', 'a.bias', 'b.weight', 'b.bias'; "
+                          f"{ptd} beside it holds them: ptdstream verify {pte} {ptd}")
     ]
     assert report.summary().endswith("INVALID: 1 check failed")
 

@@ -63,7 +63,7 @@ def test_stdin_input_for_inspect_and_verify(files):
     junk = ptdstream("inspect", "-", input_bytes=b"junkjunkjunkjunk")
     assert junk.returncode == 1
     assert junk.stderr.decode() == ("ptdstream: invalid file: - (stdin): at offset 4: identifier b'junk' is "
-                                    "neither ET.. (.pte) nor FT.. (.ptd)\n")
+                                    "neither ET.. (.pte) nor FT.. (.ptd): not an ExecuTorch file\n")
 
 
 def _on_terminal(*argv, stdin_tty=False):

@@ -26,11 +26,13 @@ def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch, tmp_p
     assert ptdstream.hf.saving_with_ptdstream is optimum.saving_with_ptdstream
     calls: list = []
     monkeypatch.setattr(optimum, "run_main_export", lambda *a, **k: calls.append((a, k)) or {"model": None})
-    monkeypatch.setattr(optimum, "run_optimum_cli", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(optimum, "run_optimum_cli", lambda argv, **k: calls.append((argv, k)) or 0)
     assert ptdstream.hf.export("d", "o", task="t", recipe="portable", max_seq_len=8) == {"model": None}
     assert ptdstream.hf.main(["export", "executorch", "-m", "d"]) == 0
+    assert ptdstream.hf.main(["export", "executorch", "-q", "-m", "d"]) == 0
     assert calls == [(("d", "o", "t", "portable"), {"by_reference": True, "max_seq_len": 8}),
-                     ["export", "executorch", "-m", "d"]]
+                     (["export", "executorch", "-m", "d"], {"progress": True, "quiet": False}),
+                     (["export", "executorch", "-m", "d"], {"progress": False, "quiet": True})]
 
 
 def test_python_m_ptdstream_hf_runs_optimum_cli():
@@ -117,8 +119,57 @@ def test_hf_main_reports_the_files_in_its_output_dir(tmp_path, monkeypatch, caps
     args = ["export", "executorch", "-m", "dir", "--task", "text-generation", "--output_dir", str(tmp_path)]
     assert ptdstream.hf.main(args) == 0
     assert argv == [["optimum-cli", *args]]
-    assert capsys.readouterr().err.splitlines()[:2] == [f"saved by ptdstream in {tmp_path}:",
-                                                        f"  {tmp_path / 'model.pte'}  10 bytes"]
+    lines = capsys.readouterr().err.splitlines()
+    report = lines[lines.index(f"saved by ptdstream in {tmp_path}:"):]
+    assert report[1] == f"  {tmp_path / 'model.pte'}  10 bytes"
+    assert lines[0].endswith("] load dir (from_pretrained and optimum's task set-up) ...")  # the stages first
+    assert ptdstream.hf.main([*args, "-q", "-f"]) == 0  # -q: nothing but errors (-f: model.pte is there)
+    assert argv[-1] == ["optimum-cli", *args] and capsys.readouterr().err == ""
+
+
+def test_the_export_prints_its_stages_as_they_run(tmp_path, monkeypatch, capsys):
+    """Inside optimum's convert step, with a recipe that does what optimum's do (its
+    model's export(), one torch.export per method, to_edge_transform_and_lower,
+    to_executorch), each stage is a line as it begins and one with its seconds as it
+    ends; the last, the save, ends when the export returns."""
+    import re
+
+    import torch
+    from executorch.exir import to_edge_transform_and_lower
+    from optimum.exporters.executorch import convert, recipe_registry
+
+    from ptdstream.hf.saving import _staged, _stages, saving_with_ptdstream
+
+    class Exportable:
+        def export(self):
+            lin = torch.nn.Linear(4, 2).eval()
+            return {"forward": torch.export.export(lin, (torch.zeros(1, 4),)),
+                    "decode": torch.export.export(lin, (torch.zeros(2, 4),))}
+
+    def recipe(model, **kwargs):
+        return {"model": to_edge_transform_and_lower(model.export()).to_executorch()}
+
+    monkeypatch.setitem(recipe_registry.recipe_registry, "ptdstream-test", recipe)
+    monkeypatch.setattr(recipe_registry, "discover_recipes", lambda: None)
+    monkeypatch.setattr(convert, "discover_recipes", lambda: None)
+    with saving_with_ptdstream(), _staged(_stages(True), "my-llama"):
+        managers = convert.export_to_executorch(Exportable(), "text-generation", "ptdstream-test", str(tmp_path))
+    assert list(managers) == ["model"] and (tmp_path / "model.pte").exists()
+    lines = [re.sub(r"\d+\.\d s", "S s", line) for line in capsys.readouterr().err.splitlines()]
+    assert lines == [
+        "[1] load my-llama (from_pretrained and optimum's task set-up) ...",
+        "[1] load my-llama (from_pretrained and optimum's task set-up): done in S s (S s in all)",
+        "[2] torch.export 1 (Linear) ...", "[2] torch.export 1 (Linear): done in S s (S s in all)",
+        "[3] torch.export 2 (Linear) ...", "[3] torch.export 2 (Linear): done in S s (S s in all)",
+        "[4] lower and emit programs 'forward', 'decode' (recipe ptdstream-test: to_edge_transform_and_lower, "
+        "to_executorch) ...",
+        "[4] lower and emit programs 'forward', 'decode' (recipe ptdstream-test: to_edge_transform_and_lower, "
+        "to_executorch): done in S s (S s in all)",
+        "[5] save model.pte and its .ptd files with ptdstream ...",
+        "[5] save model.pte and its .ptd files with ptdstream: done in S s (S s in all)",
+    ]
+    assert convert.recipe_registry is recipe_registry.recipe_registry  # every hook undone
+    assert torch.export.export.__module__ == "torch.export"
 
 
 def _hf_cli(*argv, cwd):

@@ -313,8 +313,13 @@ def test_cli(exports, tmp_path, capsys):
     assert main(["weights", pte, "--from", ckpt, "-o", str(out), "--map", "pair.=model.", "--map", "=model."]) == 0
     assert (out / PTD).read_bytes() == files["B"][PTD]
     assert "8 keys" in capsys.readouterr().out
-    assert main(["weights", pte, "--from", ckpt, "-o", str(out)]) == 1
+    # out/ holds the .ptd written above: refused at once (exit 2) without -f, before the checkpoint is read
+    assert main(["weights", pte, "--from", ckpt, "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (f"ptdstream weights: error: output {out / PTD} exists; use -f/--force to "
+                                       "replace it\n")
+    assert main(["weights", pte, "--from", ckpt, "-o", str(out), "-f"]) == 1
     err = capsys.readouterr().err
+    assert (out / PTD).read_bytes() == files["B"][PTD]  # nothing written
     assert "missing: 'a.weight' (FLOAT[8, 8] dim order [0, 1]) is not in" in err
     assert "extra: 4 checkpoint key(s) are not weights of the program" in err
 
@@ -476,7 +481,7 @@ def test_a_map_to_missing_keys_is_named_as_the_problem_never_a_map_to_itself(exp
     assert not any("=l1." in p for p in info.value.problems)  # no map of a key to itself
     capsys.readouterr()
     assert main(["weights", str(folder / "A" / "model.pte"), "--from", ckpt, "-o", str(out),
-                 "--map", "l1.=x1."]) == 1
+                 "--map", "l1.=x1.", "-f"]) == 1  # -f: out/ holds a previous .ptd, kept as it is
     err = capsys.readouterr().err
     assert "--map l1.=x1. renamed it to a key" in err and "--map l1.weight=l1.weight" not in err
     assert sorted(os.listdir(out)) == [PTD] and (out / PTD).read_bytes() == b"previous"

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ...errors import LayoutError
-from .registry import EXECUTORCH_VERSION, KERNEL_MODULES, KERNEL_OPERATORS
+from .registry import BACKENDS, EXECUTORCH_VERSION, KERNEL_MODULES, KERNEL_OPERATORS
 
-__all__ = ["LIBRARIES", "TITLES", "library_of", "loaded_by", "needs_line", "operators_of", "parse_libraries",
-           "unregistered_hint"]
+__all__ = ["LIBRARIES", "TITLES", "backends_line", "library_of", "loaded_by", "needs_line", "operators_of",
+           "parse_libraries", "unregistered_hint"]
 
 #: Library ids in the order verify names them (a cheaper library first).
 LIBRARIES: tuple[str, ...] = tuple(KERNEL_OPERATORS)
@@ -69,6 +69,18 @@ def needs_line(operators: Iterable[str]) -> tuple[tuple[str, ...], str]:
     if imports:
         line += f" (in Python: import {', '.join(imports)} before loading the program)"
     return libs, line
+
+
+def backends_line(backends: Iterable[str]) -> str:
+    """How the report names the backends a program's delegates need (after ``needs
+    backends:``): ``XnnpackBackend (registered in executorch.runtime)``; one the
+    pinned Python runtime does not register is named as needing a runtime built with it."""
+    parts = []
+    for backend in backends:
+        where = ("registered in executorch.runtime" if backend in BACKENDS
+                 else "not in executorch.runtime: a runtime built with it")
+        parts.append(f"{backend} ({where})")
+    return ", ".join(parts)
 
 
 def unregistered_hint(operator: str) -> str:

@@ -17,7 +17,7 @@ from .errors import RuleError
 from .method import check_method
 from .rules import HEAD_NBYTES, ProgramFile, PtdMap, check_program, default_planned_limit
 
-__all__ = ["called_operators", "runtime_load_checks"]
+__all__ = ["program_needs", "runtime_load_checks"]
 
 
 def _read(path: str, nbytes: int) -> bytes:
@@ -71,9 +71,11 @@ def runtime_load_checks(pte_path: str, pte_art: Artifact, ptds: Sequence[tuple[s
     return out
 
 
-def called_operators(pte_path: str, pte_art: Artifact) -> list[str]:
-    """The operator names (``name.overload``) the KernelCalls of every method call, each once,
-    in the order first called: what ``Method::init`` resolves. For a program whose
+def program_needs(pte_path: str, pte_art: Artifact) -> tuple[list[str], list[str]]:
+    """What a program needs the runtime to have registered, each name once, in the
+    order first met: the operator names (``name.overload``) its methods' KernelCalls
+    call (what ``Method::init`` resolves) and its delegates' backend ids (what
+    ``BackendDelegate::Init`` looks up). For a program whose
     :func:`runtime_load_checks` passed (its indices are checked there).
 
     Raises:
@@ -83,9 +85,12 @@ def called_operators(pte_path: str, pte_art: Artifact) -> list[str]:
     from ...format.program_fb.KernelCall import KernelCall
 
     root = program_root(_read(pte_path, pte_art.flatbuffer_end))
-    seen: dict[str, None] = {}
+    operators: dict[str, None] = {}
+    backends: dict[str, None] = {}
     for p in range(root.ExecutionPlanLength()):
         plan = root.ExecutionPlan(p)
+        for i in range(plan.DelegatesLength()):
+            backends[plan.Delegates(i).Id().split(b"\0", 1)[0].decode("utf-8", "surrogateescape")] = None
         for c in range(plan.ChainsLength()):
             chain = plan.Chains(c)
             for i in range(chain.InstructionsLength()):
@@ -98,5 +103,5 @@ def called_operators(pte_path: str, pte_art: Artifact) -> list[str]:
                 name = op.Name().split(b"\0", 1)[0]
                 raw = op.Overload()
                 full = name + (b"." + raw.split(b"\0", 1)[0] if raw is not None and len(raw) > 0 else b"")
-                seen[full.decode("utf-8", "surrogateescape")] = None  # as Method::resolve_operator spells it
-    return list(seen)
+                operators[full.decode("utf-8", "surrogateescape")] = None  # as Method::resolve_operator spells it
+    return list(operators), list(backends)
