@@ -48,8 +48,9 @@ import threading
 from collections.abc import Iterator
 
 from ..sources import BufferRing
+from ..sources.base import Expectation
 from ..sources.fingerprint import StreamingDigest
-from ..sources.mapped import MappedTensorSource
+from ..sources.mapped import MappedTensorSource, opened_identity
 from ..sources.tensor import TensorSource
 from ..system.pagecache import file_mapping
 from ..upstream import adapter
@@ -102,7 +103,10 @@ def reference(storage, name: str | None = None) -> StorageReference:
     """A :class:`StorageReference` over a CPU ``torch.UntypedStorage`` (all its bytes).
 
     ``name`` (the tensor's fully qualified name, when the emitter knows it) goes
-    into error messages.
+    into error messages. A storage mapped from a file registered by
+    :func:`~ptdstream.sources.mapped.expecting_files` (an open ``weights_from``
+    context's checkpoint) expects that file's identity when it was opened, checked
+    at every read of the save, whatever thread saves.
 
     Raises:
         ValueError: the storage is not on the CPU.
@@ -115,7 +119,8 @@ def reference(storage, name: str | None = None) -> StorageReference:
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
     mapping = file_mapping(storage.data_ptr(), nbytes) if nbytes else None
     label = f"constant {name!r} ({nbytes} bytes)" if name else f"constant storage ({nbytes} bytes)"
-    ref = StorageReference(MappedTensorSource(flat, mapping, label) if mapping else TensorSource(flat, label))
+    ref = StorageReference(MappedTensorSource(flat, mapping, label, expectation=Expectation(
+        file=opened_identity(mapping))) if mapping else TensorSource(flat, label))
     ref.file_mapped = mapping is not None
     return ref
 

@@ -3,8 +3,10 @@ keeping it resident."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError, LayoutError
@@ -16,7 +18,41 @@ from .tensor import TensorSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MappedTensorSource"]
+__all__ = ["MappedTensorSource", "expecting_files", "opened_identity"]
+
+_lock = threading.Lock()
+#: (real path, inode) -> the identities :func:`expecting_files` registered for that file, latest last
+_expected: dict[tuple[str, int], list[FileIdentity]] = {}
+
+
+@contextlib.contextmanager
+def expecting_files(identities: Iterable[tuple[str, FileIdentity | None]]) -> Iterator[None]:
+    """Until exit, a mapping of one of these files (``(path, identity when it was
+    opened)``; None: skipped) that :func:`opened_identity` is asked about expects that
+    identity, whatever thread asks: ``weights_from`` registers its checkpoint's files
+    so that the emitter's references to bound tensors (``hooks.emitter.reference``)
+    check the file at every read of the save. Nests (the innermost registration wins)."""
+    keys = [((os.path.realpath(path), ident.inode), ident) for path, ident in identities if ident is not None]
+    with _lock:
+        for key, ident in keys:
+            _expected.setdefault(key, []).append(ident)
+    try:
+        yield
+    finally:
+        with _lock:
+            for key, ident in keys:
+                held = _expected[key]
+                held.remove(ident)
+                if not held:
+                    del _expected[key]
+
+
+def opened_identity(mapping: FileMapping) -> FileIdentity | None:
+    """The identity :func:`expecting_files` registered for ``mapping``'s file (its
+    path and inode), or None."""
+    with _lock:
+        held = _expected.get((mapping.path, mapping.inode))
+        return held[-1] if held else None
 
 
 class MappedTensorSource(TensorSource):

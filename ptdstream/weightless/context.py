@@ -45,11 +45,15 @@ an exception) too.
 The checkpoint's files must not change from when the context opens them until
 the save: each file's identity (:class:`~ptdstream.sources.base.FileIdentity`)
 is taken when the context opens and checked when a tensor is converted (before
-and after), before emission (``to_executorch`` refuses, naming the keys bound
+and after), before and after emission (``to_executorch`` refuses, naming the keys bound
 from a changed file: nothing emitted, nothing written) and, for converted keys,
 when the context exits normally (``IntegrityError``; a file saved in the block
-then holds the values the checkpoint had when they were converted). Mapped
-tensors changed after emission are refused by the save (the emitter's digest).
+then holds the values the checkpoint had when they were converted). While the
+context is open, the save checks the file's identity at every read of a mapped
+tensor (:func:`~ptdstream.sources.mapped.expecting_files`), and the bytes against
+the emitter's digest. These checks apply whatever thread emits or saves (a
+``ThreadPoolExecutor`` hand-off inside the block): emission checks every open
+context that bound a tensor of the program.
 
 What needs the weights' values while exporting: ``constant_prop_pass`` run
 before :meth:`WeightsFrom.bind` leaves folded constants that
@@ -103,6 +107,7 @@ from ..hooks.fx_sources import releasing_generated_sources
 from ..sources.base import FileIdentity
 from ..sources.checkpoint import open_checkpoint
 from ..sources.checkpoint_base import Checkpoint
+from ..sources.mapped import expecting_files
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
 from .binding import bind_programs, plan_binding, unbound_constants
@@ -110,7 +115,7 @@ from .convert import ConvertDir
 from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .errors import QuantizationNeedsValuesError, UnboundConstantError
 from .folding import folded_to_files
-from .lowering import bind_found, binding_at_lowering, open_contexts, trim_heap
+from .lowering import bind_found, binding_at_lowering, contexts_holding, open_contexts, trim_heap
 from .lowering import opened as opened_in_thread
 from .quantization import quantized_constants, refusing_quantization
 from .storage_less import storage_less_model
@@ -294,8 +299,11 @@ class WeightsFrom:
 
 def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
     """``emit_program`` that first refuses storage-less constants, and quantized
-    ones made from storage-less weights, by name, and (the contexts open in this
-    thread) a checkpoint file changed since it was opened."""
+    ones made from storage-less weights, by name, and a checkpoint file changed
+    since it was opened: of the contexts open in this thread and of those open in
+    any thread that bound a tensor of the program, checked before and after the
+    emission (which reads the bound tensors: upstream's copy in a thread outside
+    the context, the digests by reference inside it)."""
 
     @functools.wraps(real)
     def emit_program(methods, *args, **kwargs):
@@ -307,11 +315,16 @@ def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
         left = unbound_constants(programs)
         if left:
             raise UnboundConstantError(left, "to_executorch")
-        for weights in open_contexts():
+        holders = list(dict.fromkeys([*open_contexts(), *contexts_holding(programs)]))
+        for weights in holders:
             weights.check_unchanged(weights.bound_keys, "before to_executorch emitted the program (nothing emitted)")
         if open_contexts():
             trim_heap()  # what lowering and the passes freed
-        return real(methods, *args, **kwargs)
+        emitted = real(methods, *args, **kwargs)
+        for weights in holders:
+            weights.check_unchanged(weights.bound_keys, "while to_executorch emitted the program (its result "
+                                    "dropped, nothing written)")
+        return emitted
 
     return emit_program
 
@@ -352,8 +365,8 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
         try:
             _emission_checked.open(lambda: shadowed(module, "emit_program", _checking_emit(module.emit_program)))
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
-            with opened_in_thread(weights), binding_at_lowering(), bound_weights(weights._bound), \
-                    constants_by_reference(), sharing_bound_weights(), \
+            with opened_in_thread(weights), expecting_files(weights._identities.items()), binding_at_lowering(), \
+                    bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(), \
                     folded_to_files(weights._bound, convert.folder), refusing_quantization(), \
                     loading_bound_to_device(weights.device_loads), releasing_generated_sources():
                 yield weights

@@ -56,9 +56,12 @@ from .binding import needing_values
 from .errors import BindingError
 from .storage_less import meta_to_storage_less
 
-__all__ = ["TRIM_HEAP", "bind_found", "binding_at_lowering", "open_contexts", "opened", "trim_heap"]
+__all__ = ["TRIM_HEAP", "bind_found", "binding_at_lowering", "contexts_holding", "open_contexts", "opened",
+           "trim_heap"]
 
 _local = threading.local()  # .stack: the WeightsFrom contexts open in this thread, innermost last
+_lock = threading.Lock()
+_everywhere: list[Any] = []  # the WeightsFrom contexts open in any thread, in the order opened
 
 #: hand the C heap back at each lowering step (False: as upstream; benchmarks compare both)
 TRIM_HEAP = True
@@ -81,11 +84,26 @@ def opened(weights: Any) -> Iterator[None]:
     """``weights`` is open in this thread until exit (its programs bound at lowering)."""
     stack = open_contexts()
     stack.append(weights)
+    with _lock:
+        _everywhere.append(weights)
     try:
         yield
     finally:
         if weights in stack:
             stack.remove(weights)
+        with _lock:
+            _everywhere.remove(weights)
+
+
+def contexts_holding(programs: Mapping[str, Any]) -> list[Any]:
+    """The :class:`~ptdstream.weightless.WeightsFrom` contexts open in any thread
+    that bound a tensor ``programs`` ({method: ExportedProgram}) hold in their
+    ``state_dict`` or ``constants``: whatever thread emits a program, the checks
+    that protect its bound tensors are theirs (a ``ThreadPoolExecutor`` hand-off)."""
+    tensors = [t for ep in programs.values() for table in (ep.state_dict, ep.constants) for t in table.values()]
+    with _lock:
+        everywhere = list(_everywhere)
+    return [w for w in everywhere if any(w.owns(t) for t in tensors)]
 
 
 def bind_found(programs: Mapping[str, Any]) -> int:

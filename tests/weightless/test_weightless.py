@@ -309,9 +309,10 @@ def test_checkpoint_changed_between_emission_and_save_is_refused(tmp_path):
             ptdstream.save(manager, str(out / "model.pte"))
     assert os.listdir(out) == []
     message = str(caught.value)
-    assert message.startswith("named data (key 'l2.weight') of _default_external_constant.ptd at offset 8832: "
-                              "constant 'l2.weight' (1024 bytes)")
-    assert "changed after it was handed over" in message and message.endswith("nothing was published")
+    # the file's identity, checked at the first read (issue 32: before, the digest of 'l2.weight' once written)
+    assert message.startswith(f"constant 'l1.weight' (8192 bytes) uint8[8192]: its checkpoint file {ckpt} was "
+                              "written to after it was opened"), message
+    assert message.endswith("nothing is written from it: a checkpoint must not change while it is saved")
 
 
 def test_constant_prop_before_binding_is_refused_by_name_and_after_binding_matches(tmp_path):

@@ -1,0 +1,84 @@
+"""weights_from across threads: a checkpoint rewritten in place while the block is open
+is refused by name whatever thread emits the program or saves it (a
+``ThreadPoolExecutor`` hand-off), and nothing is written."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from _checkpoints import save_checkpoint, state_of
+from conftest import Mlp, example_inputs
+
+import ptdstream
+from ptdstream.errors import IntegrityError
+from ptdstream.weightless import weights_from
+
+warnings.filterwarnings("ignore")
+
+
+def _config():
+    from executorch.exir import ExecutorchBackendConfig
+
+    return ExecutorchBackendConfig(external_constants=True)
+
+
+def _checkpoint(tmp_path, dtype=torch.float32) -> str:
+    torch.manual_seed(0)
+    state = {k: v.to(dtype) for k, v in state_of(Mlp().eval()).items()}
+    return save_checkpoint("safetensors", state, tmp_path / "ckpt")
+
+
+def _scribble(path) -> None:
+    with open(path, "r+b") as f:  # in place (same inode and size): the end of the last tensor's data
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x01\x02\x03\x04")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["mapped", "converted"])
+def test_emission_in_another_thread_after_an_in_place_rewrite_is_refused(tmp_path, dtype):
+    """Bound in this thread (to_edge), emitted in a worker (to_executorch): before,
+    only this thread's contexts were checked and the rewritten bytes were written."""
+    from executorch.exir import to_edge
+
+    ckpt = _checkpoint(tmp_path, dtype)
+    out = tmp_path / "out"
+    out.mkdir()
+    with weights_from(ckpt) as weights, ThreadPoolExecutor(1) as pool:
+        edge = to_edge(torch.export.export(weights.model(Mlp), example_inputs(Mlp())))  # bound here
+        _scribble(ckpt)
+        with pytest.raises(IntegrityError) as caught:
+            manager = pool.submit(edge.to_executorch, _config()).result()
+            pool.submit(ptdstream.save, manager, str(out / "model.pte")).result()
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint file {ckpt}: changed after weights_from opened it (device, inode, size, "
+                              "modification and change time ("), message
+    assert message.endswith(") now), before to_executorch emitted the program (nothing emitted): 4 bound key(s) "
+                            "come from it: 'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias'; a checkpoint must not "
+                            "change until the save: export again from an unchanged checkpoint"), message
+    assert os.listdir(out) == []
+
+
+def test_save_in_another_thread_after_an_in_place_rewrite_is_refused_naming_the_file(tmp_path):
+    """Emitted by reference in the block's thread, saved by a worker: the checkpoint
+    file's identity is checked at the save's first read (before, only the digest
+    of the bytes read, once all of them were written to temp files)."""
+    from executorch.exir import to_edge
+
+    ckpt = _checkpoint(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    with weights_from(ckpt) as weights, ThreadPoolExecutor(1) as pool:
+        manager = to_edge(torch.export.export(weights.model(Mlp), example_inputs(Mlp()))).to_executorch(_config())
+        _scribble(ckpt)
+        with pytest.raises(IntegrityError) as caught:
+            pool.submit(ptdstream.save, manager, str(out / "model.pte")).result()
+    message = str(caught.value)
+    assert message.startswith(f"constant 'l1.weight' (8192 bytes) uint8[8192]: its checkpoint file {ckpt} was "
+                              "written to after it was opened (device, inode, size, modification and change "
+                              "time ("), message
+    assert message.endswith(" now); nothing is written from it: a checkpoint must not change while it is saved")
+    assert os.listdir(out) == []
