@@ -22,7 +22,7 @@ from ..format.reader import Artifact, read_artifact
 from ..reports import Report
 from .runtime import registry as runtime_registry
 from .runtime.kernels import backends_line, needs_line, operators_of, parse_libraries
-from .runtime.load import program_needs, runtime_load_checks
+from .runtime.load import LOADERS, program_needs, runtime_load_checks
 from .runtime.rules import runtime_key
 
 __all__ = ["StructureReport", "check_structure"]
@@ -49,6 +49,8 @@ class StructureReport(Report):
     needs_kernels: tuple[str, ...] = ()
     #: The backends the program's delegates name (``XnnpackBackend``), when it loads.
     needs_backends: tuple[str, ...] = ()
+    #: The loader the runtime checks answer for (``runtime`` or ``module``: ``check.runtime.load.LOADERS``).
+    loader: str = "runtime"
 
     derived = ("ok",)
 
@@ -113,13 +115,17 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
                     operators: Set[str] | None = runtime_registry.OPERATORS,
                     backends: Set[str] | None = runtime_registry.BACKENDS,
                     max_planned_nbytes: int | None = None,
-                    kernels: str | Sequence[str] | None = None) -> StructureReport:
+                    kernels: str | Sequence[str] | None = None, loader: str = "runtime") -> StructureReport:
     """Check a .pte and its .ptd files the way the runtime would load them.
 
     When every file check passes, the runtime's own load rules follow
     (:mod:`ptdstream.check.runtime.load`): what ``Program::load`` and ``Method::init``
-    check, so an OK report means ``executorch.runtime`` loads the program and every
-    method with these .ptd files. ``operators``/``backends`` are the operator names
+    check, so an OK report means the ``loader`` loads the program and every
+    method with these .ptd files: ``"runtime"`` (the default), ``executorch.runtime``'s
+    ``load_program``, which takes one data file (a program whose keys are spread over
+    several .ptd files fails the ``loader`` check, naming the keys each file lacks);
+    ``"module"``, the C++ ``Module`` given several data files (its ``loader`` line says
+    when it needs several). ``operators``/``backends`` are the operator names
     (``name.overload``) and backend ids the runtime has registered; the defaults are every
     kernel library shipped with the pinned executorch (:mod:`ptdstream.check.runtime.kernels`:
     portable, optimized, quantized, llm custom ops) and the backends of its Python runtime;
@@ -141,7 +147,10 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
     Raises:
         OSError: a file cannot be opened or read (an invalid file is a failed check).
         LayoutError: ``kernels`` names a library executorch does not ship (the message lists them).
+        ValueError: ``loader`` is neither ``"runtime"`` nor ``"module"``.
     """
+    if loader not in LOADERS:
+        raise ValueError(f"loader {loader!r}: expected one of {', '.join(LOADERS)}")
     if kernels is not None:
         operators = operators_of(parse_libraries(kernels))
     pte_path = os.fspath(pte_path)
@@ -167,10 +176,10 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
         checks.append(Check(pte_path, "keys unique across .ptd files", not shared,
                             f"in several files: {_names(shared)}" if shared else f"{len(owners)} keys"))
     if pte is not None and pte.kind == "pte":
-        checks.extend(_external_checks(pte_path, pte, ptds))
+        checks.extend(_external_checks(pte_path, pte, ptds, loader))
         if all(c.ok for c in checks):
             results = runtime_load_checks(pte_path, pte, [(a.path, a) for a in ptds], operators, backends,
-                                          max_planned_nbytes)
+                                          max_planned_nbytes, loader)
             checks.extend(Check(pte_path, name, ok, detail) for name, ok, detail in results)
             loads = all(ok for _, ok, _ in results)
             called, backend_ids = program_needs(pte_path, pte) if loads else ([], [])
@@ -180,12 +189,12 @@ def check_structure(pte_path: str, ptd_paths: Sequence[str] = (), *,
             if operators is not None and loads:
                 needed, line = needs_line(called)
                 checks.append(Check(pte_path, "needs kernels", True, line))
-                return StructureReport(pte_path, ptd_paths, tuple(checks), needed, delegates)
-            return StructureReport(pte_path, ptd_paths, tuple(checks), (), delegates)
-    return StructureReport(pte_path, ptd_paths, tuple(checks))
+                return StructureReport(pte_path, ptd_paths, tuple(checks), needed, delegates, loader)
+            return StructureReport(pte_path, ptd_paths, tuple(checks), (), delegates, loader)
+    return StructureReport(pte_path, ptd_paths, tuple(checks), loader=loader)
 
 
-def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list[Check]:
+def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact], loader: str) -> list[Check]:
     if not pte.external_tensors:
         return [Check(pte_path, "external data", True, "the program marks no tensor EXTERNAL (keys that only a backend "
                       "blob references are checked below for XNNPACK blobs)")]
@@ -197,7 +206,7 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list
     missing = [t.fqn for t in pte.external_tensors if key[t.fqn] not in layouts]
     given = "missing from the given .ptd files" if ptds else "no .ptd given; missing"
     checks = [Check(pte_path, "external data", not missing,
-                    f"{given}: {_names(missing)}{_beside(pte_path, ptds, {key[f] for f in missing})}" if missing
+                    f"{given}: {_names(missing)}{_beside(pte_path, ptds, {key[f] for f in missing}, loader)}" if missing
                     else f"all {len(pte.external_tensors)} external tensors found")]
     wrong = [f"{t.fqn!r} program {t.layout} vs {layouts[key[t.fqn]][0]} {layouts[key[t.fqn]][1]}"
              for t in pte.external_tensors
@@ -211,11 +220,13 @@ def _external_checks(pte_path: str, pte: Artifact, ptds: list[Artifact]) -> list
 _SIBLINGS = 64
 
 
-def _beside(pte_path: str, ptds: Sequence[Artifact], keys: Set[str]) -> str:
+def _beside(pte_path: str, ptds: Sequence[Artifact], keys: Set[str], loader: str) -> str:
     """Where the missing ``keys`` are: the .ptd files in the program's folder, not
     given, that hold any of them (section maps only; at most :data:`_SIBLINGS` read),
     and the command with them: ``; out/model.ptd beside it holds them: ptdstream
-    verify out/model.pte out/model.ptd``. Empty when no file there holds one."""
+    verify out/model.pte out/model.ptd`` (with ``--loader module`` when it names
+    several .ptd files under the ``runtime`` loader, which takes one). Empty when no
+    file there holds one."""
     import shlex
 
     folder = os.path.dirname(pte_path) or "."
@@ -243,4 +254,7 @@ def _beside(pte_path: str, ptds: Sequence[Artifact], keys: Set[str]) -> str:
     which = "them" if held == set(keys) else f"{len(held)} of them"
     verb = "holds" if len(found) == 1 else "hold"
     line = " ".join(shlex.quote(p) for p in [pte_path, *(a.path for a in ptds), *found])
+    several = len(ptds) + len(found) > 1 and loader == "runtime"
+    line += (" --loader module (the keys are in several .ptd files: executorch.runtime's load_program takes one)"
+             if several else "")
     return f"; {', '.join(found)} beside it {verb} {which}: ptdstream verify {line}"

@@ -46,7 +46,10 @@ def register(subparsers) -> None:
                     "Without either: check FILE (a .pte) and the .ptd files after it the way the runtime "
                     "loads them, including that every external tensor is in a given .ptd and that every "
                     "operator is in a kernel library shipped with executorch (--kernels restricts them; the "
-                    "report names the libraries the program needs).\n\n"
+                    "report names the libraries the program needs), for the loader you have (--loader): "
+                    "executorch.runtime's load_program takes one .ptd, so a program whose keys are spread "
+                    "over several fails naming the keys each file lacks, unless --loader module (the C++ Module "
+                    "given several data files).\n\n"
                     "Structure is not integrity: the structure checks are what the runtime checks when it "
                     "loads the program, so a changed byte inside a weight or a delegate blob still passes "
                     "them (the runtime would run it too). --against REF or --manifest M prove the bytes.",
@@ -57,10 +60,13 @@ def register(subparsers) -> None:
                    "a copy against a manifest, at disk speed"),
                   ("ptdstream verify model.pte --kernels portable,optimized", "refuse operators of other "
                    "kernel libraries"),
+                  ("ptdstream verify model.pte a.ptd b.ptd --loader module", "for the C++ Module given both "
+                   "data files (executorch.runtime takes one)"),
                   ("cat model.pte | ptdstream verify -", "a program from stdin")],
         exit_codes=f"kernel libraries (--kernels): {_LIBRARIES_HELP}\n"
                    "exit codes: 0 valid or identical, 1 invalid, different, an operator outside --kernels or an "
-                   "unrecovered set in the folder, 2 usage error or unreadable input",
+                   "unrecovered set in the folder, or keys the loader cannot find (--loader runtime: in more "
+                   "than one .ptd), 2 usage error or unreadable input",
         run=run, progress=True, stdin=("files", "against"),
         inputs=lambda a: a.files + [p for p in (a.against, a.manifest) if p], check=check)
     v.add_argument("files", nargs="+", metavar="FILE", help="OUT (with --against), or OUT.pte [DATA.ptd ...]")
@@ -69,6 +75,9 @@ def register(subparsers) -> None:
     v.add_argument("--kernels", metavar="LIB[,LIB...]", type=_libraries,
                    help="the kernel libraries the runtime has (default: every one shipped with executorch); "
                         "an operator outside them fails the check, naming its library")
+    v.add_argument("--loader", choices=("runtime", "module"), default=None,
+                   help="the loader the structure check answers for: runtime (default: executorch.runtime's "
+                        "load_program, one .ptd) or module (the C++ Module given several .ptd files)")
 
 
 def unrecovered_sets(files):
@@ -99,13 +108,14 @@ def check(args) -> None:
     """The options and the kinds of the files, before anything is imported.
 
     Raises:
-        UsageError: ``--kernels`` with ``--against`` or ``--manifest``; both of
+        UsageError: ``--kernels`` or ``--loader`` with ``--against`` or ``--manifest``; both of
             those; ``--against`` with more than one FILE; a structure check whose
             first FILE is a .ptd (:func:`_refuse_data_first`).
     """
-    if args.kernels is not None and (args.manifest is not None or args.against is not None):
-        raise UsageError("ptdstream verify: --kernels is for the structure check, not with --against or --manifest "
-                         "(see ptdstream verify --help)")
+    for flag, value in (("--kernels", args.kernels), ("--loader", args.loader)):
+        if value is not None and (args.manifest is not None or args.against is not None):
+            raise UsageError(f"ptdstream verify: {flag} is for the structure check, not with --against or "
+                             "--manifest (see ptdstream verify --help)")
     if args.manifest is not None and args.against is not None:
         raise UsageError("ptdstream verify: use either --against or --manifest (see ptdstream verify --help)")
     if args.against is not None and len(args.files) != 1:
@@ -128,7 +138,7 @@ def _check(args) -> int:
     else:
         from ..check.structure import check_structure
 
-        report = check_structure(args.files[0], args.files[1:], kernels=args.kernels)
+        report = check_structure(args.files[0], args.files[1:], kernels=args.kernels, loader=args.loader or "runtime")
     print_report(args, report)
     if not report.ok and args.quiet:
         print_error(_failure_line(report, args))

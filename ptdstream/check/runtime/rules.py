@@ -1,7 +1,8 @@
 """What the ExecuTorch runtime checks when it loads a program and its methods.
 
 ``verify`` promises: exit 0 means ``Runtime.get().load_program(pte, data_path=ptd)``
-and ``load_method`` of every method succeed. Each rule below names the upstream
+and ``load_method`` of every method succeed (with ``--loader module``: the C++ ``Module``
+given the .ptd files, merged; :mod:`ptdstream.check.runtime.load`). Each rule below names the upstream
 function it mirrors (executorch 1.5.1 C++ runtime; read at pytorch/executorch
 ``cff6f4dd32``, the newest snapshot available, version.txt 1.5.0+). Where the runtime
 would read through a null pointer or abort (``ET_CHECK``, ``Result::get()`` of an
@@ -87,6 +88,7 @@ matches by name here). Registration is checked against ``operators``/``backends`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from collections.abc import Iterator, Sequence
@@ -130,13 +132,16 @@ _SSIZE_MAX = (1 << 63) - 1
 @dataclass(frozen=True)
 class PtdMap:
     """A .ptd as the runtime's ``FlatTensorDataMap`` sees it: its FlatTensor root (verified),
-    ``segment_base_offset``/``segment_data_size`` from its header, and its size in bytes."""
+    ``segment_base_offset``/``segment_data_size`` from its header, and its size in bytes.
+    ``found``: the keys the rules' lookups (:func:`ptd_key`) found in it so far, in order
+    (which data files a program needs: :mod:`ptdstream.check.runtime.load`)."""
 
     path: str
     root: FlatTensor
     segment_base_offset: int
     segment_data_nbytes: int
     file_nbytes: int
+    found: dict[bytes, None] = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -353,6 +358,7 @@ def ptd_key(ptd: PtdMap, key: bytes, need_layout: bool = False):
               f"{ptd.path}: key {shown(key, True)}: segment end {end} beyond segment data")
         need(not need_layout or e.TensorLayout() is not None, "flat_tensor_data_map.cpp::get_tensor_layout",
               f"{ptd.path}: key {shown(key, True)} has no tensor_layout")
+        ptd.found[key] = None
         return e
     return None
 
