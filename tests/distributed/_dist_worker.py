@@ -10,6 +10,11 @@ from datetime import timedelta
 
 import torch
 
+#: The process group's timeout, from when every rank is ready: one collective's wait for the
+#: others' tiny writes, generous for a loaded machine; a killed rank is seen at once (its
+#: connections close), not by this timeout.
+GROUP_TIMEOUT_S = 300
+
 
 def full_tensors():
     """The whole tensors every scenario shards: ``{key: tensor}``, fixed seed."""
@@ -164,20 +169,25 @@ def _inject(scenario: str, rank: int, world: int, tensors, writer) -> None:
 def worker(rank: int, world: int, init_file: str, out_root: str, scenarios, result_dir: str,
            backend: str = "gloo") -> None:
     """Run each scenario's write into ``out_root/<scenario>``; its outcome line goes
-    to ``result_dir/<scenario>.rank<rank>``."""
+    to ``result_dir/<scenario>.rank<rank>``. Every import first, then "ready" in
+    ``result_dir/ready`` (``_procs.rank_ready``): the group's timeout counts from
+    when every rank is ready, not from a start that four ranks importing torch on
+    two busy cores make minutes long."""
     import torch.distributed as dist
+    from _procs import rank_ready
     from torch.distributed.device_mesh import init_device_mesh
+
+    import ptdstream.distributed.protocol as writer
+    from ptdstream.distributed import write_data_files
 
     device = "cpu"
     if backend == "nccl":  # one GPU per rank, set before any collective
         torch.cuda.set_device(rank)
         device = "cuda"
+    rank_ready(os.path.join(result_dir, "ready"), rank, world)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
-        import ptdstream.distributed.protocol as writer
-        from ptdstream.distributed import write_data_files
-
         mesh = init_device_mesh(device, (world,))
         for scenario in scenarios:
             tensors, kwargs = _lie(scenario, rank, mesh) if scenario in LIES else (

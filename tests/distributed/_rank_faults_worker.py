@@ -12,6 +12,7 @@ import traceback
 from datetime import timedelta
 
 import torch
+from _dist_worker import GROUP_TIMEOUT_S
 
 
 def _scenario(name, rank, world, mesh, writer):
@@ -162,15 +163,19 @@ def _scenario(name, rank, world, mesh, writer):
 
 
 def worker(rank, world, init_file, out_root, scenarios):
+    """One rank: every import, then "ready" in ``out_root/ready`` (``_procs.rank_ready``),
+    then the group (its timeout counts from then) and the scenarios."""
     import torch.distributed as dist
+    from _procs import rank_ready
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
-    try:
-        import ptdstream.distributed.protocol as writer
-        from ptdstream.distributed import write_data_files
+    import ptdstream.distributed.protocol as writer
+    from ptdstream.distributed import write_data_files
 
+    rank_ready(os.path.join(out_root, "ready"), rank, world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    try:
         mesh = init_device_mesh("cpu", (world,))
         for name in scenarios:
             tensors, kw, restore = _scenario(name, rank, world, mesh, writer)
@@ -201,6 +206,9 @@ def worker(rank, world, init_file, out_root, scenarios):
 
 def main():
     import multiprocessing as mp
+
+    from _procs import wait_ranks
+
     world, out_root, scenarios = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     os.makedirs(out_root, exist_ok=True)
     ctx = mp.get_context("spawn")
@@ -210,19 +218,17 @@ def main():
     procs = [ctx.Process(target=worker, args=(r, world, init, out_root, scenarios)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(150)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    problem = wait_ranks(procs, os.path.join(out_root, "ready"))
     for name in scenarios:
         for r in range(world):
             path = os.path.join(out_root, f"{name}.rank{r}")
             print(f"{name} rank{r}: {open(path).read() if os.path.exists(path) else None}")
         d = os.path.join(out_root, name)
         print(f"  files: {sorted(os.listdir(d)) if os.path.isdir(d) else None}")
+    if problem is not None:
+        sys.exit(f"world {world}, scenarios {scenarios}: {problem}")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: _procs
     main()

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from _procs import SAFETY_S
 from conftest import read_folder as read_all
 from conftest import write_two_file_set as _write_set
 
@@ -39,8 +40,9 @@ def dist_run(tmp_path_factory):
             (root / name / "model.ptd").write_bytes(b"previous")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     worker = os.path.join(ROOT, "tests", "distributed", "_rank_faults_worker.py")
-    subprocess.run([sys.executable, worker, "2", str(root), *DIST_SCENARIOS], env=env, capture_output=True,
-                   timeout=300)
+    proc = subprocess.run([sys.executable, worker, "2", str(root), *DIST_SCENARIOS], env=env, capture_output=True,
+                          text=True, timeout=SAFETY_S + 300)  # the worker ends its ranks at SAFETY_S
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
     def outcome(name):
         out = []

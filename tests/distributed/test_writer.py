@@ -12,6 +12,7 @@ import _dist_worker as W
 import pytest
 import torch
 import xxhash
+from _procs import wait_ranks
 
 from ptdstream.distributed.composable_fingerprint import combine, digest_piece
 from ptdstream.save import write_data_files
@@ -42,11 +43,10 @@ def _run(world: int, tmp_path, scenarios, backend: str = "gloo"):
              for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    problem = wait_ranks(procs, str(results / "ready"))
+    if problem is not None:
+        done = sorted(p.name for p in results.iterdir() if p.is_file())
+        pytest.fail(f"world {world}, scenarios {list(scenarios)}: {problem}; outcomes written: {done}")
     out = {}
     for scenario in scenarios:
         out[scenario] = {}
