@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from _procs import SAFETY_S
 from conftest import Mlp, export, reference_files
 
 ENV = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -20,7 +21,7 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore")
 
 def ptdstream(*argv, stdin=None, input_bytes=None, **kw):
     return subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)], input=input_bytes, stdin=stdin,
-                          capture_output=True, env=ENV, timeout=300, **kw)
+                          capture_output=True, env=ENV, timeout=SAFETY_S, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def _on_terminal(*argv, stdin_tty=False):
         proc = subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)],
                               stdout=subprocess.PIPE if stdin_tty else terminal,
                               stdin=terminal if stdin_tty else subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, env=ENV, timeout=120)
+                              stderr=subprocess.PIPE, env=ENV, timeout=SAFETY_S)
     finally:
         os.close(terminal)
         os.close(controller)
@@ -129,7 +130,7 @@ def test_errors_blame_the_right_thing(files, tmp_path):
 
 def test_broken_pipe_is_quiet(files):
     proc = subprocess.run(f"{sys.executable} -m ptdstream inspect {files / 'model.pte'} --json | head -c 10",
-                          shell=True, capture_output=True, env=ENV, timeout=120)
+                          shell=True, capture_output=True, env=ENV, timeout=SAFETY_S)
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr and len(proc.stdout) == 10
 
 
@@ -139,29 +140,84 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+#: Run by the child at the end of the interpreter's start-up (``site``): one line on
+#: ``IMPORT_MARK_FD`` when ``torch`` starts to import (after ptdstream's start-up Ctrl-C
+#: handler is installed: ``ptdstream/__init__`` is imported first), the handshake the
+#: test waits for before its SIGINT, whatever the machine's load.
+TORCH_MARK = r"""
+import os, sys
+
+class _Mark:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.write(int(os.environ["IMPORT_MARK_FD"]), b"importing torch\n")
+        return None
+
+sys.meta_path.insert(0, _Mark())
+"""
+
+
+def _wait_mark(fd: int, child) -> bytes:
+    """The line the child writes on ``fd`` (b"" if it ended first), waiting at most
+    :data:`SAFETY_S` (then the child is killed and the test fails)."""
+    import select
+
+    mark = b""
+    while not mark.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], SAFETY_S)
+        if not ready:
+            child.kill()
+            pytest.fail(f"{child.args}: no mark after {SAFETY_S:.0f} s; killed")
+        piece = os.read(fd, 4096)
+        if not piece:
+            break
+        mark += piece
+    return mark
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_imports_and_during_a_write(tmp_path):
     """SIGINT while torch imports (demo) and while pack writes: one line, exit 130,
-    no traceback, no temp file left."""
-    demo = subprocess.Popen([sys.executable, "-m", "ptdstream", "demo", "--out", str(tmp_path / "demo")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, preexec_fn=_sigint_default)
-    time.sleep(1.5)  # importing torch and executorch
+    no traceback, no temp file left. Each signal follows a handshake (torch's import
+    begun; the temp file there), not a delay: under load, a SIGINT 1.5 s after the
+    start came before the start-up handler and printed the interpreter's traceback."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(TORCH_MARK)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    mark_r, mark_w = os.pipe()
+    env = dict(ENV, IMPORT_MARK_FD=str(mark_w),
+               PYTHONPATH=os.pathsep.join(p for p in [str(site), root, ENV.get("PYTHONPATH")] if p))
+    try:
+        demo = subprocess.Popen([sys.executable, "-m", "ptdstream", "demo", "--out", str(tmp_path / "demo")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, pass_fds=(mark_w,),
+                                preexec_fn=_sigint_default)
+    finally:
+        os.close(mark_w)
+    try:
+        mark = _wait_mark(mark_r, demo)
+    finally:
+        os.close(mark_r)
+    assert mark == b"importing torch\n", demo.communicate(timeout=SAFETY_S)[1][-2000:]
     demo.send_signal(signal.SIGINT)
-    _, err = demo.communicate(timeout=120)
-    assert demo.returncode == 130 and err.decode().strip().splitlines()[-1] == "ptdstream: interrupted"
+    _, err = demo.communicate(timeout=SAFETY_S)
+    assert demo.returncode == 130 and err.decode().strip().splitlines()[-1] == "ptdstream: interrupted", err
     assert b"Traceback" not in err
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:
         f.write(os.urandom(1 << 20) * 300)
     pack = subprocess.Popen([sys.executable, "-m", "ptdstream", "pack", str(big), "-l", "19"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, preexec_fn=_sigint_default)
-    deadline = time.monotonic() + 60
-    while not any(".ptdstream-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+    deadline = time.monotonic() + SAFETY_S
+    while not any(".ptdstream-" in n for n in os.listdir(tmp_path)):  # the write has begun
+        assert pack.poll() is None, f"pack ended before its temp file was seen: {pack.communicate()}"
+        assert time.monotonic() < deadline, f"no temp file after {SAFETY_S:.0f} s"
         time.sleep(0.05)
     pack.send_signal(signal.SIGINT)
-    _, err = pack.communicate(timeout=120)
+    _, err = pack.communicate(timeout=SAFETY_S)
     assert pack.returncode == 130 and err.decode().strip() == "ptdstream: interrupted"
-    assert sorted(n for n in os.listdir(tmp_path) if n != "demo") == ["big.bin"]
+    assert sorted(n for n in os.listdir(tmp_path) if n not in ("demo", "site")) == ["big.bin"]
 
 
 def test_ctrl_c_while_the_command_line_imports(monkeypatch, capsys):
@@ -228,7 +284,7 @@ def test_a_full_disk_is_an_output_error_exit_1_leaving_nothing(files, tmp_path):
 
     pack(str(files / "model.pte"), str(tmp_path / "m.zst"))
     proc = subprocess.run([sys.executable, "-c", _NO_ROOM, "unpack", str(tmp_path / "m.zst"), "-o",
-                           str(tmp_path / "m.pte")], capture_output=True, env=ENV, timeout=300)
+                           str(tmp_path / "m.pte")], capture_output=True, env=ENV, timeout=SAFETY_S)
     err = proc.stderr.decode()
     assert proc.returncode == 1, err
     assert err.startswith("ptdstream: writing ") and err.endswith(f"(for {tmp_path / 'm.pte'}) at offset 0: "
@@ -239,6 +295,6 @@ def test_a_full_disk_is_an_output_error_exit_1_leaving_nothing(files, tmp_path):
     for argv in (["unpack", tmp_path / "m.zst", "-"], ["pack", files / "model.pte", "-"]):
         with open("/dev/full", "wb") as full:
             proc = subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)], stdout=full,
-                                  stderr=subprocess.PIPE, env=ENV, timeout=300)
+                                  stderr=subprocess.PIPE, env=ENV, timeout=SAFETY_S)
         assert proc.returncode == 1, proc.stderr
         assert proc.stderr == b"ptdstream: cannot write standard output: No space left on device\n"

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import zstandard
+from _procs import SAFETY_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "ptdstream")
@@ -57,7 +58,7 @@ def _interrupt(argv, delay: float, folder, env) -> tuple:
     try:
         mark = b""
         while not mark.endswith(b"\n"):
-            ready, _, _ = select.select([mark_r], [], [], 60)
+            ready, _, _ = select.select([mark_r], [], [], SAFETY_S)
             piece = os.read(mark_r, 4096) if ready else b""
             if not piece:
                 break
@@ -66,14 +67,14 @@ def _interrupt(argv, delay: float, folder, env) -> tuple:
         os.close(mark_r)
     if mark != b"guarded ptdstream ptdstream._entry\n":
         child.kill()
-        _, err = child.communicate(timeout=60)
+        _, err = child.communicate(timeout=SAFETY_S)
         pytest.fail(f"{argv}: the start-up handler was not installed first thing: {mark!r} {err[-2000:]!r}")
     time.sleep(delay)
     sent = None
     if child.poll() is None:
         sent = time.time_ns()
         child.send_signal(signal.SIGINT)
-    _, err = child.communicate(timeout=120)
+    _, err = child.communicate(timeout=SAFETY_S)
     return child.returncode, err.decode(errors="replace"), sent
 
 
@@ -159,14 +160,14 @@ def test_sigint_after_the_report_keeps_the_commands_exit_code(tmp_path):
         argv = launchers[i % len(launchers)] + ["pack", "in.bin", "-o", "out.zst", "-f", "--level", "1"]
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
                                  preexec_fn=_sigint_default)
-        ready, _, _ = select.select([child.stdout], [], [], 60)
+        ready, _, _ = select.select([child.stdout], [], [], SAFETY_S)
         line = child.stdout.readline() if ready else b""
         time.sleep(i // 2 / 1000)
         if child.poll() is None:
             child.send_signal(signal.SIGINT)
         else:
             ended.append(i)
-        _, err = child.communicate(timeout=60)
+        _, err = child.communicate(timeout=SAFETY_S)
         where = f"run {i} ({argv[0]}), SIGINT {i // 2} ms after the report {line!r}: exit {child.returncode}, {err!r}"
         assert (child.returncode, err, line[: len(want)]) == (0, b"", want), where
         assert zstandard.ZstdDecompressor().stream_reader((tmp_path / "out.zst").read_bytes(),

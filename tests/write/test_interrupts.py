@@ -12,6 +12,7 @@ import textwrap
 import threading
 
 import pytest
+from _procs import SAFETY_S
 
 from ptdstream.write import sink as sink_module
 from ptdstream.write.sink import ChunkedFileSink
@@ -79,11 +80,11 @@ writing, both_sent = threading.Event(), threading.Event()
 def slow_write(fd, view):  # a slow disk: the writer thread is outside write(2) until both Ctrl-C came
     if len(view) >= MiB:
         writing.set()
-        both_sent.wait(60)
+        both_sent.wait()  # the test's subprocess limit ends a hang
     return os.write(fd, view)
 
 def ctrl_c_twice():  # both while the writer thread's first write is in progress, whatever the machine's load
-    writing.wait(60)
+    writing.wait()
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.3)
     os.kill(os.getpid(), signal.SIGINT)
@@ -116,7 +117,7 @@ def test_two_ctrl_c_during_a_slow_write_end_the_writer_before_its_fd_is_closed(t
     script.write_text(textwrap.dedent(SLOW_SAVE_TWO_CTRL_C))
     folder = tmp_path / "out"
     folder.mkdir()
-    run = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=120,
+    run = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=SAFETY_S,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # also in a background job
     assert run.stdout.splitlines() == [
         "KeyboardInterrupt",
