@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+from _procs import SAFETY_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The heavy imports a usage answer must not need: torch and what loads it, and the
@@ -39,7 +41,7 @@ sys.meta_path.insert(0, _Unimportable())
 '''
 
 
-def run_without(folder, argv, unimportable=HEAVY, cwd=None, stdin=None, timeout=300):
+def run_without(folder, argv, unimportable=HEAVY, cwd=None, stdin=None, timeout=SAFETY_S):
     """Run ``[python, *argv]`` with ``unimportable`` refused (the sitecustomize is
     written into ``folder``): the completed process (text)."""
     site = os.path.join(os.fspath(folder), "unimportable-site")

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from _procs import SAFETY_S
 from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
@@ -34,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "PWNED"
 
 
-def cli(*argv, stdin=None, stdout=None, timeout=120):
+def cli(*argv, stdin=None, stdout=None, timeout=SAFETY_S):
     """``python -m ptdstream ARGV`` in a child; (rc, stdout or b'', stderr text)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "ptdstream", *map(os.fspath, argv)], env=env, stdin=stdin,

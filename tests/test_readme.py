@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _procs import SAFETY_S
 
 pytestmark = pytest.mark.slow
 
@@ -204,6 +205,6 @@ def test_doc_block_runs(workdir, where, language, code, monkeypatch):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", _shell(code)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=SAFETY_S)
     assert proc.returncode == 0, (f"{where} exited {proc.returncode}\n"
                                   f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

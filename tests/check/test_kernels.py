@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import SAFETY_S
 
 from ptdstream.check.runtime.kernels import TITLES
 from ptdstream.check.runtime.registry import EXECUTORCH_VERSION, KERNEL_MODULES, KERNEL_OPERATORS
@@ -26,7 +27,7 @@ HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kernel_progr
 
 
 def _helper(*args: str) -> object:
-    proc = subprocess.run([sys.executable, HELPER, *args], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, HELPER, *args], capture_output=True, text=True, timeout=SAFETY_S)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])

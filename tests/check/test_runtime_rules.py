@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import SAFETY_S
 
 from ptdstream.check.structure import check_structure
 from ptdstream.format.fb_roots import program_root, union_tensor
@@ -88,7 +89,7 @@ def judge(jobs: list[tuple[str, str | None]]) -> list[tuple[str, str]]:
     """Runtime verdicts ("ok" / "refused" / "crash", message), one per job, in order."""
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_runtime_judge.py"), str(JUDGE_HEADROOM)],
                           input="".join(json.dumps(j) + "\n" for j in jobs), capture_output=True, text=True,
-                          timeout=900)
+                          timeout=SAFETY_S)
     out = [tuple(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("[")]
     assert len(out) == len(jobs), proc.stderr[-2000:]
     return out

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import SAFETY_S
 
 import ptdstream
 from ptdstream.cli import main
@@ -107,6 +108,6 @@ def test_extract_lists_escaped_and_writes_a_key_named_by_its_bytes(ptd, capsys, 
         out_file = tmp_path / "key.bin"
         proc = subprocess.run([os.fsencode(sys.executable), b"-m", b"ptdstream", b"extract",
                                os.fsencode(tmp_path / "t.ptd.zst"), key, b"-o", os.fsencode(out_file), b"-f", b"-q"],
-                              capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+                              capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=SAFETY_S)
         assert proc.returncode == 0, proc.stderr
         assert out_file.read_bytes() == value

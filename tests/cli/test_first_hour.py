@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import SAFETY_S
 from _small_exports import model, patched, truncated, write_reference
 
 from ptdstream.cli import main
@@ -56,7 +57,7 @@ def test_a_structure_only_verify_prints_the_integrity_hint_on_stderr(tmp_path, c
     assert (rc, err) == (0, INTEGRITY_HINT + "\n") and json.loads(out)["ok"] is True
     assert _run(capsys, "verify", files["model.pte"], "--against", files["model.pte"])[2] == ""
     help_text = subprocess.run([sys.executable, "-m", "ptdstream", "verify", "--help"], capture_output=True,
-                               text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120).stdout
+                               text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=SAFETY_S).stdout
     flat = " ".join(help_text.split())
     assert ("Structure is not integrity: the structure checks are what the runtime checks when it loads the "
             "program") in flat and "--against REF or --manifest M prove the bytes" in flat
@@ -83,7 +84,7 @@ def _timed(*argv: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
     modules it imported."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream", *argv], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=ROOT, PTDSTREAM_DEBUG="1"), timeout=120)
+                          text=True, env=dict(os.environ, PYTHONPATH=ROOT, PTDSTREAM_DEBUG="1"), timeout=SAFETY_S)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     modules = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from _procs import SAFETY_S
 from _small_exports import assert_only, write_reference
 
 from ptdstream.cli import main
@@ -109,7 +110,7 @@ def test_help_imports_neither_numpy_nor_flatbuffers_nor_torch():
     env = dict(os.environ, PYTHONPATH=ROOT)
     for argv in (["--help"], ["verify", "--help"], ["pack", "--help"]):
         proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream", *argv], capture_output=True,
-                              text=True, env=env, timeout=120)
+                              text=True, env=env, timeout=SAFETY_S)
         modules = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in proc.stderr.splitlines()
                    if line.startswith("import time:")}
         assert proc.returncode == 0 and "ptdstream" in modules and "exit codes:" in proc.stdout, proc.stderr[-2000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _procs import SAFETY_S
 from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
@@ -140,7 +141,7 @@ def test_stdout_opened_on_an_input_is_refused_before_a_byte_is_written(work, com
     for extra in ([], ["--json"]):
         with open(target, mode) as stdout:
             proc = subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv), *extra], stdout=stdout,
-                                  stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+                                  stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), timeout=SAFETY_S)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.decode().strip() == (
             f"ptdstream {command}: error: standard output is the input {target}: writing to it would change "
@@ -155,7 +156,7 @@ def test_stdout_on_another_file_is_written(work):
     with open(work / "copy.zst", "wb") as stdout:
         proc = subprocess.run([sys.executable, "-m", "ptdstream", "pack", str(work / "model.pte"), "-", "-q"],
                               stdout=stdout, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT),
-                              timeout=120)
+                              timeout=SAFETY_S)
     assert proc.returncode == 0, proc.stderr
     assert cli_main(["unpack", str(work / "copy.zst"), "-o", str(work / "copy.pte"), "-q"]) == 0
     assert (work / "copy.pte").read_bytes() == (work / "model.pte").read_bytes()
@@ -166,7 +167,7 @@ def _run_cli(argv, stdin, stdout):
     import sys
 
     return subprocess.run([sys.executable, "-m", "ptdstream", *map(str, argv)], stdin=stdin, stdout=stdout,
-                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), timeout=SAFETY_S)
 
 
 @pytest.mark.parametrize("mode", ["r+b", "ab"], ids=["1<>", ">>"])

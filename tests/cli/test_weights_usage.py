@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import SAFETY_S
 from _small_exports import model, write_reference
 
 from ptdstream.cli import main
@@ -45,7 +46,7 @@ def _cli(cwd, *argv, stdin=None) -> tuple[int, list[str], str, list[str]]:
     stdout, and the modules it imported (``PTDSTREAM_DEBUG=1``: the import of torch is
     not silenced, so it shows in the list)."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream", *map(str, argv)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120, stdin=stdin,
+                          capture_output=True, text=True, timeout=SAFETY_S, stdin=stdin,
                           env=dict(os.environ, PYTHONPATH=ROOT, PTDSTREAM_DEBUG="1"))
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     modules = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]

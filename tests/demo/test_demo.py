@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from _procs import SAFETY_S
 
 from ptdstream.demo import run as demo
 
@@ -201,6 +202,6 @@ def test_add_arguments_defaults_and_module_help():
     assert parser.parse_args(["--reference", "ref"]).reference == "ref"
     assert parser.parse_args(["--out", "x", "--no-run"]).no_run is True
     proc = subprocess.run(
-        [sys.executable, "-m", "ptdstream.demo", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ptdstream.demo", "--help"], capture_output=True, text=True, timeout=SAFETY_S
     )
     assert proc.returncode == 0 and "--no-run" in proc.stdout and "--reference DIR" in proc.stdout

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import SAFETY_S
 
 pytest.importorskip("optimum.exporters.executorch", reason="needs ptdstream[hf] (bash tools/setup.sh --hf)")
 
@@ -40,7 +41,7 @@ def test_python_m_ptdstream_hf_runs_optimum_cli():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "ptdstream.hf", "export", "executorch", "--help"],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=SAFETY_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import ptdstream.hf.cli
 
@@ -179,7 +180,7 @@ def _hf_cli(*argv, cwd):
     env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ptdstream.hf", *argv], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=120)
+                          text=True, env=env, cwd=cwd, timeout=SAFETY_S)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     modules = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
@@ -247,7 +248,7 @@ def test_hf_help_without_a_command_imports_neither_optimum_nor_torch():
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     code = ("import sys, ptdstream.hf\nrc = ptdstream.hf.main(['--help'])\n"
             "print(rc, sorted(m for m in ('torch', 'optimum', 'executorch') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=SAFETY_S)
     import ptdstream.hf.cli
 
     head = ptdstream.hf.cli.HELP.removesuffix("optimum-cli's own help follows.\n")

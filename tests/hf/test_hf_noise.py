@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _procs import SAFETY_S
 
 from ptdstream.hf import noise
 
@@ -44,7 +45,7 @@ print("bars off" if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1" else "
 
 
 def _emit(how: str, **env) -> list[str]:
-    proc = subprocess.run([sys.executable, "-c", EMIT, how], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", EMIT, how], capture_output=True, text=True, timeout=SAFETY_S,
                           env=dict(os.environ, PYTHONPATH=ROOT, **env))
     assert proc.returncode == 0, proc.stderr
     return [line for line in proc.stderr.splitlines() if not line.startswith("  warnings.warn")]
@@ -87,11 +88,12 @@ def test_importing_torchao_prints_none_of_it_when_silenced():
             "    silence_known_noise()\nimport torchao\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("PTDSTREAM_DEBUG", None)
-    loud = subprocess.run([sys.executable, "-c", code, "loud"], capture_output=True, text=True, env=env, timeout=600)
+    loud = subprocess.run([sys.executable, "-c", code, "loud"], capture_output=True, text=True, env=env,
+                          timeout=SAFETY_S)
     if "Failed to load" not in loud.stderr and "Enum subclass" not in loud.stderr:
         pytest.skip("torchao imports without noise here (its CUDA kernels load)")
     quiet = subprocess.run([sys.executable, "-c", code, "silenced"], capture_output=True, text=True, env=env,
-                           timeout=600)
+                           timeout=SAFETY_S)
     assert quiet.returncode == 0
     assert "Failed to load" not in quiet.stderr and "Enum subclass" not in quiet.stderr, quiet.stderr
 
@@ -114,5 +116,5 @@ def test_only_the_command_lines_process_drops_them(capsys):
             "print([sum(isinstance(f, _Drop) for f in logging.getLogger(n).filters) for n, _ in KNOWN_RECORDS])")
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("PTDSTREAM_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=SAFETY_S)
     assert proc.stdout.splitlines()[-1] == "[1, 1, 1]", proc.stdout + proc.stderr

@@ -7,6 +7,7 @@ import tracemalloc
 
 import flatbuffers
 import pytest
+from _procs import SAFETY_S
 
 from ptdstream import FormatError
 from ptdstream.cli import main as cli_main
@@ -124,7 +125,7 @@ def test_a_lying_piece_size_never_sizes_a_buffer(tmp_path, piece_nbytes):
     root = os.path.dirname(os.path.dirname(ptdstream.__file__))
     proc = subprocess.run([sys.executable, "-c", _VERIFY_IN_A_CHILD, str(tmp_path / "w.bin"),
                            str(tmp_path / "m.manifest")], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=root), timeout=300)
+                          env=dict(os.environ, PYTHONPATH=root), timeout=SAFETY_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["ok"] is True
@@ -255,7 +256,7 @@ def test_verify_against_a_manifest_of_one_byte_pieces_exits_1_at_once_in_bounded
     before = (data.read_bytes(), lie.read_bytes())
     root = os.path.dirname(os.path.dirname(ptdstream.__file__))
     proc = subprocess.run([sys.executable, "-c", _PEAK_IN_A_CHILD, "verify", str(data), "--manifest", str(lie)],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root), timeout=300)
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root), timeout=SAFETY_S)
     rc, peak_mib, seconds = proc.stdout.split("RESULT")[1].split()
     what = {"piece_nbytes": "piece_size is 1, less than the 4096 bytes a piece may have",
             "block_nbytes": "block_size is 1, less than the 4096 bytes a block may have (0: no blocks; "

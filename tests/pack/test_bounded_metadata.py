@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from _procs import SAFETY_S
 
 from ptdstream import FormatError
 from ptdstream.format.identity import ExtendedHeader
@@ -46,7 +47,7 @@ def test_extract_list_of_a_512_mib_claim_stays_small(tmp_path):
         code = main(["extract", {str(tmp_path / 'h.pte.zst')!r}, "--list"])
         print(code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SAFETY_S)
     code, added_kib = map(int, out.stdout.split()[-2:])
     assert code == 1, out.stderr
     assert "is over the limit of 268,435,456 bytes for a packed artifact" in out.stderr

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import xxhash
 import zstandard
+from _procs import SAFETY_S
 
 from ptdstream import IntegrityError
 from ptdstream.pack import unpack
@@ -64,7 +65,7 @@ def test_a_1_gib_frame_of_zeros_unpacks_in_bounded_memory(tmp_path):
         unpack({str(src)!r}, {str(tmp_path / 'out')!r})
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SAFETY_S)
     assert out.returncode == 0, out.stderr[-2000:]
     added_kib = int(out.stdout.split()[-1])
     assert added_kib < 128 << 10, f"peak RSS grew by {added_kib} KiB"

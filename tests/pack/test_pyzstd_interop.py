@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import zstandard
+from _procs import SAFETY_S
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -247,7 +248,7 @@ def test_pyzstd_seek_into_a_large_frame_allocates_what_it_skips(tmp_path):
     """)
     added = {}
     for who in ("pyzstd", "ptdstream"):
-        out = subprocess.run([sys.executable, "-c", code, who], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", code, who], capture_output=True, text=True, timeout=SAFETY_S)
         assert out.returncode == 0, out.stderr[-2000:]
         added[who] = int(out.stdout.split()[-1])
     assert added["pyzstd"] > 256 << 10, added

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from _checkpoints import rewrite_in_place
+from _procs import SAFETY_S
 
 from ptdstream.errors import FormatError, IntegrityError
 from ptdstream.sources import BufferRing
@@ -387,7 +388,7 @@ def test_a_10_mb_header_of_empty_objects_is_refused_in_bounded_memory(tmp_path):
     before = path.read_bytes()
     root = os.path.dirname(os.path.dirname(ptdstream.__file__))
     proc = subprocess.run([sys.executable, "-c", _HEADER_IN_A_CHILD, str(path)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=root), timeout=120)
+                          env=dict(os.environ, PYTHONPATH=root), timeout=SAFETY_S)
     lines = proc.stdout.splitlines()
     assert lines[0] == (f"FormatError {path}: key '__metadata__': the safetensors header (from offset 8) is not what "
                         "safetensors reads, at file offset 29: the __metadata__ value of 'x' is not a string "

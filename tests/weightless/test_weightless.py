@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from _checkpoints import save_checkpoint, state_of
+from _procs import SAFETY_S
 from conftest import Mlp, TiedLM, example_inputs, read_folder
 
 import ptdstream
@@ -261,7 +262,7 @@ def test_two_threads_export_weightless_at_once(tmp_path):
     want = _real_files(real, example_inputs(real), tmp_path / "real")
     ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
     errors: list[BaseException] = []
-    both_open = threading.Barrier(2, timeout=60)
+    both_open = threading.Barrier(2, timeout=SAFETY_S)
     upstream = threading.Lock()  # torch.export itself is not thread-safe (its module hierarchy is a global)
 
     def job(n: int) -> None:

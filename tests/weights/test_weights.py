@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from _checkpoints import save_checkpoint, state_of
+from _procs import SAFETY_S
 from conftest import Mlp, TiedLM, export, reference_files, skip_unless_pages_can_drop
 
 from ptdstream.errors import CheckpointMismatchError, FormatError
@@ -368,7 +369,7 @@ def test_a_segment_alignment_that_is_not_positive_is_refused_before_anything_is_
                   segment_alignment=0)
     proc = subprocess.run([sys.executable, "-m", "ptdstream", "weights", str(tmp_path / "m.pte"), "--from",
                            str(tmp_path / "c.safetensors"), "-o", str(tmp_path), "--segment-alignment", "0"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=SAFETY_S)
     assert proc.returncode == 2
     assert "--segment-alignment must be a positive number of bytes, got 0" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -501,7 +502,7 @@ def test_an_index_with_several_bad_shard_names_names_the_same_one_under_any_hash
     for seed in range(6):
         env = dict(os.environ, PYTHONHASHSEED=str(seed))
         run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=SAFETY_S)
         messages.add(run.stdout.strip())
     assert messages == {f"CheckpointFileError {tmp_path / 'model.safetensors.index.json'}: shard name "
                         "'../a.safetensors' (for 1 key(s): 'w2') is not a file name in the index's folder "

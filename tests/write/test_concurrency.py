@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from _procs import fork, wait_status
+from _procs import SAFETY_S, fork, wait_status
 from conftest import Mlp, export, reference_files
 from executorch.exir import ExecutorchBackendConfig
 
@@ -102,7 +102,7 @@ def jittered_save(manager, path: str, barrier_dir: str) -> None:
     write_save_plan(plan_manager(manager, path), sink_factory=JitteredPublish)
 
 
-def wait(pid: int, timeout_s: float = 60.0) -> int:
+def wait(pid: int, timeout_s: float = SAFETY_S) -> int:
     """The child's exit code; kills it and fails after ``timeout_s``."""
     return os.waitstatus_to_exitcode(wait_status(pid, timeout_s))
 

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 import xxhash
-from _procs import fork, wait_status
+from _procs import SAFETY_S, fork, wait_status
 from conftest import export
 from executorch.exir import ExecutorchBackendConfig
 
@@ -91,7 +91,7 @@ def start_save(manager, path: str) -> int:
     return fork(lambda: ptdstream.save(manager, path))
 
 
-def wait(pid: int, timeout_s: float = 60.0) -> int:
+def wait(pid: int, timeout_s: float = SAFETY_S) -> int:
     """The child's wait status (it is reaped, so its pid counts as dead)."""
     return wait_status(pid, timeout_s)
 

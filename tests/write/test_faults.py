@@ -27,6 +27,7 @@ import time
 
 import pytest
 import torch
+from _procs import SAFETY_S
 from conftest import Mlp, export, read_folder, reference_files
 from executorch.exir import ExecutorchBackendConfig
 
@@ -97,7 +98,7 @@ def assert_untouched(folder, before):
     assert read_folder(str(folder)) == before
 
 
-def run_in_child(fn, timeout_s: float = 120.0):
+def run_in_child(fn, timeout_s: float = SAFETY_S):
     """Run ``fn()`` in a forked child (limits and uid changes stay there).
 
     Returns ``("ok", value)`` or ``("raised", {"type", "errno", "message"})``.
