@@ -186,9 +186,13 @@ def test_a_journal_naming_the_folder_itself_through_dot_is_refused_untouched(tmp
     os.close(lock)
     name = ".a.ptd.ptdstream-1-00000000.journal"
     st = os.lstat(temp)
+    new = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "ctime_ns": st.st_ctime_ns,
+           "mtime_ns": st.st_mtime_ns}
     bad = {"target": "./a.ptd", "temp": os.path.basename(temp), "backup": None, "had_target": True,
-           "dev": st.st_dev, "ino": st.st_ino}
-    (tmp_path / name).write_text(json.dumps({"ptdstream_journal": 2, "entries": [bad]}))
+           "dev": st.st_dev, "ino": st.st_ino, "mark": None, "new": new, "old": new}
+    fst = os.stat(folder)
+    (tmp_path / name).write_text(json.dumps({"ptdstream_journal": journal.JOURNAL_VERSION, "entries": [bad],
+                                             "folder": [fst.st_dev, fst.st_ino], "main": None, "members": []}))
     with pytest.raises(journal.RecoveryError, match="is not a plain file name"):
         journal.recover(folder)
     assert (tmp_path / "a.ptd").read_bytes() == b"old" and os.path.exists(temp) and (tmp_path / name).exists()
