@@ -78,8 +78,10 @@ def run(args) -> int:
 
 
 def _links(folder):
-    """``[(link path, folder its file lies in)]`` for each symlink of ``folder``
-    pointing into an existing folder, resolved as the writer resolves a target."""
+    """``[(link path, folder its file lies in)]`` for each symlink of ``folder`` to
+    a file (or to nothing yet: a target a save writes through) in an existing
+    folder, resolved as the writer resolves a target; a link to a folder is no
+    target and is skipped."""
     from ..write.folder import resolve_target
 
     try:
@@ -89,7 +91,7 @@ def _links(folder):
     out = []
     for name in names:
         path = os.path.join(folder, name)
-        if os.path.islink(path):
+        if os.path.islink(path) and not os.path.isdir(path):
             linked = os.path.dirname(resolve_target(os.path.abspath(path)))
             if os.path.isdir(linked):
                 out.append((path, linked))

@@ -200,3 +200,17 @@ def test_a_journal_of_dir_naming_its_set_in_another_folder_completes_both_withou
     assert capsys.readouterr().out == f"{out}: completed {journals[1]}: rolled forward (the new set)\n"
     assert sorted(os.listdir(data)) == ["w.ptd"] and sorted(os.listdir(out)) == ["m.pte", "w.ptd"]
     assert (out / "w.ptd").read_bytes() == b"new w.ptd" and (out / "m.pte").read_bytes() == b"new m.pte"
+
+
+def test_a_link_to_a_folder_is_no_target_and_is_not_followed_even_when_asked(tmp_path, capsys):
+    """A save writes through a link to a file; a link to a folder named the
+    folder above it (the dirname of the resolved path), whose leftovers went."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    (mine / "up").symlink_to(other)
+    dead_leftovers(tmp_path)
+    before = tree(tmp_path)
+    assert cli_main(["recover", "--follow-links", str(mine)]) == 0
+    assert capsys.readouterr().out == f"nothing to recover in {mine}\n"
+    assert tree(tmp_path) == before
