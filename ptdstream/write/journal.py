@@ -20,8 +20,8 @@ A process killed anywhere leaves either no journal (the old set is whole; the
 temp files and backups are leftovers, removed by the next writer) or a journal,
 which :func:`recover` completes: when every entry's temp file is still there or
 already renamed (its inode is at the target), it rolls forward (renames the rest);
-otherwise (a temp file lost) it rolls back (puts each backup back, removes new files that had none). A failed
-rename in a live process rolls back at once.
+otherwise (a temp file lost) it rolls back (puts each backup back, removes new
+files that had none). A failed rename in a live process rolls back at once.
 
 A journal is untrusted input, proof only of what ptdstream itself wrote: before
 any file is touched it is refused, by name, when it is unreadable, too large or
@@ -34,11 +34,12 @@ directory, link, fifo or device) or a file it names is not the one it recorded
 would move over a target, or replace or remove at a target's name, does not
 carry the random mark its temp file got when it was created, recorded in the
 journal (:func:`ptdstream.write.journal_state.check_proofs`; a file system
-without extended attributes has no marks: such files are left as they are). An ``OSError`` midway
-(a rename or fsync failing) is raised as a :class:`RecoveryError` naming the
-journal, which stays: what was done is a state recovery completes later. A
-journal that stays keeps every file it may own, and refuses only saves of
-targets it may name.
+without extended attributes has no marks: such files are left as they are).
+An ``OSError`` midway (a rename or fsync failing) is raised as a
+:class:`RecoveryError` naming the journal, which stays: what was done is a state
+recovery completes later. A journal that stays keeps every file it may own, and
+refuses only saves of targets it may name, and only when it is the saving
+user's own.
 
 Recovery runs under the folder's lock, which a publisher holds from step 2 to
 step 5, so a live publication is never recovered. Every ptdstream writer

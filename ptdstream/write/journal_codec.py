@@ -306,7 +306,7 @@ def _entry(row: Any, folder: str) -> JournalEntry:
         raise _Refused("old is a file state, but had_target is false (no previous file to record)")
     mark = row["mark"]
     if mark is not None and not (isinstance(mark, str) and MARK_RE.fullmatch(mark)):
-        raise _Refused(f"mark {mark!r} is neither null nor 32 lowercase hex digits")
+        raise _Refused(f"mark {repr(mark)[:80]} is neither null nor 32 lowercase hex digits")
     return JournalEntry(
         os.path.join(folder, target), os.path.join(folder, temp),
         None if backup is None else os.path.join(folder, backup), had_target, dev, ino, new, old, mark)
