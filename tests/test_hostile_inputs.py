@@ -125,9 +125,11 @@ def test_a_planted_dcp_metadata_beside_safetensors_is_never_unpickled(work, plan
     assert rc == 0, err
     assert not (work / MARKER).exists()
     assert os.listdir(out) == [PTD]
-    rc, err = inproc(capsys, "weights", work / "model.pte", "--from", planted, "--format", "dcp", "-o", out, "-q")
-    assert rc == 1 and "which is never read as DCP" in err
+    # -f: the existing output answers before the checkpoint is looked at (issue 35)
+    rc, err = inproc(capsys, "weights", work / "model.pte", "--from", planted, "--format", "dcp", "-o", out, "-q", "-f")
+    assert rc == 1 and "which is never read as DCP" in err, err
     assert not (work / MARKER).exists()
+    assert os.listdir(out) == [PTD]
 
 
 def test_a_planted_pickle_is_refused_everywhere_detection_could_reach_it(work, planted, capsys):
