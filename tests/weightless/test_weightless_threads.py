@@ -82,3 +82,38 @@ def test_save_in_another_thread_after_an_in_place_rewrite_is_refused_naming_the_
                               "time ("), message
     assert message.endswith(" now); nothing is written from it: a checkpoint must not change while it is saved")
     assert os.listdir(out) == []
+
+
+def test_a_rewrite_while_another_thread_emits_is_refused_after_the_emission(tmp_path, monkeypatch):
+    """The file rewritten while the worker's emitter copies the weights (upstream's
+    copy: constants by reference belong to the block's thread): checked again once
+    the emitter returns, so no manager holds bytes half old, half new."""
+    import threading
+
+    from executorch.exir import to_edge
+
+    from ptdstream.upstream import adapter
+
+    ckpt = _checkpoint(tmp_path)
+    emitter = adapter.emitter_class()
+    real = emitter._tensor_spec_to_evalue
+    main = threading.current_thread()
+    rewritten = []
+
+    def rewriting(self, spec, *args, **kwargs):  # the first constant the worker emits: the file changes
+        if threading.current_thread() is not main and not rewritten:
+            rewritten.append(True)
+            _scribble(ckpt)
+        return real(self, spec, *args, **kwargs)
+
+    monkeypatch.setattr(emitter, "_tensor_spec_to_evalue", rewriting)
+    with weights_from(ckpt) as weights, ThreadPoolExecutor(1) as pool:
+        edge = to_edge(torch.export.export(weights.model(Mlp), example_inputs(Mlp())))
+        with pytest.raises(IntegrityError) as caught:
+            pool.submit(edge.to_executorch, _config()).result()
+    assert rewritten == [True]
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint file {ckpt}: changed after weights_from opened it"), message
+    assert message.endswith(") now), while to_executorch emitted the program (its result dropped, nothing written): "
+                            "4 bound key(s) come from it: 'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias'; a "
+                            "checkpoint must not change until the save: export again from an unchanged checkpoint")
