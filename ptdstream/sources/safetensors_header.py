@@ -16,11 +16,11 @@ import os
 import re
 from collections.abc import Iterator
 from json import decoder
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from ..errors import FormatError
 
-__all__ = ["SAFETENSORS_MAX_HEADER_NBYTES", "check_safetensors_header"]
+__all__ = ["SAFETENSORS_MAX_HEADER_NBYTES", "Header", "Tensor", "check_safetensors_header"]
 
 #: ``safetensors``' own limit on a header (``MAX_HEADER_SIZE``, safetensors/src/tensor.rs), bytes.
 SAFETENSORS_MAX_HEADER_NBYTES = 100_000_000
@@ -43,37 +43,69 @@ _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 _scanstring = decoder.scanstring  # type: ignore[attr-defined]  # in json/decoder.py, not in typeshed's stub
 #: A JSON scalar, and a tensor's ``(dtype, shape, data_offsets)`` as the header gives them.
 Scalar = str | int | float | bool | None
-Entry = tuple[Scalar | list[Scalar], Scalar | list[Scalar], Scalar | list[Scalar]]
+Entry = tuple[Scalar | list[Scalar], Scalar | list[Scalar] | tuple[int, ...], Scalar | list[Scalar] | tuple[int, ...]]
 
 
-def check_safetensors_header(path: str) -> None:
+#: A tensor of the header once checked: safetensors dtype name, shape, data_offsets begin and end.
+Tensor = tuple[str, tuple[int, ...], int, int]
+
+
+class Header(NamedTuple):
+    """A checked header: the file offset of the data's first byte (``8 +`` header
+    size) and the tensors, ``{key: (dtype, shape, begin, end)}`` (safetensors'
+    dtype name, ``data_offsets`` counted from the data's first byte)."""
+
+    data_offset: int
+    tensors: dict[str, Tensor]
+
+
+def check_safetensors_header(path: str, name: str | None = None) -> Header:
     """Check the header of the ``.safetensors`` file at ``path`` against the file
-    before ``safetensors`` maps it: the header size (8 bytes, little-endian) fits
-    the file and ``SAFETENSORS_MAX_HEADER_NBYTES``; every tensor's dtype is
-    one safetensors knows; its ``data_offsets`` lie inside the data, in order, without overlap; its shape
-    times its dtype's size is its byte count. Reads the header only (memory:
-    its size, at most the file's).
+    before ``safetensors`` maps it, and return its tensors (:class:`Header`; the
+    last of a repeated key, as safetensors keeps): the
+    header size (8 bytes, little-endian) fits the file and
+    ``SAFETENSORS_MAX_HEADER_NBYTES``; every tensor's dtype is one safetensors
+    knows; its ``data_offsets`` lie inside the data, in order, without overlap;
+    its shape times its dtype's size is its byte count. ``path`` is opened
+    without blocking and must be a regular file
+    (:func:`~ptdstream.system.files.open_input`); messages name the file
+    ``name`` (default ``path``).
+
+    Reads the header only. Bounded by the header's size, whatever it holds: one
+    pass over its text (tensors as safetensors writes them read with one match
+    each); time linear in the header's bytes plus sorting the tensors' spans
+    when the header does not give them in data order; memory the header twice
+    (its bytes and its text, at most ``SAFETENSORS_MAX_HEADER_NBYTES`` each)
+    plus the result: one short tuple a key (shapes of the same dims shared),
+    about 250 bytes a tensor beside its key's own string. A tensor of no bytes
+    costs what any other does.
 
     Raises:
         FormatError: naming the file, the key and the offset (bytes from the
             start of the data, which begins at ``8 + header size``).
-        OSError: the file cannot be read.
+        OSError: the file cannot be opened or read, or is no regular file (a
+            FIFO, socket, device or folder), naming it.
     """
-    with open(path, "rb") as f:
+    from ..system.files import open_input
+
+    named = path if name is None else name
+    with open_input(path) as f:
         file_nbytes = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
-            raise FormatError(f"{path}: {file_nbytes} bytes, too short for a safetensors header size (8 bytes)")
+            raise FormatError(f"{named}: {file_nbytes} bytes, too short for a safetensors header size (8 bytes)")
         header_nbytes = int.from_bytes(head, "little")
         if header_nbytes > min(file_nbytes - 8, SAFETENSORS_MAX_HEADER_NBYTES):
-            raise FormatError(f"{path}: header size {header_nbytes} at offset 0 is larger than the "
+            raise FormatError(f"{named}: header size {header_nbytes} at offset 0 is larger than the "
                               f"{file_nbytes - 8} bytes after it (or safetensors' limit "
                               f"{SAFETENSORS_MAX_HEADER_NBYTES}): not a safetensors file, or cut")
         raw = f.read(header_nbytes)
     data_nbytes = file_nbytes - 8 - header_nbytes
-    spans = []
-    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, path).items():
-        where = f"{path}: key {key!r}"
+    tensors: dict[str, Tensor] = {}
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple for each shape the header repeats
+    in_order, last = True, (0, 0, "")
+    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, named).items():
+        where = f"{named}: key {key!r}"
         offsets, shape = _integers(given_offsets), _integers(given_shape)
         if offsets is None or len(offsets) != 2 or shape is None or any(d < 0 for d in shape):
             raise FormatError(f"{where}: the header gives no valid data_offsets [begin, end] and shape "
@@ -94,22 +126,36 @@ def check_safetensors_header(path: str) -> None:
                 break  # more than the file holds: no need to multiply out a huge shape
         if nbits != 8 * (end - begin):
             need = f"{nbits // 8}" if nbits <= 8 * data_nbytes else f"more than the {data_nbytes}"
-            raise FormatError(f"{where}: shape {shape!r:.80} of {dtype} needs {need} bytes, "
+            raise FormatError(f"{where}: shape {list(shape)!r:.80} of {dtype} needs {need} bytes, "
                               f"data_offsets [{begin}, {end}] (from file offset {8 + header_nbytes}) "
                               f"hold {end - begin}")
-        spans.append((begin, end, key))
-    spans.sort()
-    for (b0, e0, k0), (b1, _e1, k1) in itertools.pairwise(spans):
-        if b1 < e0:
-            raise FormatError(f"{path}: key {k1!r} at data offset {b1} overlaps key {k0!r} [{b0}, {e0})")
+        if in_order and (begin, end, key) < last:
+            in_order = False
+        elif in_order and begin < last[1]:
+            _overlap(named, last, (begin, end, key))
+        last = (begin, end, key)
+        shape = shapes.setdefault(shape, shape)
+        tensors[key] = (str(dtype), shape, begin, end)
+    if not in_order:  # spans out of data order: sorted once, then checked as above
+        spans = sorted((b, e, k) for k, (_, _, b, e) in tensors.items())
+        for first, then in itertools.pairwise(spans):
+            if then[0] < first[1]:
+                _overlap(named, first, then)
+    return Header(8 + header_nbytes, tensors)
 
 
+def _overlap(path: str, first: tuple[int, int, str], then: tuple[int, int, str]) -> NoReturn:
+    raise FormatError(f"{path}: key {then[2]!r} at data offset {then[0]} overlaps key {first[2]!r} "
+                      f"[{first[0]}, {first[1]})")
 
-def _integers(value: Scalar | list[Scalar]) -> list[int] | None:
-    """``value`` if it is a list of integers (not booleans), else None."""
+
+def _integers(value: Scalar | list[Scalar] | tuple[int, ...]) -> tuple[int, ...] | None:
+    """``value`` as a tuple if it is a list of integers (not booleans), else None."""
+    if isinstance(value, tuple):  # read by the one match: integers already
+        return value
     if not isinstance(value, list):
         return None
-    out = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    out = tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
     return out if len(out) == len(value) else None
 
 
@@ -256,8 +302,8 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
         if written is not None:
             cursor.i = written.end()
             dims = written.group(2)
-            entries[key] = (written.group(1), [int(d) for d in dims.split(",")] if dims else [],
-                            [int(written.group(3)), int(written.group(4))])
+            entries[key] = (written.group(1), tuple(map(int, dims.split(","))) if dims else (),
+                            (int(written.group(3)), int(written.group(4))))
             continue
         if cursor.peek() != "{":
             cursor.skip(key)  # not an object: refused as giving no data_offsets and shape

@@ -90,7 +90,7 @@ def not_regular(mode: int, path: str, block_device: bool = False) -> OSError | N
     if stat.S_ISREG(mode) or (block_device and stat.S_ISBLK(mode)):
         return None
     if stat.S_ISDIR(mode):
-        return IsADirectoryError(errno.EISDIR, "is a directory, not a regular file", path)
+        return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     kind = next((what for test, what in _KINDS if test(mode)), "of an unknown kind")
     return OSError(errno.EINVAL, f"{kind}, not a regular file", path)
 
@@ -109,7 +109,14 @@ def open_input_fd(path: str, block_device: bool = False) -> int:
         OSError: (``EINVAL``) a FIFO, socket or device, naming the path and its
             kind; or the system's error (missing, permission), naming the path.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:  # a socket cannot be opened at all (ENXIO): say what it is
+        if e.errno == errno.ENXIO:
+            refused = not_regular(os.stat(path).st_mode, os.fspath(path), block_device)
+            if refused is not None:
+                raise refused from None
+        raise
     try:
         refused = not_regular(os.fstat(fd).st_mode, os.fspath(path), block_device)
         if refused is not None:
@@ -142,6 +149,8 @@ def check_regular_inputs(paths: Iterable[str]) -> None:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
             continue
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         refused = not_regular(mode, path)
         if refused is not None:
             raise refused
