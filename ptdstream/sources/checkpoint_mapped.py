@@ -1,8 +1,9 @@
 """The memory-mapped checkpoint kinds: a ``.safetensors`` file or Hugging Face
-shards (``safetensors.safe_open``), and a ``torch.save`` state dict
+shards (mapped as ``safetensors.safe_open`` maps them), and a ``torch.save`` state dict
 (``torch.load(mmap=True, weights_only=True)``); each key's bytes read from the
 file with ``pread`` (:class:`~ptdstream.sources.mapped.MappedTensorSource`),
-each file's identity taken once, when it is opened.
+each file's identity taken once, when it is opened (non-blocking, a regular
+file only: :func:`_opened`).
 """
 
 from __future__ import annotations

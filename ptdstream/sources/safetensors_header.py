@@ -71,14 +71,14 @@ def check_safetensors_header(path: str, name: str | None = None) -> Header:
     (:func:`~ptdstream.system.files.open_input`); messages name the file
     ``name`` (default ``path``).
 
-    Reads the header only. Bounded by the header's size, whatever it holds: one
-    pass over its text (tensors as safetensors writes them read with one match
-    each); time linear in the header's bytes plus sorting the tensors' spans
-    when the header does not give them in data order; memory the header twice
-    (its bytes and its text, at most ``SAFETENSORS_MAX_HEADER_NBYTES`` each)
-    plus the result: one short tuple a key (shapes of the same dims shared),
-    about 250 bytes a tensor beside its key's own string. A tensor of no bytes
-    costs what any other does.
+    Reads the header only, and is bounded by it whatever it holds. Time: one
+    pass over its text, a fixed amount of work a tensor (a tensor as safetensors
+    writes it is read with one regex match), plus one sort of the spans when the
+    header does not give them in data order. Memory: the header twice (its bytes
+    and its text, each at most ``SAFETENSORS_MAX_HEADER_NBYTES``) plus one record
+    a tensor, kept (its key, dtype name, two offsets and its shape, shared by the
+    tensors of one shape). A tensor of no bytes costs what any other does.
+    Figures: benchmarks/README.md (``bench_header.py``).
 
     Raises:
         FormatError: naming the file, the key and the offset (bytes from the
@@ -97,7 +97,7 @@ def check_safetensors_header(path: str, name: str | None = None) -> Header:
         header_nbytes = int.from_bytes(head, "little")
         if header_nbytes > min(file_nbytes - 8, SAFETENSORS_MAX_HEADER_NBYTES):
             raise FormatError(f"{named}: header size {header_nbytes} at offset 0 is larger than the "
-                              f"{file_nbytes - 8} bytes after it (or safetensors' limit "
+                              f"{max(file_nbytes - 8, 0)} bytes after it (or safetensors' limit "
                               f"{SAFETENSORS_MAX_HEADER_NBYTES}): not a safetensors file, or cut")
         raw = f.read(header_nbytes)
     data_nbytes = file_nbytes - 8 - header_nbytes
