@@ -62,7 +62,7 @@ class Header(NamedTuple):
 def check_safetensors_header(path: str, name: str | None = None) -> Header:
     """Check the header of the ``.safetensors`` file at ``path`` against the file
     before ``safetensors`` maps it, and return its tensors (:class:`Header`; the
-    last of a repeated key, as safetensors keeps): the
+    last of a repeated key, as safetensors keeps; each checked as it is read): the
     header size (8 bytes, little-endian) fits the file and
     ``SAFETENSORS_MAX_HEADER_NBYTES``; every tensor's dtype is one safetensors
     knows; its ``data_offsets`` lie inside the data, in order, without overlap;
@@ -103,8 +103,7 @@ def check_safetensors_header(path: str, name: str | None = None) -> Header:
     data_nbytes = file_nbytes - 8 - header_nbytes
     tensors: dict[str, Tensor] = {}
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple for each shape the header repeats
-    in_order, last = True, (0, 0, "")
-    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, named).items():
+    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, named):
         where = f"{named}: key {key!r}"
         offsets, shape = _integers(given_offsets), _integers(given_shape)
         if offsets is None or len(offsets) != 2 or shape is None or any(d < 0 for d in shape):
@@ -129,19 +128,32 @@ def check_safetensors_header(path: str, name: str | None = None) -> Header:
             raise FormatError(f"{where}: shape {list(shape)!r:.80} of {dtype} needs {need} bytes, "
                               f"data_offsets [{begin}, {end}] (from file offset {8 + header_nbytes}) "
                               f"hold {end - begin}")
-        if in_order and (begin, end, key) < last:
-            in_order = False
-        elif in_order and begin < last[1]:
-            _overlap(named, last, (begin, end, key))
-        last = (begin, end, key)
-        shape = shapes.setdefault(shape, shape)
-        tensors[key] = (str(dtype), shape, begin, end)
-    if not in_order:  # spans out of data order: sorted once, then checked as above
-        spans = sorted((b, e, k) for k, (_, _, b, e) in tensors.items())
-        for first, then in itertools.pairwise(spans):
-            if then[0] < first[1]:
-                _overlap(named, first, then)
+        tensors[key] = (str(dtype), shapes.setdefault(shape, shape), begin, end)  # a repeated key: the last
+    _check_spans(named, tensors)
     return Header(8 + header_nbytes, tensors)
+
+
+def _check_spans(path: str, tensors: dict[str, Tensor]) -> None:
+    """Refuse tensors whose bytes overlap: one pass when the header lists them in
+    data order (as safetensors writes them), else one sort of the spans.
+
+    Raises:
+        FormatError: naming both keys and the data offsets.
+    """
+    last = (0, 0, "")
+    for key, (_, _, begin, end) in tensors.items():
+        span = (begin, end, key)
+        if span < last:
+            break
+        if begin < last[1]:
+            _overlap(path, last, span)
+        last = span
+    else:
+        return
+    spans = sorted((b, e, k) for k, (_, _, b, e) in tensors.items())
+    for first, then in itertools.pairwise(spans):
+        if then[0] < first[1]:
+            _overlap(path, first, then)
 
 
 def _overlap(path: str, first: tuple[int, int, str], then: tuple[int, int, str]) -> NoReturn:
@@ -264,9 +276,9 @@ class _Cursor:
                 return
 
 
-def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
-    """Every tensor of the header as ``{key: (dtype, shape, data_offsets)}`` (None
-    for a field not given; the last of a repeated key), read in one pass
+def _tensor_entries(raw: bytes, path: str) -> Iterator[tuple[str, Entry]]:
+    """Every tensor of the header as ``(key, (dtype, shape, data_offsets))`` (None
+    for a field not given; a repeated key as often as it is there), read in one pass
     (safetensors/src/tensor.rs ``HashMetadata``): ``__metadata__`` must be null or
     an object of strings (``HashMap<String, String>``) and is not kept, a field
     safetensors ignores is stepped over, nothing else is built.
@@ -283,7 +295,6 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
     cursor = _Cursor(text, path)
     if cursor.peek() != "{":
         cursor.fail("the header is not a JSON object")
-    entries: dict[str, Entry] = {}
     for key in cursor.members():
         if key == "__metadata__":
             if cursor.peek() != "{":
@@ -302,8 +313,8 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
         if written is not None:
             cursor.i = written.end()
             dims = written.group(2)
-            entries[key] = (written.group(1), tuple(map(int, dims.split(","))) if dims else (),
-                            (int(written.group(3)), int(written.group(4))))
+            yield key, (written.group(1), tuple(map(int, dims.split(","))) if dims else (),
+                        (int(written.group(3)), int(written.group(4))))
             continue
         if cursor.peek() != "{":
             cursor.skip(key)  # not an object: refused as giving no data_offsets and shape
@@ -313,7 +324,6 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
                     fields[field] = cursor.flat(key)
                 else:
                     cursor.skip(key)
-        entries[key] = (fields.get("dtype"), fields.get("shape"), fields.get("data_offsets"))
+        yield key, (fields.get("dtype"), fields.get("shape"), fields.get("data_offsets"))
     if cursor.peek():
         cursor.fail("text after the header's object")
-    return entries
