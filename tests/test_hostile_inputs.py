@@ -125,9 +125,11 @@ def test_a_planted_dcp_metadata_beside_safetensors_is_never_unpickled(work, plan
     assert rc == 0, err
     assert not (work / MARKER).exists()
     assert os.listdir(out) == [PTD]
-    rc, err = inproc(capsys, "weights", work / "model.pte", "--from", planted, "--format", "dcp", "-o", out, "-q")
-    assert rc == 1 and "which is never read as DCP" in err
+    # -f: the existing output answers before the checkpoint is looked at (issue 35)
+    rc, err = inproc(capsys, "weights", work / "model.pte", "--from", planted, "--format", "dcp", "-o", out, "-q", "-f")
+    assert rc == 1 and "which is never read as DCP" in err, err
     assert not (work / MARKER).exists()
+    assert os.listdir(out) == [PTD]
 
 
 def test_a_planted_pickle_is_refused_everywhere_detection_could_reach_it(work, planted, capsys):
@@ -186,9 +188,13 @@ def test_a_journal_naming_the_folder_itself_through_dot_is_refused_untouched(tmp
     os.close(lock)
     name = ".a.ptd.ptdstream-1-00000000.journal"
     st = os.lstat(temp)
+    new = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "ctime_ns": st.st_ctime_ns,
+           "mtime_ns": st.st_mtime_ns}
     bad = {"target": "./a.ptd", "temp": os.path.basename(temp), "backup": None, "had_target": True,
-           "dev": st.st_dev, "ino": st.st_ino}
-    (tmp_path / name).write_text(json.dumps({"ptdstream_journal": 2, "entries": [bad]}))
+           "dev": st.st_dev, "ino": st.st_ino, "mark": None, "new": new, "old": new}
+    fst = os.stat(folder)
+    (tmp_path / name).write_text(json.dumps({"ptdstream_journal": journal.JOURNAL_VERSION, "entries": [bad],
+                                             "folder": [fst.st_dev, fst.st_ino], "main": None, "members": []}))
     with pytest.raises(journal.RecoveryError, match="is not a plain file name"):
         journal.recover(folder)
     assert (tmp_path / "a.ptd").read_bytes() == b"old" and os.path.exists(temp) and (tmp_path / name).exists()

@@ -59,6 +59,8 @@ ptdstream's options and checks (made before optimum, torch or transformers is im
                         each method, lowering, save) is printed on stderr as it begins and ends,
                         with its seconds, then the files written
   -m/--model DIR        a local folder with config.json (nothing is downloaded)
+  --task TASK           optimum's task; text-generation when left out (an LLM); a BERT, ViT or
+                        Whisper folder needs its own (fill-mask, image-classification, ...)
   -o/--output_dir OUT   a folder (created if missing); not one holding .pte/.ptd files, without -f
   --recipe RECIPE       one of {", ".join(OPTIMUM_RECIPES)}
 

@@ -16,7 +16,7 @@ __all__ = ["QUANTIZE_OPTIONS", "export", "quantization_refusal", "refuse_quantiz
 QUANTIZE_OPTIONS = ("qlinear", "qlinear_encoder", "qembedding", "qembedding_encoder")
 
 
-def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
+def export(model_dir: str, output_dir: str, task: str = "text-generation", recipe: str = "xnnpack", *,
            by_reference: bool = True, weightless: bool = False, **options) -> dict[str, object]:
     """``optimum.exporters.executorch.main_export`` with ptdstream saving
     (:func:`ptdstream.hf.saving.run_main_export`: arguments, return value).

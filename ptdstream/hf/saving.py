@@ -134,7 +134,7 @@ def saving_with_ptdstream(by_reference: bool = True) -> Iterator[None]:
         yield
 
 
-def run_main_export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
+def run_main_export(model_dir: str, output_dir: str, task: str = "text-generation", recipe: str = "xnnpack", *,
                     by_reference: bool = True, quiet: bool = False, progress: bool = False,
                     **options) -> dict[str, object]:
     """``optimum.exporters.executorch.main_export`` with ptdstream saving.
@@ -146,8 +146,10 @@ def run_main_export(model_dir: str, output_dir: str, task: str, recipe: str = "x
             1.1.0) and any ``<tag>.ptd`` go; created if missing (by optimum).
         task: optimum-executorch's task name (``"text-generation"``,
             ``"fill-mask"``, ``"image-classification"``,
-            ``"automatic-speech-recognition"``, ...). Required: without it
-            optimum asks the Hub which task the folder is.
+            ``"automatic-speech-recognition"``, ...). Defaults to
+            ``"text-generation"``, as optimum-cli's ``--task`` does; a folder of
+            another kind of model needs its task named (optimum's task registry,
+            ``optimum/exporters/executorch/tasks/``, loads the model class from it).
         recipe: ``"xnnpack"`` or ``"portable"`` on a CPU machine.
         by_reference: also keep constants by reference in the emitter and in
             XNNPACK's lowering (saves one host copy of every constant they take

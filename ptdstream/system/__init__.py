@@ -20,6 +20,8 @@
 * ``heap``: ``malloc_trim``, the C heap's free pages handed back to the system.
 * ``fsops``: every publishing rename, link, unlink and fsync, behind one hook
   that tests use to kill a process at each of them.
+* ``marks``: the random mark (an extended attribute) ptdstream puts on each temp
+  file it creates, which recovery checks before it moves or removes one.
 """
 
 __all__: list[str] = []

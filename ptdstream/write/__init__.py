@@ -14,7 +14,8 @@
 * ``publish`` (the folder step once per folder, then a set of synced temp files,
   all or none) over ``journal`` (publishing under a journal, ``recover``,
   ``clean_folder``), ``journal_codec`` (the journal read as untrusted),
-  ``journal_state`` (each file compared with what the journal recorded),
+  ``journal_state`` (each file compared with what the journal recorded,
+  and proven the save's own by its owner and mark),
   ``journal_peers`` (a set across folders), ``journal_write``.
 * ``set_writer``: a whole ``SavePlan``.
 

@@ -20,20 +20,26 @@ A process killed anywhere leaves either no journal (the old set is whole; the
 temp files and backups are leftovers, removed by the next writer) or a journal,
 which :func:`recover` completes: when every entry's temp file is still there or
 already renamed (its inode is at the target), it rolls forward (renames the rest);
-otherwise (a temp file lost, or a copied folder, where no inode matches) it
-rolls back (puts each backup back, removes new files that had none). A failed
-rename in a live process rolls back at once.
+otherwise (a temp file lost) it rolls back (puts each backup back, removes new
+files that had none). A failed rename in a live process rolls back at once.
 
-A journal is untrusted input: before any file is touched it is refused, by
-name, when it is unreadable, too large or too deep, names anything but files of
-its own folder of ptdstream's shape (:func:`read_journal`), or when a target
-is not a regular file (a directory, link, fifo or device) or a file it names is
-not the one it recorded (another program wrote there after the kill:
-:func:`ptdstream.write.journal_state.check_on_disk`). An ``OSError`` midway
-(a rename or fsync failing) is raised as a :class:`RecoveryError` naming the
-journal, which stays: what was done is a state recovery completes later. A
-journal that stays keeps every file it may own, and refuses only saves of
-targets it may name.
+A journal is untrusted input, proof only of what ptdstream itself wrote: before
+any file is touched it is refused, by name, when it is unreadable, too large or
+too deep, another user's or writable by others, records another folder or
+leaves a state out, names anything but files of its own folder of ptdstream's
+shape (:func:`read_journal`), or when a target is not a regular file (a
+directory, link, fifo or device) or a file it names is not the one it recorded
+(another program wrote there after the kill:
+:func:`ptdstream.write.journal_state.check_on_disk`), or when a file recovery
+would move over a target, or replace or remove at a target's name, does not
+carry the random mark its temp file got when it was created, recorded in the
+journal (:func:`ptdstream.write.journal_state.check_proofs`; a file system
+without extended attributes has no marks: such files are left as they are).
+An ``OSError`` midway (a rename or fsync failing) is raised as a
+:class:`RecoveryError` naming the journal, which stays: what was done is a state
+recovery completes later. A journal that stays keeps every file it may own, and
+refuses only saves of targets it may name, and only when it is the saving
+user's own.
 
 Recovery runs under the folder's lock, which a publisher holds from step 2 to
 step 5, so a live publication is never recovered. Every ptdstream writer
@@ -54,7 +60,7 @@ from ..system import fsops
 from . import tempfiles
 from .journal_codec import JOURNAL_VERSION, FileState, Journal, JournalEntry, read_journal_file
 from .journal_peers import set_journals
-from .journal_state import check_on_disk
+from .journal_state import check_on_disk, check_proofs
 from .journal_write import write_journal as _write_journal  # noqa: F401  (tests plant journals through it)
 from .journal_write import write_journals as _write_journals
 
@@ -184,8 +190,7 @@ def _roll_back(entries: Sequence[JournalEntry]) -> None:
     for entry in reversed(entries):
         if entry.backup is not None and os.path.lexists(entry.backup):
             # The backup is the previous file (a hard link made before the journal):
-            # putting it back is right whether or not the new file got there, and in
-            # a copied folder, where no inode is the journal's, it is all we know.
+            # putting it back is right whether or not the new file got there.
             fsops.replace(entry.backup, entry.target)
         elif _identity(entry.target) == (entry.dev, entry.ino) and not entry.had_target:
             fsops.unlink(entry.target)
@@ -215,6 +220,7 @@ def _complete(journal: str) -> str:
     main, members = set_journals(checked)
     if main is None:
         check_on_disk(checked)
+        check_proofs(checked, forward=False)
         _roll_back(checked.entries)
         _finish(journal, checked.entries)
         return "back"
@@ -225,6 +231,8 @@ def _complete(journal: str) -> str:
         _identity(e.temp) == (e.dev, e.ino) or _identity(e.target) == (e.dev, e.ino)
         for g in group for e in g.entries
     )
+    for g in group:
+        check_proofs(g, forward)
     if checked is not main:
         _act(checked, forward)
         return "forward" if forward else "back"
@@ -298,7 +306,9 @@ def recover_locked(folder: str, targets: Sequence[str] | None = None) -> list[tu
 
     ``targets``: the files a save is about to write (any folders); when given, a
     journal that cannot be completed raises only if it may name one of them (the
-    save of unrelated files goes on beside it); ``None``: any such journal raises.
+    save of unrelated files goes on beside it) and is owned by this process's
+    effective uid (another user's journal, planted or not, stops no save of this
+    user); ``None``: any such journal raises.
 
     Raises:
         RecoveryError: a journal that is unreadable, refused or cannot be completed
@@ -324,6 +334,8 @@ def recover_locked(folder: str, targets: Sequence[str] | None = None) -> list[tu
                 mine[tempfiles.stem(os.path.basename(target))] = target
         blocking = []
         for journal, message in errors:
+            if not _own(journal):
+                continue  # another user's: it acts on nothing of this user's, and stops no save of theirs
             named = sorted(mine[s] for s in _claimed(journal, folder)[0] if s in mine)
             if named:
                 blocking.append((journal, f"{', '.join(named)} not written (a pending journal may name it; "
@@ -334,6 +346,14 @@ def recover_locked(folder: str, targets: Sequence[str] | None = None) -> list[tu
     return done
 
 
+def _own(path: str) -> bool:
+    """Whether ``path`` is a file owned by this process's effective uid (not following a link)."""
+    try:
+        return os.lstat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
+
+
 def recover(folder: str) -> list[tuple[str, str]]:
     """Complete every pending set publication in ``folder`` and remove the
     leftovers of dead writers (:func:`clean_folder`); returns
@@ -342,11 +362,13 @@ def recover(folder: str) -> list[tuple[str, str]]:
     Waits for a publication in progress in another process (its folder lock).
 
     Raises:
-        RecoveryError: a journal that is unreadable, names files outside its
-            folder or not of ptdstream's shape, a target that is not a regular
-            file, or whose files another program changed since it was written
+        RecoveryError: a journal that is unreadable, another user's or writable
+            by others, names files outside its folder or not of ptdstream's
+            shape, a target that is not a regular file, or whose files another
+            program changed since it was written or carry no mark of its save
             (compared before any file is touched:
-            :func:`ptdstream.write.journal_state.check_on_disk`); it and every
+            :func:`ptdstream.write.journal_state.check_on_disk`,
+            :func:`~ptdstream.write.journal_state.check_proofs`); it and every
             file it may name are left in place; the other journals are still
             completed. Or an ``OSError`` midway, naming the journal: it stays,
             to be completed by a later recovery.
@@ -359,7 +381,8 @@ def clean_folder(folder: str, targets: Sequence[str] | None = None) -> list[tupl
 
     Under the folder's lock: completes pending journals (:func:`recover_locked`,
     ``targets`` as there), then removes backups no journal may own and ``.tmp``
-    files whose writer's lock is free (killed writers, in any PID namespace).
+    files whose writer's lock is free (killed writers, in any PID namespace),
+    owned by this process's effective uid (another user's are left to that user).
     Live writers' files are never touched, nor any file a journal that stays
     (unreadable, refused, or not completed) may own. Returns what :func:`recover` returns.
 
@@ -377,7 +400,7 @@ def clean_folder(folder: str, targets: Sequence[str] | None = None) -> list[tupl
         for pending in _journals(folder):  # journals that stay: keep every file they may own
             keep.update(_claimed(pending, folder)[1])
         for path, _, suffix in tempfiles.temp_files_in(folder):
-            if path in keep or suffix == "journal":
+            if path in keep or suffix == "journal" or not _own(path):
                 continue
             if suffix == "bak":
                 fsops.unlink(path)

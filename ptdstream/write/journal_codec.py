@@ -1,34 +1,40 @@
 """A set publication's journal file: its bytes, and reading them as untrusted input.
 
-Version 3 (JSON, ASCII)::
+Version 4 (JSON, ASCII)::
 
-    {"ptdstream_journal": 3, "folder": [dev, ino],
+    {"ptdstream_journal": 4, "folder": [dev, ino],
      "entries": [{"target": NAME, "temp": NAME, "backup": NAME or null,
-                  "had_target": bool, "dev": int, "ino": int,
+                  "had_target": bool, "dev": int, "ino": int, "mark": MARK or null,
                   "new": STATE, "old": STATE or null}, ...],
      "main": REF or null, "members": [REF, ...]}
 
 ``NAME`` is a plain file name in the journal's own folder; ``temp`` and
 ``backup`` are the target's temp names (:func:`ptdstream.write.tempfiles.temp_name_for`,
-suffixes ``tmp`` and ``bak``); ``dev``/``ino`` are the temp file's; ``STATE`` is
-``{"dev", "ino", "size", "ctime_ns", "mtime_ns"}`` of the temp file (``new``) and
-of the previous target (``old``), taken after the backup link; ``folder`` is the
-folder's device and inode (a copied folder has others). Version 2 holds the
-entries without ``new``/``old``/``folder``, paths relative to the folder;
-version 1 absolute paths. Both are still read. A set whose files lie in several
+suffixes ``tmp`` and ``bak``); ``dev``/``ino`` are the temp file's; ``MARK`` is
+the random mark the temp file carries (:mod:`ptdstream.system.marks`; ``null``
+where the file system took none); ``STATE`` is ``{"dev", "ino", "size",
+"ctime_ns", "mtime_ns"}`` of the temp file (``new``, always) and of the previous
+target (``old``: there exactly when ``had_target``), taken after the backup link;
+``folder`` is the folder's device and inode. A set whose files lie in several
 folders has one journal per folder: the last folder's (``main``) lists the others
 (``members``), each member names the main one; ``REF`` is ``{"journal": path
 relative to this journal's folder, "folder": [dev, ino]}``, a reference only,
 acted on once both sides confirm it (:mod:`ptdstream.write.journal_peers`).
+Versions 1 to 3 (no marks; 1 and 2 no states) are refused: they cannot prove
+their files.
 
 A journal is trusted only for the folder it lies in (SQLite's rule for a hot
-journal): :func:`read_journal` refuses, before any file is touched, a journal
-that is not a regular file of at most :data:`JOURNAL_MAX_NBYTES`, nests deeper
-than the format (checked on the bytes, before parsing), or names anything but
-the shape ptdstream writes: a plain name (no ``/``, NUL, ``.`` or ``..``; a
-version 1 path only inside the journal's folder), not itself a temp/journal
-name, each target once, its temp and backup names derived from it by the naming
-rule, the journal's own name derived from its last target.
+journal) and only as far as it proves itself: :func:`read_journal_file` refuses,
+before any file is touched, a journal that is not a regular file of at most
+:data:`JOURNAL_MAX_NBYTES`, is not owned by this process's effective uid or is
+writable by its group or others (a journal is the word of the user who saved,
+nobody else's), nests deeper than the format (checked on the bytes, before
+parsing), records another folder's device and inode than its own folder's (a
+copy, or ``[0, 0]``), leaves a state out (``null`` where the format wants one,
+so that nothing would be compared), or names anything but the shape ptdstream
+writes: a plain name (no ``/``, NUL, ``.`` or ``..``), not itself a
+temp/journal name, each target once, its temp and backup names derived from it
+by the naming rule, the journal's own name derived from its last target.
 """
 
 from __future__ import annotations
@@ -42,13 +48,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RecoveryError
+from ..system.marks import MARK_RE
 from . import tempfiles
 
 __all__ = ["JOURNAL_VERSION", "JOURNAL_MAX_NBYTES", "FileState", "JournalEntry",
            "Journal", "dump_journal", "read_journal_file", "state_of"]
 
-#: 3: plain names plus the recorded state of every file (2: relative paths; 1: absolute).
-JOURNAL_VERSION = 3
+#: 4: plain names, the recorded state of every file and each temp file's mark
+#: (3: no marks; 2: relative paths; 1: absolute).
+JOURNAL_VERSION = 4
 #: Largest journal read, in bytes (a set of 1,000 files with 255-byte names is well under).
 JOURNAL_MAX_NBYTES = 1 << 20
 #: Most entries (files of a set) a journal may hold.
@@ -87,8 +95,9 @@ class JournalEntry:
     """One file of a set: ``target`` (absolute path), ``temp`` (its synced temp
     file), ``backup`` (hard link to the previous target, or ``None`` when there was
     none or links are unsupported), ``had_target``, the temp file's ``dev``/``ino``,
-    and what the temp file (``new``) and the previous target (``old``) were when
-    the journal was written (``None``: not recorded, an older journal)."""
+    what the temp file (``new``) and the previous target (``old``) were when the
+    journal was written (``None`` before it is written; ``old`` also when there was
+    no target), and the temp file's ``mark`` (``None``: the file system took none)."""
 
     target: str
     temp: str
@@ -98,16 +107,17 @@ class JournalEntry:
     ino: int
     new: FileState | None = None
     old: FileState | None = None
+    mark: str | None = None
 
 
 @dataclass(frozen=True)
 class Journal:
     """A journal read and checked: its ``path``, ``version``, its folder's
-    ``(dev, ino)`` when it was written (``None`` before version 3), its ``entries``."""
+    ``(dev, ino)`` (the one it lies in), its ``entries``."""
 
     path: str
     version: int
-    folder_id: tuple[int, int] | None
+    folder_id: tuple[int, int]
     entries: tuple[JournalEntry, ...]
     #: the main journal of a set across folders, for a member: (absolute path, its folder's (dev, ino))
     main: tuple[str, tuple[int, int]] | None = None
@@ -120,7 +130,7 @@ Ref = tuple[str, tuple[int, int]]
 
 def dump_journal(entries: Sequence[JournalEntry], folder_id: tuple[int, int], *, folder: str = "",
                  main: Ref | None = None, members: Sequence[Ref] = ()) -> bytes:
-    """The version 3 bytes of ``entries`` (all in ``folder``, whose ``(dev, ino)``
+    """The version 4 bytes of ``entries`` (all in ``folder``, whose ``(dev, ino)``
     is ``folder_id``): names only; ``main``/``members``: ``(absolute journal path,
     its folder's (dev, ino))``, written relative to ``folder``."""
     rows = []
@@ -128,7 +138,7 @@ def dump_journal(entries: Sequence[JournalEntry], folder_id: tuple[int, int], *,
         rows.append({
             "target": os.path.basename(e.target), "temp": os.path.basename(e.temp),
             "backup": None if e.backup is None else os.path.basename(e.backup),
-            "had_target": e.had_target, "dev": e.dev, "ino": e.ino,
+            "had_target": e.had_target, "dev": e.dev, "ino": e.ino, "mark": e.mark,
             "new": None if e.new is None else e.new.__dict__,
             "old": None if e.old is None else e.old.__dict__,
         })
@@ -155,6 +165,7 @@ def _read_bytes(path: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _Refused("unreadable (not a regular file)")
+        _check_owner(st)
         if st.st_size > JOURNAL_MAX_NBYTES:
             raise _Refused(f"unreadable ({st.st_size} bytes, more than the {JOURNAL_MAX_NBYTES} a journal may hold)")
         chunks, left = [], JOURNAL_MAX_NBYTES + 1
@@ -172,6 +183,17 @@ def _read_bytes(path: str) -> bytes:
     if len(data) > JOURNAL_MAX_NBYTES:
         raise _Refused(f"unreadable (grew past {JOURNAL_MAX_NBYTES} bytes while read)")
     return data
+
+
+def _check_owner(st: os.stat_result) -> None:
+    """Refuse a journal another user wrote or could have written."""
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        raise _Refused(f"owned by uid {st.st_uid}, not by this process's effective uid {euid} (a journal is the "
+                       f"word of the user whose save wrote it: run recover as uid {st.st_uid})")
+    if st.st_mode & 0o022:
+        raise _Refused(f"mode {stat.S_IMODE(st.st_mode):#o} lets its group or others write it (a journal "
+                       f"ptdstream writes is 0o600)")
 
 
 def _check_depth(data: bytes) -> None:
@@ -204,9 +226,9 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def _state(value: Any, what: str) -> FileState | None:
+def _state(value: Any, what: str) -> FileState:
     if value is None:
-        return None
+        raise _Refused(f"{what} is null, not a file state (a journal must record what it would compare)")
     if not isinstance(value, dict) or sorted(value) != sorted(_STATE_KEYS):
         raise _Refused(f"unreadable ({what} is not a file state {{{', '.join(_STATE_KEYS)}}})")
     return FileState(*(_int(value[k], f"{what}.{k}") for k in _STATE_KEYS))
@@ -232,15 +254,11 @@ def _ref(value: Any, what: str, folder: str) -> Ref:
     return path, _folder_id(value["folder"], f"{what} folder")
 
 
-def _plain(value: Any, field: str, version: int, folder: str) -> str:
+def _plain(value: Any, field: str, folder: str) -> str:
     """``value`` as a plain name of ``folder``, or :class:`_Refused`."""
     if not isinstance(value, str):
         raise _Refused(f"{field} {value!r} is not a file name")
     name: str = value
-    if version == 1:  # absolute paths: only those of the journal's own folder
-        if not os.path.isabs(name) or os.path.dirname(name) != folder:
-            raise _Refused(f"{field} {name!r} is not a file of the journal's folder {folder}")
-        name = os.path.basename(name)
     if name in ("", ".", "..") or "/" in name or "\0" in name:
         raise _Refused(f"{field} {name!r} is not a plain file name of the journal's folder {folder}")
     try:
@@ -252,45 +270,67 @@ def _plain(value: Any, field: str, version: int, folder: str) -> str:
     return name
 
 
-def _entry(row: Any, version: int, folder: str) -> JournalEntry:
+_ENTRY_KEYS = ("backup", "dev", "had_target", "ino", "mark", "new", "old", "target", "temp")
+
+
+def _entry(row: Any, folder: str) -> JournalEntry:
     if not isinstance(row, dict):
         raise _Refused("is not an object")
-    base = ("backup", "dev", "had_target", "ino", "target", "temp")
-    keys = base + (("new", "old") if version >= 3 else ())
-    if sorted(row) != sorted(keys):
-        raise _Refused(f"has the fields {sorted(row)}, not {sorted(keys)}")
-    target = _plain(row["target"], "target", version, folder)
+    if sorted(row) != sorted(_ENTRY_KEYS):
+        raise _Refused(f"has the fields {sorted(row)}, not {sorted(_ENTRY_KEYS)}")
+    target = _plain(row["target"], "target", folder)
     if tempfiles.parse_name(target) is not None:
         raise _Refused(f"target {target!r} is a ptdstream temp or journal name, not a file of a set")
     want = tempfiles.stem(target)
-    temp = _plain(row["temp"], "temp", version, folder)
+    temp = _plain(row["temp"], "temp", folder)
     if tempfiles.parse_name(temp) != (want, "tmp"):
         raise _Refused(f"temp {temp!r} is not a temp name of target {target!r} (.{want}.ptdstream-<pid>-<hex>.tmp)")
     backup = None
     if row["backup"] is not None:
-        backup = _plain(row["backup"], "backup", version, folder)
+        backup = _plain(row["backup"], "backup", folder)
         if tempfiles.parse_name(backup) != (want, "bak"):
             raise _Refused(f"backup {backup!r} is not a backup name of target {target!r} "
                            f"(.{want}.ptdstream-<pid>-<hex>.bak)")
-    if type(row["had_target"]) is not bool or (backup is not None and not row["had_target"]):
-        raise _Refused(f"had_target {row['had_target']!r} does not fit backup {backup!r}")
-    new = _state(row.get("new"), "new")
-    old = _state(row.get("old"), "old")
+    had_target = row["had_target"]
+    if type(had_target) is not bool or (backup is not None and not had_target):
+        raise _Refused(f"had_target {had_target!r} does not fit backup {backup!r}")
+    dev, ino = _int(row["dev"], "dev"), _int(row["ino"], "ino")
+    new = _state(row["new"], "new")
+    if (new.dev, new.ino) != (dev, ino):
+        raise _Refused(f"new is the state of device/inode {[new.dev, new.ino]}, not of the temp file's "
+                       f"{[dev, ino]}")
+    old = None
+    if had_target:
+        old = _state(row["old"], "old")
+    elif row["old"] is not None:
+        raise _Refused("old is a file state, but had_target is false (no previous file to record)")
+    mark = row["mark"]
+    if mark is not None and not (isinstance(mark, str) and MARK_RE.fullmatch(mark)):
+        raise _Refused(f"mark {repr(mark)[:80]} is neither null nor 32 lowercase hex digits")
     return JournalEntry(
         os.path.join(folder, target), os.path.join(folder, temp),
-        None if backup is None else os.path.join(folder, backup), row["had_target"],
-        _int(row["dev"], "dev"), _int(row["ino"], "ino"), new, old)
+        None if backup is None else os.path.join(folder, backup), had_target, dev, ino, new, old, mark)
+
+
+def _own_folder_id(folder: str) -> tuple[int, int]:
+    try:
+        st = os.stat(folder)
+    except OSError as e:
+        raise _Refused(f"unreadable (its folder: {type(e).__name__}: {e})") from None
+    return st.st_dev, st.st_ino
 
 
 def read_journal_file(path: str) -> Journal:
     """The journal ``path``, checked (see the module docstring); entries' paths absolute.
 
-    Reads at most :data:`JOURNAL_MAX_NBYTES`; touches no other file.
+    Reads at most :data:`JOURNAL_MAX_NBYTES`; touches no other file (stats its folder).
 
     Raises:
-        RecoveryError: unreadable, too large or too deep, of an unknown version, or
-            an entry outside the journal's folder or not of ptdstream's shape (the
-            message names the journal and the entry; nothing is touched).
+        RecoveryError: unreadable, too large or too deep, another user's or
+            writable by others, of another version, recording another folder or a
+            null state, or an entry outside the journal's folder or not of
+            ptdstream's shape (the message names the journal, the entry and the
+            field; nothing is touched).
     """
     path = os.path.abspath(path)
     folder, own = os.path.split(path)
@@ -298,28 +338,33 @@ def read_journal_file(path: str) -> Journal:
     try:
         doc = _parse(_read_bytes(path))
         version = doc.get("ptdstream_journal")
-        if type(version) is not int or version not in (1, 2, JOURNAL_VERSION):
-            raise _Refused(f"unreadable (version {version!r}; this ptdstream reads 1 to {JOURNAL_VERSION})")
-        keys = ["entries", "ptdstream_journal"] + (["folder", "main", "members"] if version >= 3 else [])
-        if sorted(doc) != sorted(keys):
-            raise _Refused(f"unreadable (fields {sorted(doc)}, not {sorted(keys)})")
-        folder_id, main, members = None, None, []
-        if version >= 3:
-            folder_id = _folder_id(doc["folder"], "folder")
-            if doc["main"] is not None:
-                main = _ref(doc["main"], "main", folder)
-            if not isinstance(doc["members"], list) or len(doc["members"]) > JOURNAL_MAX_ENTRIES:
-                raise _Refused("unreadable (members is not a list of references)")
-            members = [_ref(m, f"member {i}", folder) for i, m in enumerate(doc["members"])]
-            if main is not None and members:
-                raise _Refused("unreadable (a journal is either a set's main journal or a member, not both)")
+        if type(version) is int and 1 <= version < JOURNAL_VERSION:
+            raise _Refused(f"version {version}, written by an older ptdstream: it records no mark of its files, "
+                           f"so it cannot prove them (recover it with the ptdstream that wrote it, or check the "
+                           f"files by hand)")
+        if type(version) is not int or version != JOURNAL_VERSION:
+            raise _Refused(f"unreadable (version {version!r}; this ptdstream reads {JOURNAL_VERSION})")
+        keys = ["entries", "folder", "main", "members", "ptdstream_journal"]
+        if sorted(doc) != keys:
+            raise _Refused(f"unreadable (fields {sorted(doc)}, not {keys})")
+        folder_id = _folder_id(doc["folder"], "folder")
+        here = _own_folder_id(folder)
+        if folder_id != here:
+            raise _Refused(f"folder {list(folder_id)} is not the device and inode of the folder it lies in "
+                           f"{list(here)} (a journal copied from another folder, or planted)")
+        main = None if doc["main"] is None else _ref(doc["main"], "main", folder)
+        if not isinstance(doc["members"], list) or len(doc["members"]) > JOURNAL_MAX_ENTRIES:
+            raise _Refused("unreadable (members is not a list of references)")
+        members = [_ref(m, f"member {i}", folder) for i, m in enumerate(doc["members"])]
+        if main is not None and members:
+            raise _Refused("unreadable (a journal is either a set's main journal or a member, not both)")
         rows = doc["entries"]
         if not isinstance(rows, list) or not 1 <= len(rows) <= JOURNAL_MAX_ENTRIES:
             raise _Refused(f"unreadable (entries is not a list of 1 to {JOURNAL_MAX_ENTRIES} files)")
         entries: list[JournalEntry] = []
         seen: dict[str, int] = {}
         for index, row in enumerate(rows):
-            entry = _entry(row, version, folder)
+            entry = _entry(row, folder)
             for name in (entry.target, entry.temp, entry.backup):
                 if name is not None and seen.setdefault(name, index) != index:
                     raise _Refused(f"names {os.path.basename(name)!r} again (entry {seen[name]} names it too)")

@@ -64,11 +64,6 @@ def set_journals(journal: Journal) -> tuple[Journal | None, list[Journal]]:
         RecoveryError: a reference not confirmed by the journal it names, a folder
             not the recorded one, or a journal there that is unreadable or refused.
     """
-    if (journal.main is not None or journal.members) and _folder_id(journal.path) != journal.folder_id:
-        raise RecoveryError(
-            f"journal {journal.path}: a journal of a set across folders, in a folder of device/inode "
-            f"{_folder_id(journal.path)}, not the {journal.folder_id} it was written in (a copy); refused: every "
-            f"file is left in place, none touched; recover the folders where the set was saved")
     if journal.main is None:
         main = journal
     else:

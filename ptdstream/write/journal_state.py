@@ -1,4 +1,4 @@
-"""Whether a journal's files are still the ones it recorded, checked before recovery touches any.
+"""Whether a journal's files are still the ones it recorded and the save's own, checked before recovery touches any.
 
 Every target must be a regular file, or absent: never a directory, a symbolic
 link, a fifo, a socket or a device (:func:`check_on_disk` refuses naming the
@@ -20,10 +20,13 @@ and refuses by name (file, field, both values):
 - a temp file or backup is a regular file (not a link, which recovery would
   move over the target).
 
-A version 2 journal recorded only the temp file's device and inode: a target must
-then be the temp file or its backup's inode (when the backup is there). A copied
-folder (its device and inode differ from the journal's record) has new inodes
-everywhere: sizes are compared instead.
+A journal that matches its files is still only the word of whoever wrote it:
+:func:`check_proofs` then requires, of every file recovery would rename over a
+target (a temp file, rolling forward) and of every file at a target's name it
+would replace or remove (the new file, rolling back), that it is owned by this
+process's effective uid and carries the mark the journal recorded
+(:mod:`ptdstream.system.marks`), else it refuses, naming each file and why
+(no mark, another mark, a file system without extended attributes).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import stat
 from collections.abc import Sequence
 
 from ..errors import RecoveryError
+from ..system import marks
 from .journal_codec import FileState, Journal, JournalEntry, state_of
 
-__all__ = ["check_on_disk"]
+__all__ = ["check_on_disk", "check_proofs"]
 
 _FIELDS = (("dev", "device"), ("ino", "inode"), ("size", "size"), ("ctime_ns", "change time (ns)"),
            ("mtime_ns", "modification time (ns)"))
@@ -81,14 +85,6 @@ def _differs(disk: FileState, recorded: FileState, fields: Sequence[str]) -> tup
     return None
 
 
-def _folder_id(folder: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(folder)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _not_own(entry: JournalEntry) -> list[str]:
     """A temp file or backup that is not a regular file, as ``"<file>: ..."`` phrases."""
     out = []
@@ -98,7 +94,7 @@ def _not_own(entry: JournalEntry) -> list[str]:
     return out
 
 
-def _problems(entry: JournalEntry, copied: bool) -> list[str]:
+def _problems(entry: JournalEntry) -> list[str]:
     """What differs for one entry, as ``"<file>: <field> ..."`` phrases."""
     name = os.path.basename(entry.target)
     target, temp = state_of(entry.target), state_of(entry.temp)
@@ -113,19 +109,9 @@ def _problems(entry: JournalEntry, copied: bool) -> list[str]:
         if diff is not None:
             out.append(f"{what}: {diff[0]} is {diff[2]}, the journal recorded {diff[1]}")
 
-    if copied:  # new inodes everywhere: the sizes still tell the files apart
-        compare(os.path.basename(entry.temp), temp, new, ("size",))
-        compare(os.path.basename(entry.backup or ""), backup, old, ("size",))
-        sizes = {s.size for s in (new, old) if s is not None}
-        if target is not None and sizes and target.size not in sizes:
-            out.append(f"{name}: size is {target.size}, the journal recorded {' or '.join(map(str, sorted(sizes)))}")
-        return out
-    if new is not None:
-        compare(os.path.basename(entry.temp), temp, new, ("dev", "ino", "size", "ctime_ns", "mtime_ns"))
-    elif temp is not None and (temp.dev, temp.ino) != (entry.dev, entry.ino):
-        out.append(f"{os.path.basename(entry.temp)}: inode is {temp.ino}, the journal recorded {entry.ino}")
-    if backup is not None:
-        compare(os.path.basename(entry.backup or ""), backup, old, ("dev", "ino", "size", "mtime_ns"))
+    compare(os.path.basename(entry.temp), temp, new, ("dev", "ino", "size", "ctime_ns", "mtime_ns"))
+    if entry.backup is not None:
+        compare(os.path.basename(entry.backup), backup, old, ("dev", "ino", "size", "mtime_ns"))
     if target is None:
         if entry.had_target:
             out.append(f"{name}: missing, the journal recorded a file there")
@@ -136,14 +122,8 @@ def _problems(entry: JournalEntry, copied: bool) -> list[str]:
     elif old is not None and ident == (old.dev, old.ino):
         fields = ("size", "mtime_ns") + (("ctime_ns",) if entry.backup is None or backup is not None else ())
         compare(name, target, old, fields)
-    elif old is None and new is None and (backup is None or ident == (backup.dev, backup.ino)):
-        pass  # version 2: no record of the previous file but its backup's inode
     else:
-        was = [str(entry.ino) + " (the new file)"] + ([f"{old.ino} (the previous file)"] if old else [])
-        if backup is not None and old is None:
-            was.append(f"{backup.ino} (its backup)")
-        if not entry.had_target and old is None:
-            was.append("no file")
+        was = [str(entry.ino) + " (the new file)"] + ([f"{old.ino} (the previous file)"] if old else ["no file"])
         out.append(f"{name}: inode is {target.ino}, the journal recorded {' or '.join(was)}")
     return out
 
@@ -158,13 +138,67 @@ def check_on_disk(journal: Journal) -> None:
             both values; the journal and every file are left as they are.
     """
     folder = os.path.dirname(journal.path)
-    copied = journal.folder_id is not None and _folder_id(folder) != journal.folder_id
     problems = [p for e in journal.entries for p in _not_own(e)]
     if not problems:
         _check_kinds(journal)
-        problems = [p for e in journal.entries for p in _problems(e, copied)]
+        problems = [p for e in journal.entries for p in _problems(e)]
     if problems:
         raise RecoveryError(
             f"journal {journal.path}: another program changed the set's files since the save was killed "
             f"({'; '.join(problems)}); refused: the journal and every file are left as they are, none "
             f"touched; check the files in {folder}, then remove the journal by hand")
+
+
+def _acted_on(entry: JournalEntry, forward: bool) -> str | None:
+    """The file of ``entry`` that recovery would rename over the target (forward:
+    the temp file, where it still is the recorded one) or replace or remove at the
+    target's name (back: the new file, where it got there), or ``None``."""
+    ident = (entry.dev, entry.ino)
+    if forward:
+        temp = state_of(entry.temp)
+        return entry.temp if temp is not None and (temp.dev, temp.ino) == ident else None
+    target = state_of(entry.target)
+    if target is None or (target.dev, target.ino) != ident:
+        return None
+    if entry.backup is not None and os.path.lexists(entry.backup):
+        return entry.target  # the backup would be put back over it
+    return entry.target if not entry.had_target else None  # removed: no previous file
+
+
+def _unproven(path: str, mark: str | None) -> str | None:
+    """Why ``path`` cannot be proven the save's own, or ``None``."""
+    try:
+        uid = os.lstat(path).st_uid
+    except OSError as e:
+        return f"cannot be read ({type(e).__name__}: {e})"
+    if uid != os.geteuid():
+        return f"owned by uid {uid}, not by this process's effective uid {os.geteuid()}"
+    return marks.why_unmarked(path, mark)
+
+
+def check_proofs(journal: Journal, forward: bool) -> None:
+    """Raise unless every file that completing ``journal`` ``forward`` (or back)
+    would move over a target, or replace or remove at a target's name, is owned
+    by this process's effective uid and carries the journal's mark (module
+    docstring). Call after :func:`check_on_disk`. Reads only.
+
+    Raises:
+        RecoveryError: naming the journal, each such file and why it is not
+            proven (no mark, another mark, no extended attributes, another
+            owner); the journal and every file are left as they are.
+    """
+    problems = []
+    for entry in journal.entries:
+        path = _acted_on(entry, forward)
+        why = None if path is None else _unproven(path, entry.mark)
+        if path is not None and why is not None:
+            problems.append(f"{os.path.basename(path)}: {why}")
+    if problems:
+        folder = os.path.dirname(journal.path)
+        way = "forward (renaming the temp files over their targets)" if forward else \
+            "back (replacing or removing the new files at the targets' names)"
+        raise RecoveryError(
+            f"journal {journal.path}: cannot prove that the files recovery would act on are its save's own "
+            f"({'; '.join(problems)}); recovery would roll the set {way}; refused: the journal and every file "
+            f"are left as they are, none touched; check the files in {folder} (complete or undo the set by hand), "
+            f"then remove the journal")

@@ -4,8 +4,9 @@
 (:mod:`ptdstream.write.journal_codec` gives the format): for a set in one folder,
 one journal; across folders, a member journal in each folder but the last, then
 the main journal in the last folder, whose name the members give, written last
-(the set's commit point, :mod:`ptdstream.write.journal_peers`). Each is written to
-a locked temp file, fsynced, renamed into place, and its folder fsynced; on an
+(the set's commit point, :mod:`ptdstream.write.journal_peers`). Each records
+every temp file's state and mark (:mod:`ptdstream.system.marks`) and is written,
+mode 0600, to a locked temp file, fsynced, renamed into place, and its folder fsynced; on an
 error the journal being written is removed (those already written are the
 caller's to remove).
 """
@@ -13,10 +14,11 @@ caller's to remove).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from collections.abc import Sequence
 
-from ..system import fsops
+from ..system import fsops, marks
 from . import tempfiles
 from .journal_codec import JournalEntry, Ref, dump_journal, state_of
 
@@ -24,15 +26,16 @@ __all__ = ["write_journal", "write_journals"]
 
 
 def _recorded(entry: JournalEntry) -> JournalEntry:
-    """``entry`` with the states of its temp file and previous target, taken now
-    (after the backup link) where not recorded yet."""
+    """``entry`` with the states of its temp file and previous target and the
+    temp file's mark, taken now (after the backup link) where not recorded yet."""
     if entry.new is not None:
         return entry
     new = state_of(entry.temp)
-    if new is not None and (new.dev, new.ino) != (entry.dev, entry.ino):
-        new = None
+    if new is None or (new.dev, new.ino) != (entry.dev, entry.ino):
+        raise FileNotFoundError(errno.ENOENT, f"the temp file {entry.temp} of {entry.target} is no longer the "
+                                              f"one written (device/inode {entry.dev}/{entry.ino})", entry.temp)
     old = state_of(entry.target) if entry.had_target else None
-    return dataclasses.replace(entry, new=new, old=old)
+    return dataclasses.replace(entry, new=new, old=old, mark=marks.read_mark(entry.temp))
 
 
 def write_journal(path_for: str, entries: Sequence[JournalEntry], *, main: Ref | None = None,
@@ -45,7 +48,7 @@ def write_journal(path_for: str, entries: Sequence[JournalEntry], *, main: Ref |
     st = os.stat(folder)
     data = dump_journal([_recorded(e) for e in entries], (st.st_dev, st.st_ino), folder=folder,
                         main=main, members=members)
-    temp, fd, lock_fd = reserved or tempfiles.create_locked(path_for, "tmp", 0o644)
+    temp, fd, lock_fd = reserved or tempfiles.create_locked(path_for, "tmp", 0o600)
     try:
         try:
             view = memoryview(data)
@@ -70,7 +73,7 @@ def write_journals(groups: Sequence[Sequence[JournalEntry]], journals: list[str]
     if len(groups) == 1:
         journals.append(write_journal(groups[0][-1].target, groups[0]))
         return
-    reserved = tempfiles.create_locked(groups[-1][-1].target, "tmp", 0o644)
+    reserved = tempfiles.create_locked(groups[-1][-1].target, "tmp", 0o600)
     try:
         main_path = reserved[0][: -len(".tmp")] + ".journal"
         main = (main_path, _folder_id(main_path))

@@ -26,7 +26,7 @@ import re
 import secrets
 from collections.abc import Iterator
 
-from ..system import fsops
+from ..system import fsops, marks
 
 __all__ = ["create_locked", "folder_lock", "parse_name", "remove_if_unlocked", "stale_temp_files",
            "stem", "temp_files_in", "temp_name_for"]
@@ -74,7 +74,10 @@ def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> tuple[
 
     ``fd`` is open for writing; ``lock_fd`` (a duplicate of it) holds the
     exclusive ``flock`` that marks the file live: keep it open until the file is
-    renamed or removed, then close it (closing ``fd`` alone keeps the lock).
+    renamed or removed, then close it (closing ``fd`` alone keeps the lock). A
+    ``tmp`` file carries a fresh random mark (:func:`ptdstream.system.marks.put_mark`;
+    none where the file system takes no extended attribute), which its journal
+    records and recovery checks before it moves or removes the file.
 
     A cleaner may take the lock of a file just created, before its writer does,
     and remove it; the writer then sees that its path no longer names its file
@@ -101,6 +104,8 @@ def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> tuple[
             lock_fd = os.dup(fd)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)  # waits for a cleaner that took it first
             if _names(path, lock_fd):
+                if suffix == "tmp":
+                    marks.put_mark(fd)
                 return path, fd, lock_fd
         except BaseException:  # Ctrl-C included: leave no file behind
             if lock_fd is not None and _names(path, lock_fd):

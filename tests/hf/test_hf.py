@@ -35,6 +35,27 @@ def test_hf_export_and_main_pass_through_to_the_optimum_hooks(monkeypatch, tmp_p
                      (["export", "executorch", "-m", "d"], {"progress": False, "quiet": True})]
 
 
+def test_the_task_defaults_to_optimum_clis_own_default(monkeypatch, tmp_path):
+    """``export`` without ``task`` runs the task optimum-cli runs without ``--task``."""
+    import argparse
+    import inspect
+
+    from optimum.commands.export.executorch import parse_args_executorch
+
+    import ptdstream
+    from ptdstream.hf import saving as optimum
+
+    parser = argparse.ArgumentParser()
+    parse_args_executorch(parser)
+    cli_default = parser.parse_args(["-m", "d", "-o", "o"]).task
+    assert cli_default == "text-generation"
+    assert inspect.signature(optimum.run_main_export).parameters["task"].default == cli_default
+    calls: list = []
+    monkeypatch.setattr(optimum, "run_main_export", lambda *a, **k: calls.append(a) or {})
+    ptdstream.hf.export("d", "o", recipe="portable")
+    assert calls == [("d", "o", cli_default, "portable")]
+
+
 def test_python_m_ptdstream_hf_runs_optimum_cli():
     """``python -m ptdstream.hf export executorch --help`` is ptdstream's lines, then optimum-cli's own parser."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -19,6 +19,7 @@ import signal
 
 import pytest
 import torch
+from _journals import killed_set
 from _procs import fork, wait_status
 from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
@@ -167,22 +168,7 @@ def test_kill_at_every_publishing_call_of_unpack(tmp_path, capsys):
 def _half_published(folder):
     """A folder as a crash leaves it after the first of two renames: a.ptd new,
     b.pte old, the journal and the backups on disk; returns (journal, temps)."""
-    a, b = os.path.join(folder, "a.ptd"), os.path.join(folder, "b.pte")
-    for p, data in ((a, b"old a"), (b, b"old b")):
-        with open(p, "wb") as f:
-            f.write(data)
-    entries = []
-    for p, data in ((a, b"new a"), (b, b"new b")):
-        temp, fd, lock_fd = tempfiles.create_locked(p)
-        os.write(fd, data)
-        os.close(fd)
-        os.close(lock_fd)  # the writer is gone: its lock with it
-        backup = tempfiles.temp_name_for(p, "bak")
-        os.link(p, backup)
-        st = os.lstat(temp)
-        entries.append(journal.JournalEntry(p, temp, backup, True, st.st_dev, st.st_ino))
-    path = journal._write_journal(b, entries)
-    os.replace(entries[0].temp, a)
+    [path], entries = killed_set([os.path.join(folder, "a.ptd"), os.path.join(folder, "b.pte")])
     return path, [e.temp for e in entries]
 
 
@@ -193,7 +179,7 @@ def test_recovery_rolls_forward_a_half_published_set(tmp_path):
         journal.PendingSet(path, (str(tmp_path / "a.ptd"), str(tmp_path / "b.pte")))
     ]
     assert journal.recover(folder) == [(path, "forward")]
-    assert read_all(folder) == {"a.ptd": b"new a", "b.pte": b"new b"}
+    assert read_all(folder) == {"a.ptd": b"new a.ptd", "b.pte": b"new b.pte"}
 
 
 def test_recovery_rolls_back_when_a_temp_file_is_lost(tmp_path):
@@ -203,7 +189,7 @@ def test_recovery_rolls_back_when_a_temp_file_is_lost(tmp_path):
     path, temps = _half_published(folder)
     os.unlink(temps[1])
     assert journal.recover(folder) == [(path, "back")]
-    assert read_all(folder) == {"a.ptd": b"old a", "b.pte": b"old b"}
+    assert read_all(folder) == {"a.ptd": b"old a.ptd", "b.pte": b"old b.pte"}
 
 
 @pytest.mark.parametrize("way", ["forward", "back"])
@@ -235,8 +221,8 @@ def test_an_os_error_midway_names_the_journal_which_finishes_later(tmp_path, way
     assert ops[0] == ("rename", str(tmp_path / "b.pte")) and ops[-1] == failing  # midway: b.pte done
     assert os.path.exists(path)
     assert journal.recover(folder) == [(path, way)]
-    assert read_all(folder) == ({"a.ptd": b"new a", "b.pte": b"new b"} if way == "forward"
-                                else {"a.ptd": b"old a", "b.pte": b"old b"})
+    assert read_all(folder) == ({"a.ptd": b"new a.ptd", "b.pte": b"new b.pte"} if way == "forward"
+                                else {"a.ptd": b"old a.ptd", "b.pte": b"old b.pte"})
 
 
 def test_the_next_save_recovers_the_folder_first(versions, tmp_path):
@@ -244,7 +230,7 @@ def test_the_next_save_recovers_the_folder_first(versions, tmp_path):
     path, _ = _half_published(folder)
     ptdstream.save(versions["A"], os.path.join(folder, PTE))
     assert sorted(os.listdir(folder)) == [PTD, "a.ptd", "b.pte", PTE]
-    assert read_all(folder)["b.pte"] == b"new b"
+    assert read_all(folder)["b.pte"] == b"new b.pte"
 
 
 def test_an_unreadable_journal_is_reported_and_kept(tmp_path):
@@ -281,29 +267,35 @@ def test_a_moved_folder_recovers_itself(tmp_path):
     os.rename(folder, moved)
     [(path, direction)] = journal.recover(str(moved))
     assert direction == "forward" and os.path.dirname(path) == str(moved)
-    assert read_all(str(moved)) == {"a.ptd": b"new a", "b.pte": b"new b"}
+    assert read_all(str(moved)) == {"a.ptd": b"new a.ptd", "b.pte": b"new b.pte"}
     assert not folder.exists()
 
 
-def test_recovering_a_copy_leaves_the_original_alone(tmp_path):
-    """A copied folder (new inodes): its recovery acts on the copy only, and puts
-    the whole old set back there (its temp files cannot be proved to be the set's);
+def test_recovering_a_copy_is_refused_and_leaves_both_alone(tmp_path):
+    """A copied folder (new inodes, another folder's device and inode): its journal
+    proves nothing there, so the copy is refused untouched, naming the folder field;
     the original's journal still completes it forward."""
     import shutil
 
     original = tmp_path / "original"
     original.mkdir()
-    _half_published(str(original))
+    path, _ = _half_published(str(original))
     before = read_all(str(original))
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)
-    [(_, direction)] = journal.recover(str(copy))
-    assert direction == "back"
-    assert read_all(str(copy)) == {"a.ptd": b"old a", "b.pte": b"old b"}
-    assert read_all(str(original)) == before  # untouched by the copy's recovery
+    copied = read_all(str(copy))
+    fst, cst = os.stat(original), os.stat(copy)
+    with pytest.raises(journal.RecoveryError) as info:
+        journal.recover(str(copy))
+    assert str(info.value).startswith(
+        f"journal {copy / os.path.basename(path)}: folder {[fst.st_dev, fst.st_ino]} is not the device and inode "
+        f"of the folder it lies in {[cst.st_dev, cst.st_ino]} (a journal copied from another folder, or planted); "
+        f"refused: the journal and every file are left in place, none touched")
+    assert read_all(str(copy)) == copied
+    assert read_all(str(original)) == before
     [(_, direction)] = journal.recover(str(original))
     assert direction == "forward"
-    assert read_all(str(original)) == {"a.ptd": b"new a", "b.pte": b"new b"}
+    assert read_all(str(original)) == {"a.ptd": b"new a.ptd", "b.pte": b"new b.pte"}
 
 
 def test_a_set_in_two_folders_has_one_journal_per_folder_naming_only_its_files(tmp_path):
@@ -378,23 +370,9 @@ def _half_published_across(tmp_path):
     """A set in data/ (w.ptd) and out/ (m.pte), killed after the first rename:
     a member journal in data/, the main journal in out/."""
     data, out = tmp_path / "data", tmp_path / "out"
-    for folder, name in ((data, "w.ptd"), (out, "m.pte")):
-        folder.mkdir()
-        (folder / name).write_bytes(b"old " + name.encode())
-    entries = []
-    for folder, name in ((data, "w.ptd"), (out, "m.pte")):
-        p = str(folder / name)
-        temp, fd, lock_fd = tempfiles.create_locked(p)
-        os.write(fd, b"new " + name.encode())
-        os.close(fd)
-        os.close(lock_fd)
-        backup = tempfiles.temp_name_for(p, "bak")
-        os.link(p, backup)
-        st = os.lstat(temp)
-        entries.append(journal.JournalEntry(p, temp, backup, True, st.st_dev, st.st_ino))
-    journals = []
-    journal._write_journals([entries[:1], entries[1:]], journals)
-    os.replace(entries[0].temp, entries[0].target)
+    data.mkdir()
+    out.mkdir()
+    journals, _ = killed_set([data / "w.ptd", out / "m.pte"])
     return data, out, journals
 
 
@@ -407,8 +385,8 @@ def test_a_copy_of_one_folder_of_a_set_across_folders_is_refused(tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     before = {str(f): read_all(str(f)) for f in (data, out, copy)}
-    with pytest.raises(journal.RecoveryError, match=r"journal .*copy/.*: a journal of a set across folders, in a "
-                                                    r"folder of device/inode .* \(a copy\); refused"):
+    with pytest.raises(journal.RecoveryError, match=r"journal .*copy/.*: folder \[\d+, \d+\] is not the device and "
+                                                    r"inode of the folder it lies in .* refused"):
         journal.recover(str(copy))
     assert {str(f): read_all(str(f)) for f in (data, out, copy)} == before
     assert journal.recover(str(data)) == [(journals[0], "forward")]
