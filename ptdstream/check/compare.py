@@ -26,6 +26,7 @@ from ..format.reader import Artifact, parse_artifact, read_artifact
 from ..progress import progress_callback
 from ..reports import Report
 from ..sources import BufferRing, as_source
+from ..system.files import open_input
 from ..system.pagecache import drop_read
 from ..upstream import adapter
 
@@ -182,7 +183,7 @@ def compare_files(out_path: str, ref_path: str, chunk_nbytes: int = CHUNK_NBYTES
         ValueError: ``chunk_nbytes <= 0``.
     """
     out_path, ref_path = os.fspath(out_path), os.fspath(ref_path)
-    with open(out_path, "rb") as fo, open(ref_path, "rb") as fr, contextlib.ExitStack() as stack:
+    with open_input(out_path) as fo, open_input(ref_path) as fr, contextlib.ExitStack() as stack:
         out_n, ref_n = os.fstat(fo.fileno()).st_size, os.fstat(fr.fileno()).st_size
         out_kind, ref_kind = kind_of(os.pread(fo.fileno(), 8, 0)[4:]), kind_of(os.pread(fr.fileno(), 8, 0)[4:])
         if out_kind is not None and ref_kind is not None and out_kind != ref_kind:  # say why, not "offset 0"
@@ -251,7 +252,7 @@ def _cord_read_at(cord, chunk_nbytes: int) -> Callable[[int, int], bytes]:
 def _compare_cord(out_path: str, ref_label: str, cord, chunk_nbytes: int) -> CompareReport:
     ref_n = len(cord)
     try:
-        f = open(out_path, "rb")
+        f = open_input(out_path)
     except FileNotFoundError:
         return CompareReport(out_path, ref_label, None, ref_n, error="expected file is missing")
     with f:

@@ -27,7 +27,13 @@ import shutil
 import sys
 
 from ..errors import CheckpointMismatchError
-from ..system.files import check_regular_inputs, refuse_overwrite, refuse_stdout_input, stdout_input
+from ..system.files import (
+    check_regular_inputs,
+    refuse_overwrite,
+    refuse_stdin_output,
+    refuse_stdout_input,
+    stdout_input,
+)
 from . import (
     cmd_demo,
     cmd_extract,
@@ -225,7 +231,8 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     """Replace a ``-`` input by a temp copy of stdin (removed when ``stack`` closes).
 
     Raises:
-        OverwriteError: stdin is the file stdout is open on (checked before the copy).
+        OverwriteError: stdin is the file stdout is open on, or one of the outputs
+            (checked before the copy: afterwards the input is the copy).
     """
     for name in args.stdin:
         value = getattr(args, name)
@@ -235,6 +242,7 @@ def _read_stdin(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         if values.count("-") > 1:
             raise UsageError(f"ptdstream {args.command}: stdin (-) can be read once")
         refuse_stdout_input(["-"], hint=_stdout_hint(args))  # before the copy: afterwards the input is the copy
+        refuse_stdin_output(args.outputs(args))
         path = spool_stdin()
         args.stdin_spool = path  # errors name it as "-", not as the temp copy
         stack.callback(shutil.rmtree, os.path.dirname(path), True)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..check.runtime.kernels import parse_libraries
 from ..errors import LayoutError
+from ..system.files import open_input
 from .common import EXIT_INVALID, EXIT_OK, STDIN_NAME, add_command, print_error, print_report, progress_wanted
 from .errors import UsageError
 
@@ -153,7 +154,7 @@ def _kind(path: str) -> str | None:
     from ..format.identity import kind_of
 
     try:
-        with open(path, "rb") as f:
+        with open_input(path) as f:
             return kind_of(f.read(8)[4:])
     except OSError:
         return None

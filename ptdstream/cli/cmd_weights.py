@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from ..errors import PtdstreamError
 from ..sources.checkpoint import FORMATS
-from ..system.files import files_of
+from ..system.files import files_of, open_input
 from .common import EXIT_OK, STDIN_NAME, add_command, print_report, progress_wanted
 from .errors import UsageError
 
@@ -159,7 +159,7 @@ def _kind(path: str) -> str | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, "rb") as f:
+        with open_input(path) as f:
             return kind_of(f.read(8)[4:])
     except OSError:
         return None

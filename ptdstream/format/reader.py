@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from ..errors import FormatError
-from ..system.files import pread_bytes
+from ..system.files import open_input, pread_bytes
 from .artifact import Artifact, ReadAt, fail
 from .identity import HEAD_NBYTES, is_zstd, kind_of
 from .ptd_reader import parse_ptd
@@ -36,7 +36,7 @@ def read_artifact(path: str) -> Artifact:
         OSError: the file cannot be opened or read.
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         nbytes = os.fstat(f.fileno()).st_size
         fd = f.fileno()
 

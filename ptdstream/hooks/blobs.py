@@ -38,6 +38,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ..system.files import open_input
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .interop import EMITTER_HASHLIB, ByReference, FileBackedData
@@ -102,7 +103,7 @@ def file_blob(path: str | os.PathLike, sha256: bytes | None = None) -> FileBlob 
     nbytes = os.path.getsize(path)
     if nbytes == 0:
         return b""
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         # ACCESS_COPY: a private mapping (ctypes needs a writable buffer); nothing
         # ever writes to it, so every page stays the file's.
         mapping = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)

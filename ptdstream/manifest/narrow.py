@@ -21,6 +21,7 @@ import xxhash
 
 from ..errors import FormatError
 from ..format.reader import read_artifact
+from ..system.files import open_input
 
 __all__ = ["BLOCK_NBYTES", "RangeDigester", "bad_keys_of", "differing_sections", "key_ranges",
            "locate"]
@@ -152,7 +153,7 @@ def bad_keys_of(path: str, entry, ranges: dict[str, tuple[int, int]], digester: 
         if key in ranges:
             got = digester.digest(*ranges[key])
         elif key in located and located[key][1] - located[key][0] == nbytes:
-            with open(path, "rb") as f:
+            with open_input(path) as f:
                 f.seek(located[key][0])
                 got = xxhash.xxh3_128(f.read(nbytes)).digest()
         else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..format.fb_roots import shown
 from ..reports import Report
 from ..sources import FileRangeSource
+from ..system.files import open_input
 from .codec import IntegrityManifest, from_bytes
 from .describe import iter_piece_digests
 from .narrow import RangeDigester, bad_keys_of, differing_sections, locate
@@ -137,5 +138,5 @@ def verify_manifest(path: str, manifest: IntegrityManifest) -> ManifestCheck:
 
 def read_manifest(path: str) -> IntegrityManifest:
     """Read and parse a manifest file (it is small: metadata only)."""
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         return from_bytes(f.read(), path)

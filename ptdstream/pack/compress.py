@@ -34,7 +34,7 @@ from ..format.identity import (
 from ..progress import progress_callback
 from ..reports import Report, rate
 from ..sources.fingerprint import StreamingDigest
-from ..system.files import pread_exact
+from ..system.files import open_input_fd, pread_exact
 from ..write.stream_sink import open_sink, target_name
 from .seek_table import EMPTY_CHECKSUM, MAX_FRAME_NBYTES, MAX_FRAMES, ContentFrame, encode_seek_table, frame_checksum
 
@@ -180,7 +180,7 @@ def pack(source: str, target: str, *, level: int = DEFAULT_LEVEL, frame_nbytes: 
         raise LayoutError(f"threads {threads} is below 1: give at least one compression thread")
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        fd = os.open(os.fspath(source), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_input_fd(os.fspath(source))
         stack.callback(os.close, fd)
         nbytes = os.fstat(fd).st_size
         kind, head_nbytes = artifact_head(os.pread(fd, HEAD_NBYTES, 0), nbytes)

@@ -15,6 +15,7 @@ from ..errors import FormatError, IntegrityError
 from ..progress import progress_callback
 from ..reports import Report
 from ..sources.fingerprint import StreamingDigest
+from ..system.files import open_input_fd
 from ..write.stream_sink import open_sink, target_name
 from .compress import rate_mbps, speed_text
 from .plain import decompressed_pieces, file_ends, walk_frames, zstd_kind
@@ -126,7 +127,7 @@ def unpack(source: str, target: str, *, progress=False, max_frame_nbytes: int = 
 
 def _kind(source: str) -> tuple[str | None, bytes]:
     """:func:`~ptdstream.pack.plain.zstd_kind` of the file ``source``, and its first bytes."""
-    fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = open_input_fd(source)
     try:
         head, tail = file_ends(fd, os.fstat(fd).st_size)
     finally:
@@ -140,7 +141,7 @@ def _unpack_plain(source: str, target, start: float, *, progress, window_nbytes:
     walked first (:func:`~ptdstream.pack.plain.walk_frames`), then decompressed across
     its frames, each frame's checksum checked where it carries one."""
     with contextlib.ExitStack() as stack:
-        fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_input_fd(source)
         stack.callback(os.close, fd)
         file_nbytes = os.fstat(fd).st_size
         walked = walk_frames(source, fd, file_nbytes)

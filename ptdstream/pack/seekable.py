@@ -19,7 +19,7 @@ import zstandard
 
 from ..defaults import CHUNK_NBYTES
 from ..errors import FormatError, IntegrityError, StateError
-from ..system.files import pread_exact
+from ..system.files import open_input_fd, pread_exact
 from ..system.pagecache import drop_pages
 from .seek_table import (
     MAX_FRAME_NBYTES,
@@ -52,7 +52,7 @@ class SeekableReader:
     def __init__(self, path: str, *, max_frame_nbytes: int = MAX_FRAME_NBYTES, drop_pages: bool = True) -> None:
         self.path = os.fspath(path)
         self.drop_pages = drop_pages
-        self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd: int | None = open_input_fd(self.path)
         try:
             self.file_nbytes = os.fstat(self._fd).st_size
             self.table = read_seek_table(self.path, self.file_nbytes, self._pread, max_frame_nbytes)

@@ -5,8 +5,11 @@ Kinds, each read through its own library:
 
 * ``.safetensors`` file, or a Hugging Face sharded checkpoint
   (``model.safetensors.index.json``, its ``weight_map`` naming each key's shard):
-  ``safetensors.safe_open`` maps the file; each tensor is a view of that
-  mapping, whose file range is read piece by piece with ``pread``, its pages
+  the header is read and checked by ptdstream (one pass, bounded by its size:
+  :func:`~ptdstream.sources.safetensors_header.check_safetensors_header`), the
+  file mapped once as ``safetensors.safe_open`` maps it; each tensor is a view of
+  that mapping made when its key is first used, whose file range is read piece
+  by piece with ``pread``, its pages
   dropped after each piece (:class:`~ptdstream.sources.mapped.MappedTensorSource`
   with ``read_file``; through the mapping if the file was replaced since).
 * a ``torch.save`` state dict (a flat ``{key: tensor}``): ``torch.load(mmap=True,

@@ -7,6 +7,7 @@ file mapping. The kinds are in :mod:`ptdstream.sources.checkpoint_mapped`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,10 +21,12 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "CheckpointEntry"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CheckpointEntry:
     """One tensor of a checkpoint: its key, torch dtype, shape and dim order (from
-    its strides; ``(0, 1, ..., n-1)`` for row-major), and its size in bytes."""
+    its strides; ``(0, 1, ..., n-1)`` for row-major), its size in bytes, the file
+    it is in (``where``) and, where the file says it (safetensors), the file offset
+    of its first byte (``offset``, else None)."""
 
     key: str
     dtype: torch.dtype
@@ -31,6 +34,7 @@ class CheckpointEntry:
     dim_order: tuple[int, ...]
     nbytes: int
     where: str
+    offset: int | None = None
 
 
 class Checkpoint:
@@ -139,7 +143,7 @@ class Checkpoint:
                              "call it while the checkpoint is open")
         return mapped[key]
 
-    def _mapped(self) -> dict[str, torch.Tensor] | None:
+    def _mapped(self) -> Mapping[str, torch.Tensor] | None:
         """The mapped views by key, or None for a kind that loads its tensors."""
         return None
 

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -95,6 +97,7 @@ class DcpCheckpoint(Checkpoint):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        _refuse_special_files(path)
         try:
             metadata = FileSystemReader(path).read_metadata()
         except Exception as e:  # noqa: BLE001 - any failure of DCP's reader is reported as FormatError
@@ -126,6 +129,26 @@ class DcpCheckpoint(Checkpoint):
 
     def _source(self, key: str) -> Source:
         return DcpTensorSource(self.path, self.entries[key], self._load_one)
+
+
+def _refuse_special_files(folder: str) -> None:
+    """Refuse a FIFO, socket or device directly in the DCP folder (symlinks
+    followed): DCP's reader opens its files by name, blocking.
+
+    Raises:
+        OSError: (``EINVAL``) naming the file and its kind.
+    """
+    from ..system.files import not_regular
+
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            try:
+                mode = os.stat(entry.path).st_mode
+            except FileNotFoundError:  # a dangling link: DCP names it if it needs it
+                continue
+            refused = None if stat.S_ISDIR(mode) else not_regular(mode, entry.path)
+            if refused is not None:
+                raise refused
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -1,8 +1,9 @@
 """The memory-mapped checkpoint kinds: a ``.safetensors`` file or Hugging Face
-shards (``safetensors.safe_open``), and a ``torch.save`` state dict
+shards (mapped as ``safetensors.safe_open`` maps them), and a ``torch.save`` state dict
 (``torch.load(mmap=True, weights_only=True)``); each key's bytes read from the
 file with ``pread`` (:class:`~ptdstream.sources.mapped.MappedTensorSource`),
-each file's identity taken once, when it is opened.
+each file's identity taken once, when it is opened (non-blocking, a regular
+file only: :func:`_opened`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, cast
 
 from ..errors import CheckpointFileError, FormatError, IntegrityError
 from .base import Expectation, FileIdentity, Source
@@ -22,17 +23,28 @@ from .tensor import TensorSource
 
 if TYPE_CHECKING:
     import torch
-    from safetensors import safe_open
 
 __all__ = ["SafetensorsCheckpoint", "TorchCheckpoint"]
 
 
 def _dim_order(tensor: torch.Tensor) -> tuple[int, ...]:
-    from executorch.exir.tensor import dim_order_from_stride
+    """The dim order upstream's emitter gives ``tensor`` as a constant
+    (``exir/emit/_emitter.py``: a tensor neither contiguous nor channels-last
+    is made ``.contiguous()`` first; ``exir/tensor.py`` ``dim_order_from_stride``:
+    dims by stride, largest first, ties in order). A tensor with a zero stride
+    (an expanded view, ``Tensor.expand``) is row-major: its ``.contiguous()``
+    value, whose bytes :func:`_expanded_source` writes."""
+    strides = tensor.stride()
+    if 0 in strides:
+        return tuple(range(tensor.dim()))
+    return tuple(sorted(range(tensor.dim()), key=lambda d: -strides[d]))
 
-    if tensor.dim() == 0:
-        return ()
-    return tuple(int(d) for d in dim_order_from_stride(tensor.stride()))
+
+def _expanded_source(tensor: torch.Tensor, label: str) -> Source:
+    """The bytes upstream writes for an expanded view (a zero stride): its
+    ``.contiguous()`` value's, row-major. Memory: that value, made here (the view
+    repeats memory that the file holds once)."""
+    return TensorSource(tensor.contiguous(), f"{label} (expanded, written as .contiguous())")
 
 
 def _entry(key: str, tensor: torch.Tensor, where: str) -> CheckpointEntry:
@@ -42,16 +54,28 @@ def _entry(key: str, tensor: torch.Tensor, where: str) -> CheckpointEntry:
     )
 
 
-def _opened(path: str, open_file: Callable[[], None]) -> FileIdentity:
-    """Run ``open_file()`` (which maps the checkpoint file at ``path``) and return
-    the file's identity, the same before and after it (what each source checks).
+def _opened(path: str, read: Callable[[str], None]) -> FileIdentity:
+    """Open the checkpoint file at ``path`` without blocking (a regular file only:
+    :func:`~ptdstream.system.files.open_input_fd`), run ``read(name)`` (which maps
+    it) on a name of that very file (``/proc/self/fd/N`` where there is one:
+    what the library opens is the file checked, even if ``path`` is replaced in
+    between), and return the file's identity, the same before and after it
+    (what each source checks).
 
     Raises:
+        OSError: ``path`` cannot be opened, or is no regular file (a FIFO, socket,
+            device or folder, named with its kind), naming it.
         IntegrityError: the file was replaced or written to while it was opened.
     """
-    before = FileIdentity.of(os.stat(path))
-    open_file()
-    after = FileIdentity.of(os.stat(path))
+    from ..system.files import open_input_fd
+
+    fd = open_input_fd(path)
+    try:
+        before = FileIdentity.of(os.fstat(fd))
+        read(_name_of(fd, path))
+        after = FileIdentity.of(os.stat(path))
+    finally:
+        os.close(fd)
     if after != before:
         raise IntegrityError(
             f"checkpoint file {path}: changed while it was opened (device, inode, size, modification "
@@ -59,6 +83,13 @@ def _opened(path: str, open_file: Callable[[], None]) -> FileIdentity:
             "change while it is saved"
         )
     return before
+
+
+def _name_of(fd: int, path: str) -> str:
+    """A name that opens the file ``fd`` is open on: ``/proc/self/fd/N`` (Linux),
+    else ``path``."""
+    name = f"/proc/self/fd/{fd}"
+    return name if os.path.exists(name) else path
 
 
 def _unreadable(error: BaseException, path: str) -> OSError | None:
@@ -108,8 +139,11 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        self._handles: dict[str, safe_open] = {}
+        #: each file -> its private mapping (made when it is opened)
+        self._storages: dict[str, torch.UntypedStorage] = {}
+        #: the views made so far (:meth:`_view`: on first use)
         self._tensors: dict[str, torch.Tensor] = {}
+
         #: each file -> its identity when it was opened (checked at every read)
         self._opened: dict[str, FileIdentity] = {}
         if path.endswith(".json"):
@@ -143,29 +177,53 @@ class SafetensorsCheckpoint(Checkpoint):
                     + ", ".join(f"{k!r} ({shards[k]})" for k in lost[:20])
                 )
 
-    def _open_file(self, file: str, name: str, shards: dict[str, str] | None) -> None:
-        from safetensors import safe_open
+    def _open_file(self, file: str, name: str, shards: dict[str, str] | None, opened: str) -> None:
+        """Check and map ``file`` (``opened``: a name of it, see :func:`_opened`),
+        as ``safetensors.safe_open`` maps it (``UntypedStorage.from_file``, private):
+        its entries come from the checked header; no tensor is made yet."""
+        import torch
 
-        check_safetensors_header(file)
-        handle = safe_open(file, framework="pt")
-        self._handles[file] = handle
-        for key in handle.keys():  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
+        header = check_safetensors_header(opened, file)
+        self._storages[file] = cast("torch.UntypedStorage", torch.UntypedStorage.from_file(
+            opened, shared=False, nbytes=os.stat(opened).st_size))
+        orders: dict[int, tuple[int, ...]] = {}  # row-major dim order by rank, one tuple each
+        tensors = header.tensors
+        for key in sorted(tensors):  # safe_open's keys(): sorted; each record dropped once used
+            dtype_name, shape, begin, end = tensors.pop(key)
             if shards is not None and shards.get(key) != name:
                 continue  # the index names another shard for it
-            # a view of the mapping: nothing read yet
-            tensor = handle.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' stub: unannotated
+            dtype = _torch_dtype(dtype_name)
+            if dtype is None:
+                raise FormatError(f"{file}: key {key!r}: dtype {dtype_name} has no torch dtype here (torch "
+                                  f"{torch.__version__}); safetensors' torch loader cannot read it either")
+            order = orders.setdefault(len(shape), tuple(range(len(shape))))
+            self.entries[key] = CheckpointEntry(key, dtype, shape, order, end - begin, file,
+                                                header.data_offset + begin)
+
+    def _view(self, key: str) -> torch.Tensor:
+        """``key``'s tensor, a view of its file's mapping made on first use, as
+        ``safe_open(...).get_tensor`` makes it (the bytes as a ``uint8`` tensor,
+        viewed as the dtype, reshaped): nothing read."""
+        import torch
+
+        tensor = self._tensors.get(key)
+        if tensor is None:
+            entry = self.entries[key]
+            start = cast(int, entry.offset)  # every entry of this kind has one (made above)
+            storage = self._storages[entry.where][start:start + entry.nbytes]
+            tensor = torch.asarray(storage, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape)
             self._tensors[key] = tensor
-            self.entries[key] = _entry(key, tensor, file)
+        return tensor
 
     def files(self) -> list[str]:
         return [*([self.path] if self.path.endswith(".json") else []), *self._opened]
 
-    def _mapped(self) -> dict[str, torch.Tensor]:
-        return self._tensors
+    def _mapped(self) -> _LazyViews:
+        return _LazyViews(self)
 
     def _source(self, key: str) -> Source:
         where = self.entries[key].where
-        return _mapped_source(self._tensors[key], f"{where}: key {key!r}", self._opened[where])
+        return _mapped_source(self._view(key), f"{where}: key {key!r}", self._opened[where])
 
     def range_source(self, key: str, offset: int, nbytes: int) -> Source:
         where = self.entries[key].where
@@ -174,7 +232,47 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def close(self) -> None:
         self._tensors.clear()
-        self._handles.clear()
+        self._storages.clear()
+
+
+class _LazyViews(Mapping[str, "torch.Tensor"]):
+    """The views of a safetensors checkpoint as :meth:`Checkpoint.tensor` asks for
+    them: its keys (not derived ones) while their file is open, each view made on
+    first use."""
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint) -> None:
+        self._checkpoint = checkpoint
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        ckpt = self._checkpoint
+        entry = ckpt.entries.get(key)
+        if entry is None or key in ckpt.derived or entry.where not in ckpt._storages:
+            raise KeyError(key)
+        return ckpt._view(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key in self._checkpoint.entries if key in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype safetensors gives a tensor of dtype ``name`` (its
+    ``safetensors/torch.py`` ``_TYPES``), or None (packed 4- and 6-bit floats, a
+    dtype this torch lacks)."""
+    import torch
+
+    attr = _TORCH_DTYPES.get(name)
+    return getattr(torch, attr, None) if attr is not None else None
+
+
+#: safetensors' dtype names -> torch's dtype attributes (``safetensors/torch.py`` ``_TYPES``).
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                 "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2": "float8_e5m2",
+                 "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+                 "U64": "uint64", "U32": "uint32", "U16": "uint16"}
 
 
 def _keys_of(name: str, shards: dict[str, str]) -> str:
@@ -195,27 +293,22 @@ def _shard_error(index: str, name: str, shards: dict[str, str], error: OSError) 
 
 
 def _check_shard(index: str, folder: str, name: str, shards: dict[str, str]) -> None:
-    """Refuse a shard the index names that is missing or not a readable regular file.
+    """Refuse a shard the index names that is missing or not a readable regular file
+    (a FIFO, socket, device or folder: named with its kind, never waited on).
 
     Raises:
         CheckpointFileError: names the index, the shard and its keys.
     """
-    import errno
-    import stat
+    from ..system.files import open_input_fd
 
     file = os.path.join(folder, name)
     try:
-        st = os.stat(file)
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), file)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", file)
-        os.close(os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+        os.close(open_input_fd(file))
     except OSError as e:
         raise _shard_error(index, name, shards, e) from None
 
 
-def _byte_range(tensor: torch.Tensor, key: str, offset: int, nbytes: int) -> torch.Tensor:
+def _byte_range(tensor: torch.Tensor, key: str, offset: int, nbytes: int, path: str = "") -> torch.Tensor:
     """Bytes ``[offset, offset + nbytes)`` of a row-major tensor, as a view of its memory.
 
     Raises:
@@ -226,16 +319,18 @@ def _byte_range(tensor: torch.Tensor, key: str, offset: int, nbytes: int) -> tor
 
     size = tensor.numel() * tensor.element_size()
     if not tensor.is_contiguous():
-        raise FormatError(f"key {key!r}: not row-major (strides {tuple(tensor.stride())}): it cannot be read in "
-                          "byte ranges")
+        raise FormatError(f"{path + ': ' if path else ''}key {key!r}: not row-major (strides "
+                          f"{tuple(tensor.stride())}): it cannot be read in byte ranges")
     if offset < 0 or nbytes < 0 or offset + nbytes > size:
         raise ValueError(f"key {key!r}: bytes {offset}:{offset + nbytes} lie outside its {size} bytes")
     return tensor.reshape(-1).view(torch.uint8)[offset:offset + nbytes]
 
 
 def _hf_weight_map(path: str) -> dict[str, str]:
+    from ..system.files import open_input
+
     try:
-        with open(path, "rb") as f:
+        with open_input(path) as f:
             index = json.load(f)
         shards = index["weight_map"]
         if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
@@ -256,8 +351,10 @@ def _archive_byteorder(path: str) -> str:
     little when absent, as ``torch.load`` assumes); "unknown" if unreadable."""
     import zipfile
 
+    from ..system.files import open_input
+
     try:
-        with zipfile.ZipFile(path) as archive:
+        with open_input(path) as f, zipfile.ZipFile(f) as archive:
             names = [n for n in archive.namelist() if n.endswith("/byteorder") and n.count("/") == 1]
             return archive.read(names[0]).decode("ascii").strip() if names else "little"
     except (OSError, zipfile.BadZipFile, UnicodeDecodeError):
@@ -283,8 +380,8 @@ class TorchCheckpoint(Checkpoint):
 
         loaded: list[object] = []
         try:
-            self._opened = _opened(path, lambda: loaded.append(
-                torch.load(path, mmap=True, weights_only=True, map_location="cpu")))
+            self._opened = _opened(path, lambda name: loaded.append(
+                torch.load(name, mmap=True, weights_only=True, map_location="cpu")))
         except IntegrityError:
             raise
         except Exception as e:  # any other failure of torch.load is reported as FormatError
@@ -310,15 +407,17 @@ class TorchCheckpoint(Checkpoint):
             self.entries[key] = _entry(key, tensor, path)
 
     def range_source(self, key: str, offset: int, nbytes: int) -> Source:
-        return _mapped_source(_byte_range(self.tensor(key), key, offset, nbytes),
+        return _mapped_source(_byte_range(self.tensor(key), key, offset, nbytes, self.path),
                               f"{self.path}: key {key!r} bytes {offset}:{offset + nbytes}", self._opened,
                               read_file=self._native)
 
     def _source(self, key: str) -> Source:
+        tensor = self._tensors[key]
+        if 0 in tensor.stride() and not tensor.is_contiguous():
+            return _expanded_source(tensor, f"{self.path}: key {key!r}")
         # torch.load byte-swaps (in its private mapping) an archive saved with the
         # other byte order: then only the mapping has the bytes to write.
-        return _mapped_source(self._tensors[key], f"{self.path}: key {key!r}", self._opened,
-                              read_file=self._native)
+        return _mapped_source(tensor, f"{self.path}: key {key!r}", self._opened, read_file=self._native)
 
     def _mapped(self) -> dict[str, torch.Tensor]:
         return self._tensors

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 
 from ..errors import IntegrityError, LayoutError
-from ..system.files import pread_exact
+from ..system.files import open_input, open_input_fd, pread_exact
 from ..system.pagecache import READAHEAD_NBYTES, drop_pages, drop_read
 from .base import NO_EXPECTATION, BufferRing, Expectation, FileIdentity, Source
 
@@ -69,14 +69,14 @@ class FileRangeSource(Source):
     def prefix(self, nbytes: int = 32) -> bytes:
         """The first ``nbytes`` bytes; the pages read (and read ahead, up to
         :data:`~ptdstream.system.pagecache.READAHEAD_NBYTES`) are dropped again."""
-        with open(self.path, "rb") as f:
+        with open_input(self.path) as f:
             head = os.pread(f.fileno(), min(nbytes, self.nbytes), self.offset)
             drop_pages(f.fileno(), self.offset, min(self.nbytes, READAHEAD_NBYTES))
             return head
 
     def pieces(self, ring: BufferRing, keep_cache: bool = False) -> Iterator[memoryview]:
         """``keep_cache``: leave the pages read in the page cache (bytes read again soon)."""
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_input_fd(self.path)
         try:
             # taken at hand-over by someone else: it must not have changed since either
             self._check_identity(fd, "before it was read",

@@ -16,11 +16,11 @@ import os
 import re
 from collections.abc import Iterator
 from json import decoder
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from ..errors import FormatError
 
-__all__ = ["SAFETENSORS_MAX_HEADER_NBYTES", "check_safetensors_header"]
+__all__ = ["SAFETENSORS_MAX_HEADER_NBYTES", "Header", "Tensor", "check_safetensors_header"]
 
 #: ``safetensors``' own limit on a header (``MAX_HEADER_SIZE``, safetensors/src/tensor.rs), bytes.
 SAFETENSORS_MAX_HEADER_NBYTES = 100_000_000
@@ -43,37 +43,68 @@ _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 _scanstring = decoder.scanstring  # type: ignore[attr-defined]  # in json/decoder.py, not in typeshed's stub
 #: A JSON scalar, and a tensor's ``(dtype, shape, data_offsets)`` as the header gives them.
 Scalar = str | int | float | bool | None
-Entry = tuple[Scalar | list[Scalar], Scalar | list[Scalar], Scalar | list[Scalar]]
+Entry = tuple[Scalar | list[Scalar], Scalar | list[Scalar] | tuple[int, ...], Scalar | list[Scalar] | tuple[int, ...]]
 
 
-def check_safetensors_header(path: str) -> None:
+#: A tensor of the header once checked: safetensors dtype name, shape, data_offsets begin and end.
+Tensor = tuple[str, tuple[int, ...], int, int]
+
+
+class Header(NamedTuple):
+    """A checked header: the file offset of the data's first byte (``8 +`` header
+    size) and the tensors, ``{key: (dtype, shape, begin, end)}`` (safetensors'
+    dtype name, ``data_offsets`` counted from the data's first byte)."""
+
+    data_offset: int
+    tensors: dict[str, Tensor]
+
+
+def check_safetensors_header(path: str, name: str | None = None) -> Header:
     """Check the header of the ``.safetensors`` file at ``path`` against the file
-    before ``safetensors`` maps it: the header size (8 bytes, little-endian) fits
-    the file and ``SAFETENSORS_MAX_HEADER_NBYTES``; every tensor's dtype is
-    one safetensors knows; its ``data_offsets`` lie inside the data, in order, without overlap; its shape
-    times its dtype's size is its byte count. Reads the header only (memory:
-    its size, at most the file's).
+    before ``safetensors`` maps it, and return its tensors (:class:`Header`; the
+    last of a repeated key, as safetensors keeps; each checked as it is read): the
+    header size (8 bytes, little-endian) fits the file and
+    ``SAFETENSORS_MAX_HEADER_NBYTES``; every tensor's dtype is one safetensors
+    knows; its ``data_offsets`` lie inside the data, in order, without overlap;
+    its shape times its dtype's size is its byte count. ``path`` is opened
+    without blocking and must be a regular file
+    (:func:`~ptdstream.system.files.open_input`); messages name the file
+    ``name`` (default ``path``).
+
+    Reads the header only, and is bounded by it whatever it holds. Time: one
+    pass over its text, a fixed amount of work a tensor (a tensor as safetensors
+    writes it is read with one regex match), plus one sort of the spans when the
+    header does not give them in data order. Memory: the header twice (its bytes
+    and its text, each at most ``SAFETENSORS_MAX_HEADER_NBYTES``) plus one record
+    a tensor, kept (its key, dtype name, two offsets and its shape, shared by the
+    tensors of one shape). A tensor of no bytes costs what any other does.
+    Figures: benchmarks/README.md (``bench_header.py``).
 
     Raises:
         FormatError: naming the file, the key and the offset (bytes from the
             start of the data, which begins at ``8 + header size``).
-        OSError: the file cannot be read.
+        OSError: the file cannot be opened or read, or is no regular file (a
+            FIFO, socket, device or folder), naming it.
     """
-    with open(path, "rb") as f:
+    from ..system.files import open_input
+
+    named = path if name is None else name
+    with open_input(path) as f:
         file_nbytes = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
-            raise FormatError(f"{path}: {file_nbytes} bytes, too short for a safetensors header size (8 bytes)")
+            raise FormatError(f"{named}: {file_nbytes} bytes, too short for a safetensors header size (8 bytes)")
         header_nbytes = int.from_bytes(head, "little")
         if header_nbytes > min(file_nbytes - 8, SAFETENSORS_MAX_HEADER_NBYTES):
-            raise FormatError(f"{path}: header size {header_nbytes} at offset 0 is larger than the "
-                              f"{file_nbytes - 8} bytes after it (or safetensors' limit "
+            raise FormatError(f"{named}: header size {header_nbytes} at offset 0 is larger than the "
+                              f"{max(file_nbytes - 8, 0)} bytes after it (or safetensors' limit "
                               f"{SAFETENSORS_MAX_HEADER_NBYTES}): not a safetensors file, or cut")
         raw = f.read(header_nbytes)
     data_nbytes = file_nbytes - 8 - header_nbytes
-    spans = []
-    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, path).items():
-        where = f"{path}: key {key!r}"
+    tensors: dict[str, Tensor] = {}
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple for each shape the header repeats
+    for key, (dtype, given_shape, given_offsets) in _tensor_entries(raw, named):
+        where = f"{named}: key {key!r}"
         offsets, shape = _integers(given_offsets), _integers(given_shape)
         if offsets is None or len(offsets) != 2 or shape is None or any(d < 0 for d in shape):
             raise FormatError(f"{where}: the header gives no valid data_offsets [begin, end] and shape "
@@ -94,22 +125,49 @@ def check_safetensors_header(path: str) -> None:
                 break  # more than the file holds: no need to multiply out a huge shape
         if nbits != 8 * (end - begin):
             need = f"{nbits // 8}" if nbits <= 8 * data_nbytes else f"more than the {data_nbytes}"
-            raise FormatError(f"{where}: shape {shape!r:.80} of {dtype} needs {need} bytes, "
+            raise FormatError(f"{where}: shape {list(shape)!r:.80} of {dtype} needs {need} bytes, "
                               f"data_offsets [{begin}, {end}] (from file offset {8 + header_nbytes}) "
                               f"hold {end - begin}")
-        spans.append((begin, end, key))
-    spans.sort()
-    for (b0, e0, k0), (b1, _e1, k1) in itertools.pairwise(spans):
-        if b1 < e0:
-            raise FormatError(f"{path}: key {k1!r} at data offset {b1} overlaps key {k0!r} [{b0}, {e0})")
+        tensors[key] = (str(dtype), shapes.setdefault(shape, shape), begin, end)  # a repeated key: the last
+    _check_spans(named, tensors)
+    return Header(8 + header_nbytes, tensors)
 
 
+def _check_spans(path: str, tensors: dict[str, Tensor]) -> None:
+    """Refuse tensors whose bytes overlap: one pass when the header lists them in
+    data order (as safetensors writes them), else one sort of the spans.
 
-def _integers(value: Scalar | list[Scalar]) -> list[int] | None:
-    """``value`` if it is a list of integers (not booleans), else None."""
+    Raises:
+        FormatError: naming both keys and the data offsets.
+    """
+    last = (0, 0, "")
+    for key, (_, _, begin, end) in tensors.items():
+        span = (begin, end, key)
+        if span < last:
+            break
+        if begin < last[1]:
+            _overlap(path, last, span)
+        last = span
+    else:
+        return
+    spans = sorted((b, e, k) for k, (_, _, b, e) in tensors.items())
+    for first, then in itertools.pairwise(spans):
+        if then[0] < first[1]:
+            _overlap(path, first, then)
+
+
+def _overlap(path: str, first: tuple[int, int, str], then: tuple[int, int, str]) -> NoReturn:
+    raise FormatError(f"{path}: key {then[2]!r} at data offset {then[0]} overlaps key {first[2]!r} "
+                      f"[{first[0]}, {first[1]})")
+
+
+def _integers(value: Scalar | list[Scalar] | tuple[int, ...]) -> tuple[int, ...] | None:
+    """``value`` as a tuple if it is a list of integers (not booleans), else None."""
+    if isinstance(value, tuple):  # read by the one match: integers already
+        return value
     if not isinstance(value, list):
         return None
-    out = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    out = tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
     return out if len(out) == len(value) else None
 
 
@@ -218,9 +276,9 @@ class _Cursor:
                 return
 
 
-def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
-    """Every tensor of the header as ``{key: (dtype, shape, data_offsets)}`` (None
-    for a field not given; the last of a repeated key), read in one pass
+def _tensor_entries(raw: bytes, path: str) -> Iterator[tuple[str, Entry]]:
+    """Every tensor of the header as ``(key, (dtype, shape, data_offsets))`` (None
+    for a field not given; a repeated key as often as it is there), read in one pass
     (safetensors/src/tensor.rs ``HashMetadata``): ``__metadata__`` must be null or
     an object of strings (``HashMap<String, String>``) and is not kept, a field
     safetensors ignores is stepped over, nothing else is built.
@@ -237,7 +295,6 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
     cursor = _Cursor(text, path)
     if cursor.peek() != "{":
         cursor.fail("the header is not a JSON object")
-    entries: dict[str, Entry] = {}
     for key in cursor.members():
         if key == "__metadata__":
             if cursor.peek() != "{":
@@ -256,8 +313,8 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
         if written is not None:
             cursor.i = written.end()
             dims = written.group(2)
-            entries[key] = (written.group(1), [int(d) for d in dims.split(",")] if dims else [],
-                            [int(written.group(3)), int(written.group(4))])
+            yield key, (written.group(1), tuple(map(int, dims.split(","))) if dims else (),
+                        (int(written.group(3)), int(written.group(4))))
             continue
         if cursor.peek() != "{":
             cursor.skip(key)  # not an object: refused as giving no data_offsets and shape
@@ -267,7 +324,6 @@ def _tensor_entries(raw: bytes, path: str) -> dict[str, Entry]:
                     fields[field] = cursor.flat(key)
                 else:
                     cursor.skip(key)
-        entries[key] = (fields.get("dtype"), fields.get("shape"), fields.get("data_offsets"))
+        yield key, (fields.get("dtype"), fields.get("shape"), fields.get("data_offsets"))
     if cursor.peek():
         cursor.fail("text after the header's object")
-    return entries

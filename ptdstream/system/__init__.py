@@ -10,10 +10,13 @@
   windows (the sink's, and each rank's of :mod:`ptdstream.distributed`).
 * ``threads``: ``FdThread``, the writer, writeback and O_DIRECT threads, waited
   for through Ctrl-C before their file descriptor is closed.
-* ``files``: exact ``pread``/``pwrite``, input checks, ``same_file`` /
+* ``files``: exact ``pread``/``pwrite``, input checks, ``open_input`` /
+  ``open_input_fd`` (every input opened non-blocking, a regular file only: a FIFO,
+  socket, device or folder refused by name and kind), ``same_file`` /
   ``refuse_overwrite``, ``stdout_input`` / ``refuse_stdout_input`` (standard output
-  open on an input; ``-`` compares stdin's file), ``files_of`` (a folder input's
-  files), the case-sensitivity probe.
+  open on an input; ``-`` compares stdin's file), ``refuse_stdin_output`` (standard
+  input open on an output), ``files_of`` (a folder input's files), the
+  case-sensitivity probe.
 * ``heap``: ``malloc_trim``, the C heap's free pages handed back to the system.
 * ``fsops``: every publishing rename, link, unlink and fsync, behind one hook
   that tests use to kill a process at each of them.

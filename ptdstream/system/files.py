@@ -6,9 +6,10 @@ import errno
 import os
 import stat
 from collections.abc import Iterable
+from typing import BinaryIO
 
-__all__ = ["case_insensitive", "check_regular_inputs", "files_of", "pread_bytes", "pread_exact", "pwrite_all",
-           "refuse_overwrite", "same_file"]
+__all__ = ["case_insensitive", "check_regular_inputs", "files_of", "not_regular", "open_input", "open_input_fd",
+           "pread_bytes", "pread_exact", "pwrite_all", "refuse_overwrite", "refuse_stdin_output", "same_file"]
 
 
 def pread_exact(fd: int, view: memoryview, offset: int) -> int:
@@ -70,10 +71,74 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> int:
     return total
 
 
+#: What each kind of file that is not a regular one is, for messages.
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe): reading it could wait forever"),
+          (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device: it may never end"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def not_regular(mode: int, path: str, block_device: bool = False) -> OSError | None:
+    """The error for a file of ``mode`` (``st_mode``) at ``path`` that is no regular
+    file (nor, with ``block_device``, a block device), or None when it is one.
+
+    Returns:
+        ``IsADirectoryError`` for a folder; an ``OSError`` (``EINVAL``) naming
+        ``path`` and its kind ("a FIFO (named pipe) ..., not a regular file")
+        for a FIFO, socket or device.
+    """
+    if stat.S_ISREG(mode) or (block_device and stat.S_ISBLK(mode)):
+        return None
+    if stat.S_ISDIR(mode):
+        return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    kind = next((what for test, what in _KINDS if test(mode)), "of an unknown kind")
+    return OSError(errno.EINVAL, f"{kind}, not a regular file", path)
+
+
+def open_input_fd(path: str, block_device: bool = False) -> int:
+    """Open ``path`` for reading without blocking and return its descriptor, only
+    if it is a regular file (or, with ``block_device``, a block device): opened
+    ``O_RDONLY | O_NONBLOCK`` (a FIFO's open does not wait for a writer), then
+    ``fstat`` on the descriptor (the file opened, not whatever the name points at
+    by then), then set blocking again. Symlinks are followed; the file's kind is
+    the target's. Every file ptdstream reads and did not just write is opened
+    here (or through :func:`open_input`); the caller closes the descriptor.
+
+    Raises:
+        IsADirectoryError: a folder, naming it.
+        OSError: (``EINVAL``) a FIFO, socket or device, naming the path and its
+            kind; or the system's error (missing, permission), naming the path.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:  # a socket cannot be opened at all (ENXIO): say what it is
+        if e.errno == errno.ENXIO:
+            refused = not_regular(os.stat(path).st_mode, os.fspath(path), block_device)
+            if refused is not None:
+                raise refused from None
+        raise
+    try:
+        refused = not_regular(os.fstat(fd).st_mode, os.fspath(path), block_device)
+        if refused is not None:
+            raise refused
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_input(path: str, block_device: bool = False) -> BinaryIO:
+    """:func:`open_input_fd` as a buffered binary file (as ``open(path, "rb")``
+    gives); the same checks and errors."""
+    return os.fdopen(open_input_fd(path, block_device), "rb")
+
+
 def check_regular_inputs(paths: Iterable[str]) -> None:
     """Refuse, before opening anything, inputs that are not regular files: a
     folder, a FIFO (opening it would block) or a device (it may never end).
-    Missing files pass: the command reports them after its own checks.
+    Missing files pass: the command reports them after its own checks. (What
+    then opens them, :func:`open_input_fd`, checks the opened file again.)
 
     Raises:
         IsADirectoryError: a folder.
@@ -86,8 +151,9 @@ def check_regular_inputs(paths: Iterable[str]) -> None:
             continue
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
+        refused = not_regular(mode, path)
+        if refused is not None:
+            raise refused
 
 
 def files_of(path: str | None) -> list[str]:
@@ -164,6 +230,44 @@ def refuse_overwrite(inputs: Iterable[str], outputs: Iterable[str], force: bool 
             raise OverwriteError(f"output {output} exists; use -f/--force to replace it")
 
 
+def _file_of_fd(fd: int) -> os.stat_result | None:
+    """``fstat(fd)`` when ``fd`` is open on a regular file, else None (closed, a
+    pipe, a terminal, ``/dev/null``: no file a command could destroy)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:  # closed
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def refuse_stdin_output(outputs: Iterable[str | None], fd: int = 0) -> None:
+    """Refuse, before standard input is read and anything is written, an output
+    that is the file ``fd`` (standard input) is open on, by device and inode
+    (``ptdstream pack - -o F -f < F``): replacing it would destroy the input.
+    A pipe or terminal is no file and passes; an output that does not exist yet
+    cannot be it. (:func:`refuse_stdout_input` is the same rule for standard
+    output and the inputs.)
+
+    Raises:
+        OverwriteError: naming the output.
+    """
+    from ..errors import OverwriteError
+
+    st = _file_of_fd(fd)
+    if st is None:
+        return
+    for output in outputs:
+        if output is None:
+            continue
+        try:
+            out = os.stat(output)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if (out.st_dev, out.st_ino) == (st.st_dev, st.st_ino):
+            raise OverwriteError(f"output {output} is the file standard input (-) reads: writing it would "
+                                 "destroy the input; choose another output path")
+
+
 def stdout_input(inputs: Iterable[str | None], fd: int = 1) -> str | None:
     """The input that file descriptor ``fd`` (standard output) is open on, by
     device and inode (``fstat``, as zstd compares them), or None. Only a regular
@@ -174,23 +278,16 @@ def stdout_input(inputs: Iterable[str | None], fd: int = 1) -> str | None:
     (``< F`` with ``1<> F``), and so is a file named ``-``; it is returned as
     ``"- (stdin)"``.
     """
-    try:
-        out = os.fstat(fd)
-    except OSError:  # closed
-        return None
-    if not stat.S_ISREG(out.st_mode):
+    out = _file_of_fd(fd)
+    if out is None:
         return None
     for path in inputs:
         if path is None:
             continue
         if path == "-":
-            try:
-                st = os.fstat(0)
-            except OSError:  # closed
-                pass
-            else:
-                if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
-                    return "- (stdin)"
+            st = _file_of_fd(0)
+            if st is not None and (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
+                return "- (stdin)"
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):

@@ -8,6 +8,8 @@ import mmap
 import os
 from typing import NamedTuple
 
+from .files import open_input_fd
+
 __all__ = [
     "FOLIO_NBYTES",
     "READAHEAD_NBYTES",
@@ -55,7 +57,7 @@ def resident_nbytes(path: str) -> int:
     size = os.path.getsize(path)
     if size == 0:
         return 0
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_input_fd(path)
     try:
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):

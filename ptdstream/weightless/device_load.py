@@ -45,6 +45,7 @@ from typing import Any
 from ..defaults import CHUNK_NBYTES
 from ..errors import IntegrityError
 from ..sources.base import BufferRing, FileIdentity, Source
+from ..system.files import open_input_fd
 from ..system.pagecache import private_copies
 
 __all__ = ["DeviceLoad", "HostStaging", "PinnedStaging", "itemsize", "load_to_device"]
@@ -215,7 +216,7 @@ def _file_pieces(load: DeviceLoad, path: str, staging: HostStaging) -> Iterator[
             f"{numel * size_in} bytes from offset {load.offset} (to offset {load.offset + numel * size_in}); "
             "the file was truncated: export again from a complete checkpoint")
 
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = open_input_fd(path)
     try:
         _check_identity(fd, load, "before it was read")
         for i, piece in enumerate(pread_pieces(fd, load.offset, numel * size_in,

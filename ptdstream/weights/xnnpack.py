@@ -29,6 +29,7 @@ import os
 from collections.abc import Callable
 
 from ..sources import BufferRing, FileRangeSource
+from ..system.files import open_input
 
 __all__ = ["XNNPACK_ALIGNMENT", "XNNPACK_ID", "delegates_all_xnnpack", "find_all", "match_keys",
            "rewritten_program_plan"]
@@ -113,7 +114,7 @@ def find_all(path: str, keys: list[str], problems: list[str]) -> dict[str, list[
     positions: dict[str, set] = {k: set() for k in keys}
     needles = [(k, k.encode()) for k in keys]
     overlap = max((len(k) for k in keys), default=1) - 1
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         offset, tail = 0, b""
         while True:
             block = f.read(_SCAN_NBYTES)

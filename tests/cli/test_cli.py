@@ -96,7 +96,7 @@ def test_permission_error_from_the_reader_exits_2(tmp_path, capsys, monkeypatch)
     def denied(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", os.fspath(path))
 
-    monkeypatch.setattr("ptdstream.format.reader.open", denied, raising=False)
+    monkeypatch.setattr("ptdstream.format.reader.open_input", denied)  # the reader opens its file through it
     rc, stdout, err = _run(capsys, "verify", ref)
     assert (rc, stdout) == (2, "")
     assert _one_line(err) == f"ptdstream: cannot read {ref}: Permission denied"

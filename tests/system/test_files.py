@@ -56,3 +56,33 @@ def test_refuse_overwrite(tmp_path):
     refuse_overwrite([str(a)], [str(out)], force=True)
     with pytest.raises(OverwriteError, match=r"output .*/a is also an input: "):
         refuse_overwrite([str(a)], [str(a)], force=True)
+
+
+def test_open_input_fd_refuses_what_is_no_regular_file_by_name_and_kind_without_waiting(tmp_path):
+    """A FIFO with no writer (a blocking open would wait forever), a link to one, a
+    socket, character devices and a folder: each refused at once, naming the path."""
+    import errno
+    import socket
+
+    from ptdstream.system.files import open_input, open_input_fd
+
+    fifo, link, sock = tmp_path / "fifo", tmp_path / "link", tmp_path / "sock"
+    os.mkfifo(fifo)
+    link.symlink_to(fifo)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(sock))
+    s.close()
+    fifo_said = "a FIFO (named pipe): reading it could wait forever, not a regular file"
+    for path, said in ((fifo, fifo_said), (link, fifo_said), (sock, "a socket, not a regular file"),
+                       ("/dev/null", "a character device: it may never end, not a regular file"),
+                       ("/dev/zero", "a character device: it may never end, not a regular file")):
+        with pytest.raises(OSError) as raised:
+            open_input_fd(str(path))
+        assert (raised.value.errno, raised.value.strerror, raised.value.filename) == (errno.EINVAL, said, str(path))
+    with pytest.raises(IsADirectoryError) as raised:
+        open_input(str(tmp_path))
+    assert raised.value.filename == str(tmp_path)
+    regular = tmp_path / "f"
+    regular.write_bytes(b"abc")
+    with open_input(str(regular)) as f:
+        assert f.read() == b"abc" and os.get_blocking(f.fileno())

@@ -27,6 +27,7 @@ from collections.abc import Sequence, Set
 
 from ...format.fb_roots import flat_tensor_root, program_root
 from ...format.reader import Artifact
+from ...system.files import open_input
 from .errors import RuleError
 from .method import check_method
 from .rules import HEAD_NBYTES, ProgramFile, PtdMap, check_program, default_planned_limit
@@ -39,7 +40,7 @@ LOADERS = {"runtime": "executorch.runtime (load_program, one data file)",
 
 
 def _read(path: str, nbytes: int) -> bytes:
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         return f.read(nbytes)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence, Set
 from ...format.fb_roots import union_tensor
 from ...format.program_fb.InstructionArguments import InstructionArguments as IA
 from ...format.program_fb.KernelTypes import KernelTypes as KT
+from ...system.files import open_input
 from .errors import RuleError
 from .kernels import unregistered_hint
 from .rules import (
@@ -277,7 +278,7 @@ def _check_delegates(pte: ProgramFile, plan, where: str, backends, ptds: Sequenc
 
 
 def _read_range(path: str, offset: int, nbytes: int) -> bytes:
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         f.seek(offset)
         return f.read(nbytes)
 
