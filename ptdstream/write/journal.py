@@ -60,7 +60,7 @@ from ..system import fsops
 from . import tempfiles
 from .journal_codec import JOURNAL_VERSION, FileState, Journal, JournalEntry, read_journal_file
 from .journal_peers import set_journals
-from .journal_state import check_on_disk, check_proofs
+from .journal_state import backup_there, check_on_disk, check_proofs
 from .journal_write import write_journal as _write_journal  # noqa: F401  (tests plant journals through it)
 from .journal_write import write_journals as _write_journals
 
@@ -188,7 +188,7 @@ def _roll_forward(entries: Sequence[JournalEntry]) -> None:
 
 def _roll_back(entries: Sequence[JournalEntry]) -> None:
     for entry in reversed(entries):
-        if entry.backup is not None and os.path.lexists(entry.backup):
+        if entry.backup is not None and backup_there(entry):
             # The backup is the previous file (a hard link made before the journal):
             # putting it back is right whether or not the new file got there.
             fsops.replace(entry.backup, entry.target)
@@ -202,7 +202,7 @@ def _roll_back(entries: Sequence[JournalEntry]) -> None:
 
 def _finish(journal: str, entries: Sequence[JournalEntry]) -> None:
     for entry in entries:
-        if entry.backup is not None:
+        if entry.backup is not None and backup_there(entry):  # not a file another user put at a freed backup name
             fsops.unlink(entry.backup)
     fsops.unlink(journal)
     fsops.fsync_dir(os.path.dirname(journal))
@@ -251,7 +251,7 @@ def _act(checked: Journal, forward: bool, keep_journal: bool = False) -> None:
         _roll_back(checked.entries)
     if keep_journal:  # a member is left: the main journal goes last
         for entry in checked.entries:
-            if entry.backup is not None:
+            if entry.backup is not None and backup_there(entry):
                 fsops.unlink(entry.backup)
         return
     _finish(checked.path, checked.entries)
