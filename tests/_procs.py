@@ -37,3 +37,28 @@ def wait_status(pid: int, timeout_s: float = 60.0) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail(f"child {pid} still running after {timeout_s} s")
+
+
+def killed_at(n: int, fn) -> bool:
+    """Run ``fn`` in a forked child killed by SIGKILL just before its ``n``-th publishing
+    call (``ptdstream.system.fsops``' hook, 1-based); whether the kill happened (otherwise
+    ``fn`` must have succeeded)."""
+    from ptdstream.system import fsops
+
+    def child():
+        count = [0]
+
+        def hook(op, path):
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        fsops.set_hook(hook)
+        fn()
+
+    status = wait_status(fork(child), 60.0)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.waitstatus_to_exitcode(status) == 0, f"the save killed at {n} failed on its own"
+    return False
