@@ -475,3 +475,33 @@ def test_a_save_killed_at_each_publishing_call_then_every_free_name_filled_by_an
         assert len(versions) == 1, (n, versions)
         assert sorted(os.listdir(folder)) == sorted(["w.ptd", "model.pte"] + [os.path.basename(p) for p in free])
     assert n > 10 and filled > 5
+
+
+@root_only
+def test_another_user_locking_a_temp_file_just_created_does_not_hang_the_save(shared, monkeypatch):
+    # The writer locks its temp file right after creating it (0644: anyone may open it); another
+    # user who takes that lock first, watching the folder, and keeps it, used to make the writer
+    # wait forever. The race is won here every time: the lock is taken between create and flock.
+    taken = []
+
+    class Racing:
+        def __getattr__(self, name):
+            return getattr(fcntl, name)
+
+        def flock(self, fd, op):
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if path.endswith(".tmp") and not taken:
+                taken.append(path)
+                with attacker_holding_lock(path):
+                    try:
+                        return fcntl.flock(fd, op | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        if not op & fcntl.LOCK_NB:
+                            raise AssertionError(f"the writer waits for another user's lock on {path}") from None
+                        raise
+            return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(tempfiles, "fcntl", Racing())
+    write(os.path.join(shared, "model.pte"), b"saved")
+    assert taken and read(os.path.join(shared, "model.pte")) == b"saved"
+    assert os.listdir(shared) == ["model.pte"]  # the file the other user locked is gone too
