@@ -92,3 +92,28 @@ def wait_ranks(procs, folder: str, safety_s: float = SAFETY_S) -> str | None:
             p.join()
         return f"{problem}; ready: {ready}; every rank ended"
     return None
+
+
+def killed_at(n: int, fn) -> bool:
+    """Run ``fn`` in a forked child killed by SIGKILL just before its ``n``-th publishing
+    call (``ptdstream.system.fsops``' hook, 1-based); whether the kill happened (otherwise
+    ``fn`` must have succeeded)."""
+    from ptdstream.system import fsops
+
+    def child():
+        count = [0]
+
+        def hook(op, path):
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        fsops.set_hook(hook)
+        fn()
+
+    status = wait_status(fork(child), SAFETY_S)
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.waitstatus_to_exitcode(status) == 0, f"the save killed at {n} failed on its own"
+    return False

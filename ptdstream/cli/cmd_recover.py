@@ -81,7 +81,8 @@ def _links(folder):
     """``[(link path, folder its file lies in)]`` for each symlink of ``folder`` to
     a file (or to nothing yet: a target a save writes through) in an existing
     folder, resolved as the writer resolves a target; a link to a folder is no
-    target and is skipped."""
+    target and is skipped, and so is one the writer refuses to follow (another
+    user's link in a sticky folder, a loop: :func:`ptdstream.write.folder.resolve_target`)."""
     from ..write.folder import resolve_target
 
     try:
@@ -92,7 +93,10 @@ def _links(folder):
     for name in names:
         path = os.path.join(folder, name)
         if os.path.islink(path) and not os.path.isdir(path):
-            linked = os.path.dirname(resolve_target(os.path.abspath(path)))
+            try:
+                linked = os.path.dirname(resolve_target(os.path.abspath(path)))
+            except OSError:
+                continue
             if os.path.isdir(linked):
                 out.append((path, linked))
     return out

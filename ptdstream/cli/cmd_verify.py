@@ -88,8 +88,14 @@ def unrecovered_sets(files):
     from ..write.folder import resolve_target
     from ..write.journal import unrecovered
 
+    def written(path):  # a link the writer refuses (another user's, a loop) had nothing written through it
+        try:
+            return resolve_target(path)
+        except OSError:
+            return path
+
     folders = sorted({os.path.dirname(p) for f in files
-                      for p in (os.path.abspath(f), resolve_target(os.path.abspath(f)))})
+                      for p in (os.path.abspath(f), written(os.path.abspath(f)))})
     return [p for folder in folders for p in unrecovered(folder)]
 
 

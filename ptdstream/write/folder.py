@@ -7,7 +7,9 @@ temp file there (a sink used on its own runs it itself; a set-level writer runs
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 from ..system import fsops
 from . import journal
@@ -34,9 +36,46 @@ def prepare_folder(folder: str) -> None:
             pass
 
 
+#: Links followed before a chain counts as a loop (Linux's MAXSYMLINKS).
+_MAX_LINKS = 40
+
+
 def resolve_target(target: str) -> str:
     """The file a write to ``target`` replaces: ``target`` itself, or, when it is a
-    symlink, the file the link points to (followed to the end, as ``open`` does)."""
-    if os.path.islink(target):
-        return os.path.realpath(target)
-    return target
+    symlink, the file the link points to (followed to the end, as ``open`` does).
+
+    A link is followed only where the kernel's ``fs.protected_symlinks`` rule would
+    let ``open`` follow it, whatever that setting is (``realpath`` follows links
+    in user space, past the kernel's check): a link in a sticky world-writable
+    folder (``/tmp``, mode 1777) that is owned neither by this process's
+    effective uid nor by the folder's owner was planted there by another user.
+
+    Raises:
+        PermissionError: (EACCES) such a link, naming it, its owner and the folder.
+        OSError: (ELOOP) a chain of more than 40 links.
+    """
+    if not os.path.islink(target):
+        return target
+    path = target
+    for _ in range(_MAX_LINKS):
+        if not os.path.islink(path):
+            return os.path.realpath(path)
+        _refuse_foreign_link(path)
+        path = os.path.join(os.path.dirname(path), os.readlink(path))
+    raise OSError(errno.ELOOP, f"cannot write {target}: more than {_MAX_LINKS} symbolic links", target)
+
+
+def _refuse_foreign_link(link: str) -> None:
+    """Raise PermissionError when the kernel's ``fs.protected_symlinks`` rule forbids following ``link``."""
+    folder = os.path.dirname(os.path.abspath(link))
+    st, dst = os.lstat(link), os.stat(folder)
+    euid = os.geteuid()
+    if not (dst.st_mode & stat.S_ISVTX and dst.st_mode & stat.S_IWOTH) or st.st_uid in (euid, dst.st_uid):
+        return
+    raise PermissionError(
+        errno.EACCES,
+        f"cannot write through {link}: a symbolic link owned by uid {st.st_uid} in the sticky, world-writable "
+        f"folder {folder} (owned by uid {dst.st_uid}) is another user's, not followed (the kernel's "
+        f"fs.protected_symlinks rule); remove it or choose another path",
+        link,
+    )

@@ -60,7 +60,7 @@ from ..system import fsops
 from . import tempfiles
 from .journal_codec import JOURNAL_VERSION, FileState, Journal, JournalEntry, read_journal_file
 from .journal_peers import set_journals
-from .journal_state import check_on_disk, check_proofs
+from .journal_state import backup_there, check_on_disk, check_proofs
 from .journal_write import write_journal as _write_journal  # noqa: F401  (tests plant journals through it)
 from .journal_write import write_journals as _write_journals
 
@@ -188,7 +188,7 @@ def _roll_forward(entries: Sequence[JournalEntry]) -> None:
 
 def _roll_back(entries: Sequence[JournalEntry]) -> None:
     for entry in reversed(entries):
-        if entry.backup is not None and os.path.lexists(entry.backup):
+        if entry.backup is not None and backup_there(entry):
             # The backup is the previous file (a hard link made before the journal):
             # putting it back is right whether or not the new file got there.
             fsops.replace(entry.backup, entry.target)
@@ -202,7 +202,7 @@ def _roll_back(entries: Sequence[JournalEntry]) -> None:
 
 def _finish(journal: str, entries: Sequence[JournalEntry]) -> None:
     for entry in entries:
-        if entry.backup is not None:
+        if entry.backup is not None and backup_there(entry):  # not a file another user put at a freed backup name
             fsops.unlink(entry.backup)
     fsops.unlink(journal)
     fsops.fsync_dir(os.path.dirname(journal))
@@ -251,7 +251,7 @@ def _act(checked: Journal, forward: bool, keep_journal: bool = False) -> None:
         _roll_back(checked.entries)
     if keep_journal:  # a member is left: the main journal goes last
         for entry in checked.entries:
-            if entry.backup is not None:
+            if entry.backup is not None and backup_there(entry):
                 fsops.unlink(entry.backup)
         return
     _finish(checked.path, checked.entries)
@@ -275,30 +275,47 @@ def unrecovered(folder: str) -> list[PendingSet]:
     return pending
 
 
-def _claimed(journal: str, folder: str) -> tuple[set[str], set[str]]:
-    """``(stems, paths)``: the targets' stems a journal that stays may name and the
-    temp/backup files it may own. A readable one: its own; an unreadable or refused
-    one: its own name's stem and every temp/backup of its writer (same pid in the
-    name, not locked by a live writer), and every temp/backup of those stems."""
-    try:
-        entries = read_journal(journal)
-    except RecoveryError:
-        pid = tempfiles.pid_of(os.path.basename(journal))
-        parsed = tempfiles.parse_name(os.path.basename(journal))
-        stems = {parsed[0]} if parsed else set()
-        paths = set()
+class _Claims:
+    """What the journals that stay in a folder may own, the folder listed once (another
+    user's thousands of planted journals must not make each save scan it once per
+    journal). A journal read: its temp and backup files; an unreadable or refused one:
+    every temp and backup file of its own name's stem and of each stem its writer (same
+    pid in the name) left, but for a live writer's temp files."""
+
+    def __init__(self, folder: str) -> None:
+        self._by_pid: dict[str | None, list[tuple[str, str, str]]] = {}
         for path, stem, suffix in tempfiles.temp_files_in(folder):
-            if suffix == "journal" or (suffix == "tmp" and tempfiles.is_locked(path)):
-                continue  # a live writer's temp file is not a dead journal's
-            if stem in stems or tempfiles.pid_of(os.path.basename(path)) == pid:
-                stems.add(stem)
-                paths.add(path)
-        for path, stem, suffix in tempfiles.temp_files_in(folder):
-            if suffix != "journal" and stem in stems:
-                paths.add(path)
-        return stems, paths
-    stems = {tempfiles.stem(os.path.basename(e.target)) for e in entries}
-    return stems, {p for e in entries for p in (e.temp, e.backup) if p is not None}
+            if suffix != "journal":
+                self._by_pid.setdefault(tempfiles.pid_of(os.path.basename(path)), []).append((path, stem, suffix))
+        self._pid_stems: dict[str | None, frozenset[str]] = {}
+        self.stems: set[str] = set()
+        self.paths: set[str] = set()
+
+    def _of_pid(self, pid: str | None) -> frozenset[str]:
+        """The stems writer ``pid`` left (each pid's files are looked at once)."""
+        if pid not in self._pid_stems:
+            self._pid_stems[pid] = frozenset(stem for path, stem, suffix in self._by_pid.get(pid, ())
+                                             if not (suffix == "tmp" and tempfiles.is_locked(path)))
+            self.stems |= self._pid_stems[pid]
+        return self._pid_stems[pid]
+
+    def add(self, journal: str, named: bool = False) -> set[str]:
+        """Claim what ``journal`` may own; returns the stems of the targets it may name
+        when ``named`` (building them costs a pass over its writer's stems), else ``set()``."""
+        try:
+            entries = read_journal(journal)
+        except RecoveryError:
+            parsed = tempfiles.parse_name(os.path.basename(journal))
+            own = {parsed[0]} if parsed else set()
+            self.stems |= own
+            of_pid = self._of_pid(tempfiles.pid_of(os.path.basename(journal)))
+            return own | of_pid if named else set()
+        self.paths.update(p for e in entries for p in (e.temp, e.backup) if p is not None)
+        return {tempfiles.stem(os.path.basename(e.target)) for e in entries} if named else set()
+
+    def keeps(self, path: str, stem: str) -> bool:
+        """Whether a journal that stays may own the temp or backup file ``path`` (of ``stem``)."""
+        return path in self.paths or stem in self.stems
 
 
 def recover_locked(folder: str, targets: Sequence[str] | None = None) -> list[tuple[str, str]]:
@@ -333,10 +350,11 @@ def recover_locked(folder: str, targets: Sequence[str] | None = None) -> list[tu
             if os.path.dirname(target) == folder:
                 mine[tempfiles.stem(os.path.basename(target))] = target
         blocking = []
+        claims = _Claims(folder)
         for journal, message in errors:
             if not _own(journal):
                 continue  # another user's: it acts on nothing of this user's, and stops no save of theirs
-            named = sorted(mine[s] for s in _claimed(journal, folder)[0] if s in mine)
+            named = sorted(mine[s] for s in claims.add(journal, named=True) if s in mine)
             if named:
                 blocking.append((journal, f"{', '.join(named)} not written (a pending journal may name it; "
                                           f"recover or remove it, then save again): {message}"))
@@ -396,11 +414,11 @@ def clean_folder(folder: str, targets: Sequence[str] | None = None) -> list[tupl
             done = recover_locked(folder, targets)
         except RecoveryError as e:
             error, done = e, []
-        keep: set[str] = set()
+        keep = _Claims(folder)
         for pending in _journals(folder):  # journals that stay: keep every file they may own
-            keep.update(_claimed(pending, folder)[1])
-        for path, _, suffix in tempfiles.temp_files_in(folder):
-            if path in keep or suffix == "journal" or not _own(path):
+            keep.add(pending)
+        for path, stem, suffix in tempfiles.temp_files_in(folder):
+            if keep.keeps(path, stem) or suffix == "journal" or not _own(path):
                 continue
             if suffix == "bak":
                 fsops.unlink(path)

@@ -18,7 +18,11 @@ and refuses by name (file, field, both values):
   size, modification time, and change time while its backup link is there);
 - a backup is the recorded previous file (device, inode, size, modification time);
 - a temp file or backup is a regular file (not a link, which recovery would
-  move over the target).
+  move over the target);
+- a name the save freed (a temp file already renamed, a backup already removed)
+  that another uid's file now holds (in a sticky folder anyone may create it)
+  counts as gone: that file is not compared, moved or removed, and stops no
+  recovery.
 
 A journal that matches its files is still only the word of whoever wrote it:
 :func:`check_proofs` then requires, of every file recovery would rename over a
@@ -39,10 +43,11 @@ from ..errors import RecoveryError
 from ..system import marks
 from .journal_codec import FileState, Journal, JournalEntry, state_of
 
-__all__ = ["check_on_disk", "check_proofs"]
+__all__ = ["backup_there", "check_on_disk", "check_proofs"]
 
 _FIELDS = (("dev", "device"), ("ino", "inode"), ("size", "size"), ("ctime_ns", "change time (ns)"),
            ("mtime_ns", "modification time (ns)"))
+_FIELD_KEYS = tuple(key for key, _ in _FIELDS)
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"),
@@ -78,6 +83,43 @@ def _check_kinds(journal: Journal) -> None:
                 f"remove the journal by hand")
 
 
+_BACKUP_FIELDS = ("dev", "ino", "size", "mtime_ns")
+
+
+def _foreign(path: str | None, recorded: FileState | None, fields: Sequence[str]) -> bool:
+    """Whether ``path`` holds another uid's file that is not the ``recorded`` one (on
+    ``fields``): a name the save freed (a temp file renamed, a backup removed) that
+    another user filled in a sticky folder, a recycled inode number included. It is
+    not the save's, and not the save's to touch."""
+    if path is None:
+        return False
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if st.st_uid == os.geteuid():
+        return False
+    disk = FileState(st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns)
+    return recorded is None or _differs(disk, recorded, fields) is not None
+
+
+def _ours(path: str | None, recorded: FileState | None, fields: Sequence[str]) -> FileState | None:
+    """``state_of(path)``, or ``None`` when absent or :func:`_foreign`."""
+    return None if path is None or _foreign(path, recorded, fields) else state_of(path)
+
+
+def backup_there(entry: JournalEntry) -> bool:
+    """Whether ``entry``'s backup is at its name: the recorded previous file (device,
+    inode, size, modification time), or any file for an entry whose states are not
+    recorded yet (a live publication's own backup)."""
+    if entry.backup is None:
+        return False
+    if entry.old is None:
+        return os.path.lexists(entry.backup)
+    backup = state_of(entry.backup)
+    return backup is not None and _differs(backup, entry.old, _BACKUP_FIELDS) is None
+
+
 def _differs(disk: FileState, recorded: FileState, fields: Sequence[str]) -> tuple[str, int, int] | None:
     for key, label in _FIELDS:
         if key in fields and getattr(disk, key) != getattr(recorded, key):
@@ -88,8 +130,9 @@ def _differs(disk: FileState, recorded: FileState, fields: Sequence[str]) -> tup
 def _not_own(entry: JournalEntry) -> list[str]:
     """A temp file or backup that is not a regular file, as ``"<file>: ..."`` phrases."""
     out = []
-    for path in (entry.temp, entry.backup):  # ptdstream's own: never a link, a folder or a device
-        if path is not None and _kind(path) is not None:
+    for path, recorded, fields in ((entry.temp, entry.new, _FIELD_KEYS), (entry.backup, entry.old, _BACKUP_FIELDS)):
+        # ptdstream's own: never a link, a folder or a device (another user's file there is not its own)
+        if path is not None and _kind(path) is not None and not _foreign(path, recorded, fields):
             out.append(f"{os.path.basename(path)}: not a regular file (a ptdstream temp or backup file is one)")
     return out
 
@@ -97,8 +140,8 @@ def _not_own(entry: JournalEntry) -> list[str]:
 def _problems(entry: JournalEntry) -> list[str]:
     """What differs for one entry, as ``"<file>: <field> ..."`` phrases."""
     name = os.path.basename(entry.target)
-    target, temp = state_of(entry.target), state_of(entry.temp)
-    backup = state_of(entry.backup) if entry.backup is not None else None
+    target, temp = state_of(entry.target), _ours(entry.temp, entry.new, _FIELD_KEYS)
+    backup = _ours(entry.backup, entry.old, _BACKUP_FIELDS)
     new, old = entry.new, entry.old
     out: list[str] = []
 
@@ -109,9 +152,9 @@ def _problems(entry: JournalEntry) -> list[str]:
         if diff is not None:
             out.append(f"{what}: {diff[0]} is {diff[2]}, the journal recorded {diff[1]}")
 
-    compare(os.path.basename(entry.temp), temp, new, ("dev", "ino", "size", "ctime_ns", "mtime_ns"))
+    compare(os.path.basename(entry.temp), temp, new, _FIELD_KEYS)
     if entry.backup is not None:
-        compare(os.path.basename(entry.backup), backup, old, ("dev", "ino", "size", "mtime_ns"))
+        compare(os.path.basename(entry.backup), backup, old, _BACKUP_FIELDS)
     if target is None:
         if entry.had_target:
             out.append(f"{name}: missing, the journal recorded a file there")
@@ -160,7 +203,7 @@ def _acted_on(entry: JournalEntry, forward: bool) -> str | None:
     target = state_of(entry.target)
     if target is None or (target.dev, target.ino) != ident:
         return None
-    if entry.backup is not None and os.path.lexists(entry.backup):
+    if backup_there(entry):
         return entry.target  # the backup would be put back over it
     return entry.target if not entry.had_target else None  # removed: no previous file
 

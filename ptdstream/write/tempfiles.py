@@ -81,7 +81,9 @@ def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> tuple[
 
     A cleaner may take the lock of a file just created, before its writer does,
     and remove it; the writer then sees that its path no longer names its file
-    and starts again under a new name.
+    and starts again under a new name. It never waits for that lock: another user
+    who can read the folder may take it and keep it for good, so a lock it cannot
+    take at once makes it remove the file and start again under a new name.
 
     Raises:
         OSError: the file cannot be created (the message names target and folder).
@@ -102,11 +104,16 @@ def create_locked(target: str, suffix: str = "tmp", mode: int = 0o666) -> tuple[
         lock_fd = None
         try:
             lock_fd = os.dup(fd)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # waits for a cleaner that took it first
-            if _names(path, lock_fd):
-                if suffix == "tmp":
-                    marks.put_mark(fd)
-                return path, fd, lock_fd
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a cleaner took it first, or another user who may keep it for good
+                if _names(path, lock_fd):
+                    fsops.unlink(path)
+            else:
+                if _names(path, lock_fd):
+                    if suffix == "tmp":
+                        marks.put_mark(fd)
+                    return path, fd, lock_fd
         except BaseException:  # Ctrl-C included: leave no file behind
             if lock_fd is not None and _names(path, lock_fd):
                 fsops.unlink(path)

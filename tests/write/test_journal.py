@@ -15,12 +15,11 @@ import collections
 import errno
 import json
 import os
-import signal
 
 import pytest
 import torch
 from _journals import killed_set
-from _procs import fork, wait_status
+from _procs import killed_at
 from conftest import Mlp, export
 from executorch.exir import ExecutorchBackendConfig
 
@@ -56,29 +55,6 @@ def recorded_ops(fn):
     finally:
         fsops.set_hook(previous)
     return ops
-
-
-def killed_at(n: int, fn) -> bool:
-    """Run ``fn`` in a child killed by SIGKILL just before its ``n``-th fsops call
-    (1-based); whether the kill happened (otherwise ``fn`` must have succeeded)."""
-
-    def child():
-        count = [0]
-
-        def hook(op, path):
-            count[0] += 1
-            if count[0] == n:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        fsops.set_hook(hook)
-        fn()
-
-    status = wait_status(fork(child), 60.0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return True
-    assert os.waitstatus_to_exitcode(status) == 0, f"the save killed at {n} failed on its own"
-    return False
 
 
 def kill_everywhere(folder, write_old, write_new, old, new, capsys, label):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import collections
 import os
 import shutil
-import signal
 
 import pytest
-from _procs import fork, wait_status
+from _procs import killed_at
 from conftest import read_folder as read_all
 from conftest import write_two_file_set as _write_set
 
@@ -18,25 +17,6 @@ from ptdstream.system import fsops
 from ptdstream.write import journal
 
 # --- claim 7: kills at every publishing call, and at every call of the recovery after it ---------------------
-
-
-def _killed_at(n: int, fn) -> bool:
-    def child():
-        count = [0]
-
-        def hook(op, path):
-            count[0] += 1
-            if count[0] == n:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        fsops.set_hook(hook)
-        fn()
-
-    status = wait_status(fork(child), 60.0)
-    if os.WIFSIGNALED(status):
-        return True
-    assert os.waitstatus_to_exitcode(status) == 0
-    return False
 
 
 def test_a_recovery_killed_at_each_of_its_calls_still_ends_old_or_new(tmp_path):
@@ -64,7 +44,7 @@ def test_a_recovery_killed_at_each_of_its_calls_still_ends_old_or_new(tmp_path):
     with_journal = []
     for n in range(1, len(ops) + 1):
         fresh_old()
-        assert _killed_at(n, lambda: _write_set(folder, 1))
+        assert killed_at(n, lambda: _write_set(folder, 1))
         if journal.unrecovered(str(folder)):
             with_journal.append(n)
         journal.recover(str(folder))
@@ -73,8 +53,8 @@ def test_a_recovery_killed_at_each_of_its_calls_still_ends_old_or_new(tmp_path):
     for n in (with_journal[0], with_journal[len(with_journal) // 2], with_journal[-1]):
         for m in range(1, 40):
             fresh_old()
-            assert _killed_at(n, lambda: _write_set(folder, 1))
-            killed = _killed_at(m, lambda: journal.recover(str(folder)))
+            assert killed_at(n, lambda: _write_set(folder, 1))
+            killed = killed_at(m, lambda: journal.recover(str(folder)))
             journal.recover(str(folder))
             assert journal.unrecovered(str(folder)) == []
             after = read_all(folder)
