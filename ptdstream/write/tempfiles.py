@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 from ..system import fsops, marks
 
-__all__ = ["create_locked", "folder_lock", "parse_name", "remove_if_unlocked", "stale_temp_files",
+__all__ = ["create_locked", "folder_lock", "lock_holders", "parse_name", "remove_if_unlocked", "stale_temp_files",
            "stem", "temp_files_in", "temp_name_for"]
 
 #: Longest file-name stem kept in temp names; longer names are cut and hashed so
@@ -185,11 +185,61 @@ def folder_lock(folders: list[str]) -> Iterator[None]:
             except OSError:
                 continue
             fds.append(fd)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock_waiting_only_for_this_user(fd, folder)
         yield
     finally:
         for fd in reversed(fds):
             os.close(fd)
+
+
+def lock_holders(fd: int) -> list[tuple[int, int | None]]:
+    """The ``(pid, uid)`` of each process the kernel lists (``/proc/locks``) as
+    holding a ``flock`` on the file open at ``fd``; the uid is None where that
+    process's ``/proc`` entry cannot be read. Empty where ``/proc/locks`` cannot be read."""
+    st = os.fstat(fd)
+    here = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holders = []
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read(1 << 24).splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK" or fields[5] != here:
+            continue
+        pid = int(fields[4])
+        try:
+            uid: int | None = os.stat(f"/proc/{pid}").st_uid
+        except OSError:
+            uid = None
+        holders.append((pid, uid))
+    return holders
+
+
+def _lock_waiting_only_for_this_user(fd: int, folder: str) -> None:
+    """Take ``folder``'s exclusive ``flock`` (open at ``fd``). Waits while processes
+    of this user (or of an unknown uid) hold it: saves of the same user into the
+    same folder take turns. A holder of another uid is not waited for, since any
+    user who can read a folder can lock it for ever.
+
+    Raises:
+        BlockingIOError: another user's process holds the lock (names the folder,
+            the pid and the uid).
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    others = [(pid, uid) for pid, uid in lock_holders(fd) if uid is not None and uid != os.geteuid()]
+    if others:
+        named = ", ".join(f"pid {pid} (uid {uid})" for pid, uid in others)
+        raise BlockingIOError(errno.EWOULDBLOCK,
+                              f"{folder} is locked by another user's process, {named}: ptdstream waits only "
+                              "for its own user's saves into a folder; try again once it has ended, or save "
+                              "into a folder only you can write", folder)
+    fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 @contextlib.contextmanager

@@ -12,10 +12,10 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
-import time
 
 import pytest
 from _journals import killed_set
@@ -273,28 +273,44 @@ def test_another_user_holding_a_temp_files_lock_keeps_it_but_changes_nothing(sha
 
 
 @root_only
-@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs /proc/locks to see a blocked flock")
-@pytest.mark.xfail(strict=True, reason="the folder lock is a flock on the folder, which any uid that can read it "
-                                       "may hold forever: recover (and every save into the folder) waits for it")
-def test_a_folder_lock_held_by_another_user_does_not_hang_recover(shared):
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs /proc/locks to name a lock's holder")
+def test_a_folder_lock_held_by_another_user_is_named_not_waited_for(shared):
+    """Any uid that can read a folder can flock it for ever: recover and a save into the
+    folder name the holder and stop, where they used to wait for it."""
     with attacker_holding_lock(shared):
-        recovering = fork(lambda: journal.recover(shared))
-        blocked = False
+        for attempt in (lambda: journal.recover(shared), lambda: write(os.path.join(shared, "model.pte"), b"x")):
+            with pytest.raises(BlockingIOError, match=rf"^\[Errno 11\] {re.escape(shared)} is locked by another "
+                                                      rf"user's process, pid \d+ \(uid {ATTACKER}\): "):
+                attempt()
+    assert not os.path.exists(os.path.join(shared, "model.pte"))
+
+
+def test_a_folder_lock_held_by_this_user_is_waited_for(tmp_path):
+    """Two saves of one user into one folder take turns: the second waits for the first."""
+    from ptdstream.write.tempfiles import folder_lock, lock_holders
+
+    locked_r, locked_w = os.pipe()
+    go_r, go_w = os.pipe()
+    holder = os.fork()
+    if holder == 0:
         try:
-            while True:  # until recover ends, or the kernel lists it waiting for the lock
-                done, _ = os.waitpid(recovering, os.WNOHANG)
-                if done:
-                    break
-                with open("/proc/locks") as f:
-                    if any(line.split()[1:2] == ["->"] and line.split()[5] == str(recovering) for line in f):
-                        blocked = True
-                        break
-                time.sleep(0.005)
+            with folder_lock([str(tmp_path)]):
+                os.write(locked_w, b"x")
+                os.read(go_r, 1)
         finally:
-            if not done:
-                os.kill(recovering, signal.SIGKILL)
-                os.waitpid(recovering, 0)
-    assert not blocked, "recover waits for another uid's lock on the folder, forever"
+            os._exit(0)
+    assert os.read(locked_r, 1) == b"x"
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        assert lock_holders(fd) == [(holder, os.geteuid())]
+    finally:
+        os.close(fd)
+    os.write(go_w, b"g")  # the holder ends once it reads this; the write below waits for it
+    write(tmp_path / "model.pte", b"x")
+    assert os.waitpid(holder, 0)[1] == 0
+    assert (tmp_path / "model.pte").read_bytes() == b"x"
+    for fd in (locked_r, locked_w, go_r, go_w):
+        os.close(fd)
 
 
 # -- planted journals (the user's own uid) ---------------------------------------------------------------
