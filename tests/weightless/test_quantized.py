@@ -85,9 +85,18 @@ def _loaded(cls, ckpt_state):
     return model
 
 
-@pytest.mark.parametrize("kind, dtype", [("safetensors", torch.float32), ("safetensors", torch.bfloat16),
-                                         ("torch", torch.float32)], ids=["st-fp32", "st-bf16", "torch-fp32"])
-def test_quantized_module_with_biases_is_executorchs_bytes(tmp_path, kind, dtype):
+@pytest.mark.parametrize("kind, dtype, spill", [("safetensors", torch.float32, False),
+                                                ("safetensors", torch.bfloat16, True), ("torch", torch.float32, False)],
+                         ids=["st-fp32", "st-bf16-spilled", "torch-fp32"])
+def test_quantized_module_with_biases_is_executorchs_bytes(tmp_path, monkeypatch, kind, dtype, spill):
+    """spilled: XNNPACK's packed 4-bit weights and scales (from 1 byte on, for the test) go to nameless files."""
+    from ptdstream.hooks import xnnpack
+
+    spilled = []
+    if spill:
+        real_spilled = xnnpack._spilled
+        monkeypatch.setattr(xnnpack, "SPILL_MIN_NBYTES", 1)
+        monkeypatch.setattr(xnnpack, "_spilled", lambda view, f: spilled.append(len(view)) or real_spilled(view, f))
     torch.manual_seed(0)
     state = {k: v.to(dtype) for k, v in state_of(Biased()).items()}
     ckpt = save_checkpoint(kind, state, tmp_path / "ckpt")
@@ -108,6 +117,7 @@ def test_quantized_module_with_biases_is_executorchs_bytes(tmp_path, kind, dtype
         (tmp_path / "out").mkdir()
         ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
         assert weights.bound_keys == ["up.bias"]
+        assert (len(spilled) >= 4) == spill  # hash and add of the two 4-bit weights and their scales, at least
         assert os.listdir(weights.convert_dir.folder) == []  # nameless files only
     with open(tmp_path / "out" / "model.pte", "rb") as f:
         assert _sha(f.read()) == _sha(want)
@@ -120,6 +130,7 @@ def _file_backed(tensor) -> bool:
     return file_mapping(storage.data_ptr(), storage.nbytes()) is not None
 
 
+@pytest.mark.slow
 def test_tied_embedding_is_quantized_twice_in_upstreams_order(tmp_path):
     """embed (8w) first gives it a new parameter, which unties lm_head; lm_head (8da4w) then reads the same key."""
     real = seeded()
