@@ -235,3 +235,26 @@ def test_a_weight_the_group_size_does_not_divide_fails_as_upstream_and_a_missing
         assert is_storage_less(other[1].weight)
     assert missing.value.problems == ["missing: '1.weight' (quantized by quantize_) needs checkpoint key '1.weight', "
                                       "which the checkpoint does not hold"]
+
+
+@pytest.mark.parametrize("kind", ["dcp", "hf-sharded"])
+def test_dcp_and_sharded_checkpoints_quantize_to_upstreams_tensors(tmp_path, kind):
+    """DCP (read through a converted copy, one tensor at a time) and a sharded folder (each
+    key from its shard): the quantized tensors are upstream's, bit for bit."""
+    torch.manual_seed(0)
+    state = {k: v.to(torch.bfloat16) for k, v in state_of(Biased()).items()}
+    ckpt = save_checkpoint(kind, state, tmp_path / "ckpt")
+    real = _loaded(Biased, state)
+    _quantize(real)
+    with weights_from(ckpt, format="dcp" if kind == "dcp" else "auto") as weights:
+        model = weights.model(Biased)
+        _quantize(model)
+        assert weights.quantized_keys == ["embed.weight", "up.weight", "down.weight"]
+        for module in ("embed", "up", "down"):
+            for inner in ("original0", "original1", "original2"):
+                got = getattr(getattr(model, module).parametrizations.weight, inner)
+                want = getattr(getattr(real, module).parametrizations.weight, inner)
+                assert (got.dtype, got.shape) == (want.dtype, want.shape) and _file_backed(got)
+                assert got.view(torch.uint8).equal(want.view(torch.uint8)) if got.element_size() == 1 else \
+                    got.view(torch.int32).equal(want.view(torch.int32)), (module, inner)
+        assert os.listdir(weights.convert_dir.folder) == []
