@@ -10,8 +10,14 @@ batch size (``--batches``, methods ``batch1``...), lowered with
 ``to_edge_transform_and_lower`` and one ``CudaPartitioner`` per method, then
 ``to_executorch`` and saved. Its random checkpoint (``model.safetensors``,
 tensor ``i`` from seed ``i``) is written once into ``--out`` (``--stored
-float32`` writes it in fp32: the weightless route converts per piece). Each
-variant runs in its own fresh Python process, one after the other:
+float32`` writes it in fp32: the weightless route converts per piece).
+``--quantize int4``: the CUDA backend's int4 weight-only (torchao's
+``Int4WeightOnlyConfig``, group 32, ``tile_packed_to_4d``, HQQ), with Linear
+layers without bias (a Llama's): upstream moves the loaded model to the GPU and
+runs ``quantize_``; the weightless route runs ``quantize_(model, config,
+device="cuda")`` on the storage-less model (each weight read from the file to the
+GPU, quantized there, the bf16 weight freed); both export with inputs on the
+GPU. Each variant runs in its own fresh Python process, one after the other:
 
 * ``upstream``: the model built on the host with the checkpoint's tensors loaded
   (``safetensors.torch.load_file``: real weights in memory), exported, lowered as
@@ -56,8 +62,9 @@ def write_checkpoint(args, path: str) -> int:
     for i in range(args.layers):
         g = torch.Generator().manual_seed(2 * i)
         state[f"{i}.weight"] = (torch.randn(args.dim, args.dim, generator=g) * 0.02).to(torch.bfloat16)
-        g = torch.Generator().manual_seed(2 * i + 1)
-        state[f"{i}.bias"] = (torch.randn(args.dim, generator=g) * 0.02).to(torch.bfloat16)
+        if not args.quantize:
+            g = torch.Generator().manual_seed(2 * i + 1)
+            state[f"{i}.bias"] = (torch.randn(args.dim, generator=g) * 0.02).to(torch.bfloat16)
     stored = getattr(torch, args.stored)
     st.save_file({k: v.to(stored) for k, v in state.items()}, path)
     return sum(v.numel() * 2 for v in state.values())
@@ -85,17 +92,28 @@ def child(args) -> dict:
     rss = RssSampler(("VmRSS", "RssAnon", "RssFile"))
 
     def make():
-        return torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim, dtype=torch.bfloat16)
+        return torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim, dtype=torch.bfloat16,
+                                                     bias=not args.quantize)
                                      for _ in range(args.layers)]).eval()
+
+    def int4():
+        from torchao.quantization import Int4WeightOnlyConfig
+
+        return Int4WeightOnlyConfig(group_size=32, int4_packing_format="tile_packed_to_4d",
+                                    int4_choose_qparams_algorithm="hqq")
+
+    on = "cuda" if args.quantize else "cpu"
 
     def lower(export) -> tuple:
         t = time.perf_counter()
-        programs = {f"batch{b}": export((torch.randn(b, args.dim, dtype=torch.bfloat16),)) for b in args.batches}
+        programs = {f"batch{b}": export((torch.randn(b, args.dim, dtype=torch.bfloat16, device=on),))
+                    for b in args.batches}
         res["export_s"] = time.perf_counter() - t
         partitioners = {n: [CudaPartitioner([CudaBackend.generate_method_name_compile_spec(n)])] for n in programs}
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         gpu0 = torch.cuda.memory_allocated()
+        res["gpu_held_before_lowering"] = gpu0
         t = time.perf_counter()
         edge = to_edge_transform_and_lower(programs, partitioner=partitioners,
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False))
@@ -111,6 +129,14 @@ def child(args) -> dict:
 
         model = make()
         model.load_state_dict({k: v.to(torch.bfloat16) for k, v in st.load_file(ckpt).items()})
+        if args.quantize:
+            from torchao.quantization import quantize_
+
+            t = time.perf_counter()
+            model.cuda()
+            quantize_(model, int4())
+            torch.cuda.synchronize()
+            res["quantize_s"] = time.perf_counter() - t
         manager, gpu0 = lower(lambda inputs: torch.export.export(model, inputs, strict=False))
         torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
@@ -119,6 +145,14 @@ def child(args) -> dict:
     else:
         with ptdstream.weights_from(ckpt) as weights, ptdstream.stream_cuda_weights() as stats:
             model = weights.model(make)
+            if args.quantize:
+                from torchao.quantization import quantize_
+
+                t = time.perf_counter()
+                quantize_(model, int4(), device="cuda")
+                torch.cuda.synchronize()
+                res["quantize_s"] = time.perf_counter() - t
+                res["gpu_peak_quantize"] = torch.cuda.max_memory_allocated()
             manager, gpu0 = lower(lambda inputs: weights.bind(torch.export.export(model, inputs, strict=False)))
             torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
@@ -154,6 +188,7 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="one method per batch size")
     p.add_argument("--stored", default="bfloat16", choices=["bfloat16", "float32"], help="checkpoint dtype")
     p.add_argument("--variants", nargs="+", default=["upstream", "weightless"])
+    p.add_argument("--quantize", choices=["int4"], help="the CUDA backend's int4 weight-only, tile-packed")
     p.add_argument("--out", required=True)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)
@@ -168,7 +203,7 @@ def main() -> int:
     for variant in args.variants:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", args.out, "--dim",
                str(args.dim), "--layers", str(args.layers), "--stored", args.stored, "--batches",
-               *map(str, args.batches)]
+               *map(str, args.batches), *(["--quantize", args.quantize] if args.quantize else [])]
         run = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
         if run.returncode or not lines:
@@ -178,16 +213,18 @@ def main() -> int:
         results.append(json.loads(lines[-1][len("RESULT "):]))
     by = {r["variant"]: r for r in results if "failed" not in r}
     print(f"{len(args.batches)} methods, {args.layers} x Linear({args.dim}) bf16: weights {_gib(weights_nbytes)}, "
-          f"checkpoint {args.stored}; {next(iter(by.values()), {}).get('gpu', '?')}")
+          f"checkpoint {args.stored}{', int4 tile-packed (group 32, HQQ)' if args.quantize else ''}; "
+          f"{next(iter(by.values()), {}).get('gpu', '?')}")
     print(f"{'variant':<11} {'total s':>8} {'export':>7} {'lower':>7} {'save':>6} {'RSS+':>10} {'anon+':>10} "
-          f"{'file+':>10} {'GPU lower':>10} {'GPU save':>10}")
+          f"{'file+':>10} {'GPU held':>10} {'GPU lower':>10} {'GPU save':>10} {'quant s':>8}")
     for r in results:
         if "failed" in r:
             print(f"{r['variant']:<11} failed (exit {r['failed']})")
             continue
         print(f"{r['variant']:<11} {r['total_s']:8.1f} {r['export_s']:7.1f} {r['lower_s']:7.1f} {r['save_s']:6.1f} "
               f"{_gib(r['rss_added']):>10} {_gib(r['anon_added']):>10} {_gib(r['file_added']):>10} "
-              f"{_gib(r['gpu_peak_lowering']):>10} {_gib(r['gpu_peak_save']):>10}")
+              f"{_gib(r['gpu_held_before_lowering']):>10} {_gib(r['gpu_peak_lowering']):>10} "
+              f"{_gib(r['gpu_peak_save']):>10} {r.get('quantize_s', 0.0):8.1f}")
     if "upstream" in by and "weightless" in by:
         up, ours = by["upstream"]["files"], by["weightless"]["files"]
         ptds = sorted(n for n in up if n.endswith(".ptd"))
