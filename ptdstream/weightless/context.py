@@ -325,14 +325,26 @@ class WeightsFrom:
         for ep in programs.values():
             for table in ("state_dict", "constants"):
                 for tensor in getattr(ep, table).values():
-                    if (id(tensor) in self._origins or is_storage_less(tensor)
-                            or adapter.is_traceable_wrapper_subclass(tensor)):
+                    if id(tensor) in self._origins or is_storage_less(tensor):
                         continue
-                    storage = tensor.untyped_storage()
-                    key = self._quantized.get((tensor.device.type, storage.data_ptr())) if storage.nbytes() else None
+                    if adapter.is_traceable_wrapper_subclass(tensor):
+                        # kept whole (no unwrap_tensor_subclass: the CUDA backend's int4): bound by its inner tensors
+                        names, _ = tensor.__tensor_flatten__()
+                        keys = {self._quantized_key(getattr(tensor, n)) for n in names} - {None}
+                        if len(keys) == 1:
+                            self._origins[id(tensor)] = keys.pop()
+                        continue
+                    key = self._quantized_key(tensor)
                     if key is not None:
                         add_bound(self._bound, [tensor])
                         self._origins[id(tensor)] = key
+
+    def _quantized_key(self, tensor: Any) -> str | None:
+        """The key :meth:`note_quantized` recorded for ``tensor``'s storage, if any."""
+        if adapter.is_traceable_wrapper_subclass(tensor):
+            return None
+        storage = tensor.untyped_storage()
+        return self._quantized.get((tensor.device.type, storage.data_ptr())) if storage.nbytes() else None
 
     def owns(self, tensor: Any) -> bool:
         """Whether :meth:`record` named ``tensor``'s key (or this context bound it)."""

@@ -263,3 +263,21 @@ def test_dcp_and_sharded_checkpoints_quantize_to_upstreams_tensors(tmp_path, kin
                 assert got.view(torch.uint8).equal(want.view(torch.uint8)) if got.element_size() == 1 else \
                     got.view(torch.int32).equal(want.view(torch.int32)), (module, inner)
         assert os.listdir(weights.convert_dir.folder) == []
+
+
+def test_an_explicit_bind_takes_a_quantized_weight_kept_whole_as_bound_to_its_key(tmp_path):
+    """Without ``unwrap_tensor_subclass`` (the CUDA backend's int4 keeps the tensor subclass),
+    the program holds the quantized tensor itself: ``bind`` counts its key as used, not extra."""
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).eval()
+
+    torch.manual_seed(0)
+    ckpt = save_checkpoint("safetensors", state_of(make()), tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        model = weights.model(make)
+        quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)))
+        program = torch.export.export(model, (torch.randn(2, 64),))
+        (kept,) = program.state_dict.values()
+        assert type(kept) is type(model[0].weight) and weights.quantized_keys == ["0.weight"]
+        assert weights.bind(program) is program
+        assert weights.owns(kept)
