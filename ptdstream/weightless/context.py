@@ -330,7 +330,8 @@ class WeightsFrom:
                     if adapter.is_traceable_wrapper_subclass(tensor):
                         # kept whole (no unwrap_tensor_subclass: the CUDA backend's int4): bound by its inner tensors
                         names, _ = tensor.__tensor_flatten__()
-                        keys = {self._quantized_key(getattr(tensor, n)) for n in names} - {None}
+                        found = [self._quantized_key(getattr(tensor, n)) for n in names]
+                        keys = {k for k in found if k is not None}
                         if len(keys) == 1:
                             self._origins[id(tensor)] = keys.pop()
                         continue
