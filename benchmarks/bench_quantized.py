@@ -100,7 +100,7 @@ def config(shape: dict):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        architectures=["LlamaForCausalLM"], vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"], head_dim=HEAD_DIM, tie_word_embeddings=False,
         dtype="bfloat16")
