@@ -60,7 +60,11 @@ transformers' ``TorchExportableModuleForDecoderOnlyLM``, as the export traces it
 ``torch.equal``, else the largest absolute difference. The eager model is fp32
 and whole: use it at a small size (``--layers 2``).
 
-Exit status: 0 every route that ran succeeded (and every check passed), 1 otherwise.
+Targets (issue 33), PASS/FAIL under each table: the streaming route adds at most
+1 GiB, its files' sha256 equal upstream's, it is no slower than upstream (5%
+allowed); with two sizes or more, its peaks are within 128 MiB of each other.
+
+Exit status: 0 every route that ran succeeded and every target and check passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -91,6 +95,9 @@ LOADED_PEAK_PER_CHECKPOINT_BYTE = 3.9
 PROMPT = [1, 306, 4966, 29871, 13]
 DONE = ".complete"  # written last: a folder without it is rebuilt
 PIECE_NBYTES = 8 * MiB
+#: issue 33's targets for the streaming route: peak added, and its spread between sizes.
+TARGET_NBYTES = 1 * GiB
+FLAT_NBYTES = 128 * MiB
 
 
 # ---------------------------------------------------------------- the checkpoint
@@ -100,10 +107,10 @@ def config(shape: dict):
     import transformers
 
     return transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"], head_dim=HEAD_DIM, tie_word_embeddings=False,
-        dtype="bfloat16")
+        architectures=["LlamaForCausalLM"], vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=HEAD_DIM,
+        tie_word_embeddings=False, dtype="bfloat16")
 
 
 def parameters(shape: dict) -> int:
@@ -386,6 +393,31 @@ def table(runs: dict, skipped: dict) -> str:
     return "\n".join(lines)
 
 
+def verdicts(runs: dict) -> list[str]:
+    """Issue 33's targets for the streaming route at one size: PASS/FAIL lines."""
+    r, up = runs.get("streaming"), runs.get("upstream")
+    if r is None or r.get("rc") != 0:
+        return []
+    lines = [f"{'PASS' if added(r) <= TARGET_NBYTES else 'FAIL'} streaming: peak added <= "
+             f"{TARGET_NBYTES / GiB:.0f} GiB ({added(r) / GiB:.2f})"]
+    if up is not None and up.get("rc") == 0:
+        lines.append(f"{'PASS' if r['files'] == up['files'] else 'FAIL'} streaming: sha256 of every file equal to "
+                     "upstream's")
+        lines.append(f"{'PASS' if r['wall_s'] <= 1.05 * up['wall_s'] else 'FAIL'} streaming: no slower than upstream "
+                     f"({r['wall_s']:.1f} vs {up['wall_s']:.1f} s, 5% allowed)")
+    return lines
+
+
+def flat_verdict(report: dict) -> list[str]:
+    """The streaming route's peaks at two sizes or more: within FLAT_NBYTES."""
+    peaks = [added(e["runs"]["streaming"]) for e in report.values() if e["runs"].get("streaming", {}).get("rc") == 0]
+    if len(peaks) < 2:
+        return []
+    spread = max(peaks) - min(peaks)
+    return [f"{'PASS' if spread <= FLAT_NBYTES else 'FAIL'} streaming: flat in size (peaks within "
+            f"{FLAT_NBYTES // MiB} MiB: spread {spread / MiB:.0f} MiB)"]
+
+
 def check_lines(checked: dict) -> list[str]:
     lines = []
     for route, c in checked.items():
@@ -502,7 +534,7 @@ def main() -> int:
                     for path in files_under(os.path.join(args.out, route)):
                         discard_file(path)
                 print(table(runs, skipped), file=sys.stderr, flush=True)
-            text = f"{label}\n{table(runs, skipped)}"
+            text = "\n".join([label, table(runs, skipped), "", *verdicts(runs)])
             entry = {"shape": shape, "model": model, "runs": runs, "skipped": skipped}
             if args.check:
                 ran = [r for r in runs if runs[r].get("rc") == 0]
@@ -517,7 +549,9 @@ def main() -> int:
             texts.append(text)
     finally:
         shutil.rmtree(args.out, ignore_errors=True)
-    print("\n\n".join(texts))
+    text = "\n\n".join(texts + flat_verdict(report))
+    failed |= "FAIL " in text
+    print(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
