@@ -479,7 +479,7 @@ def main() -> int:
     p.add_argument("--qlinear", default="8da4w", help="optimum's --qlinear ('' for none)")
     p.add_argument("--qembedding", default="8w", help="optimum's --qembedding ('' for none)")
     p.add_argument("--max-seq-len", type=int, default=0, help="optimum's --max_seq_len (0: not passed, 2048)")
-    p.add_argument("--max-shard-size", default="500MB", help="the checkpoint's shards (save_pretrained's option)")
+    p.add_argument("--max-shard-size", default="200MB", help="the checkpoint's shards (save_pretrained's option)")
     p.add_argument("--out", default="./bench-quantized-out", help="scratch folder (removed at the end)")
     p.add_argument("--keep-checkpoint", metavar="PATH",
                    help="keep each size's checkpoint under PATH and reuse it when there (default: in --out)")
