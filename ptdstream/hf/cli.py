@@ -4,7 +4,7 @@
 --recipe xnnpack -o OUT [--weightless] [-f]``. :func:`main` checks what needs no
 torch first (``-m`` a local folder with ``config.json``, ``--recipe`` one of
 optimum's, ``-o`` no file and no folder holding ``.pte``/``.ptd`` files without
-``-f``, ``--weightless`` with no quantization option, ``--help``), before optimum,
+``-f``, ``--weightless`` with no quantization option value it does not cover, ``--help``), before optimum,
 torch or transformers is imported, then runs optimum-cli
 (:func:`ptdstream.hf.saving.run_optimum_cli`), under
 :func:`ptdstream.weightless.hf.pretrained_without_weights` for ``--weightless``.
@@ -51,7 +51,8 @@ optimum-cli with every .pte/.ptd saved by ptdstream's streaming writer (the same
 ptdstream's options and checks (made before optimum, torch or transformers is imported):
   {WEIGHTLESS_FLAG}          build the model from DIR/config.json with no weight loaded; each program
                         is bound to DIR's safetensors shards, which the save streams (the same
-                        bytes as a loaded export; quantization options are refused)
+                        bytes as a loaded export; --qlinear 8da4w/8da8w/4w/8w and --qembedding
+                        8w/4w quantize each weight as it is read)
   -f, --force           replace the .pte/.ptd files of an earlier export in OUT; without it an
                         OUT that holds any .pte or .ptd file is refused (the export writes
                         model.pte and a .ptd per tag, named only once it has run)
@@ -149,9 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     or, without ``-f``, a folder holding any ``.pte``/``.ptd`` file (an earlier
     export: the names this one writes are known only once it has run) prints one
     line (``ptdstream.hf: error: ...``, naming it) and returns 2; with
-    ``--weightless``, an option the weightless route refuses (``--qlinear``,
-    ``--qlinear_encoder``, ``--qembedding``, ``--qembedding_encoder``:
-    :func:`ptdstream.hf.routes.quantization_refusal`) prints one line and returns 1.
+    ``--weightless``, a quantization option value the weightless route does not cover
+    (``--qlinear fpa4w``: :func:`ptdstream.hf.routes.quantization_refusal`) prints
+    one line and returns 1.
     Returns 0; with ``--weightless``, a refusal during the export
     (:class:`~ptdstream.errors.PtdstreamError`: the message names the weight or
     option) is printed to stderr and returns 1, nothing written.

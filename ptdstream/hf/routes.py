@@ -3,17 +3,26 @@
 The loaded route is optimum-executorch's ``main_export`` with ptdstream saving
 (:func:`ptdstream.hf.saving.run_main_export`); the weightless one runs it under
 :func:`ptdstream.weightless.hf.pretrained_without_weights`, after refusing every
-option that needs the weights' values (:func:`refuse_quantization`, one list for
-the API and the command line).
+quantization option value it does not cover (:func:`refuse_quantization`, one list for
+the API and the command line): optimum's quantization options are quantized as the
+weights stream (:mod:`ptdstream.weightless.quantization`), save those values the
+route does not cover.
 """
 
 from __future__ import annotations
 
-__all__ = ["QUANTIZE_OPTIONS", "export", "quantization_refusal", "refuse_quantization"]
+__all__ = ["QUANTIZE_OPTIONS", "WEIGHTLESS_QUANTIZATION", "export", "quantization_refusal", "refuse_quantization"]
 
-#: optimum's task options that quantize the eager model (torchao: needs the weights' values),
-#: refused with ``weightless`` before anything is imported (:func:`quantization_refusal`).
-QUANTIZE_OPTIONS = ("qlinear", "qlinear_encoder", "qembedding", "qembedding_encoder")
+_LINEAR = ("8da4w", "8da8w", "4w", "8w")
+#: optimum's task options that quantize the eager model (torchao), each with the values
+#: (a comma-separated list: each entry) the weightless route quantizes as the weights stream
+#: (:mod:`ptdstream.weightless.quantization`); any other value (``fpa4w``: MPS) is refused with
+#: ``weightless`` before anything is imported (:func:`quantization_refusal`).
+WEIGHTLESS_QUANTIZATION = {"qlinear": _LINEAR, "qlinear_encoder": _LINEAR, "qembedding": ("8w", "4w"),
+                           "qembedding_encoder": ("8w", "4w"), "qlinear_packing_format": ("tile_packed_to_4d",),
+                           "qlinear_encoder_packing_format": ("tile_packed_to_4d",)}
+#: Those options' names.
+QUANTIZE_OPTIONS = tuple(WEIGHTLESS_QUANTIZATION)
 
 
 def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", *,
@@ -26,10 +35,14 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
     ``progress=True``: each stage printed on stderr as it begins and ends, with
     its seconds (load, ``torch.export`` of each method, lowering, save).
 
+    With ``weightless``, ``qlinear``/``qembedding`` (8da4w, 8da8w, 4w, 8w / 8w, 4w)
+    quantize each weight as it is read from the folder (the same bytes as the
+    loaded export).
+
     Raises:
-        NeedsWeightValuesError: with ``weightless``, an option that needs the
-            weights' values (``qlinear``, ``qembedding``, ...), before anything
-            runs; a non-safetensors folder; a ``dtype``/device move of the model.
+        NeedsWeightValuesError: with ``weightless``, a quantization option value
+            it does not cover (:data:`WEIGHTLESS_QUANTIZATION`: ``qlinear='fpa4w'``),
+            before anything runs; a non-safetensors folder; a ``dtype``/device move of the model.
         BindingError: with ``weightless``, every weight the folder lacks or holds
             in another dtype or shape, by name; nothing written.
         ImportError: optimum-executorch is not installed (``ptdstream[hf]``).
@@ -47,13 +60,16 @@ def export(model_dir: str, output_dir: str, task: str, recipe: str = "xnnpack", 
 
 def quantization_refusal(where: str, options: dict, spelling: str, flag: str, instead: str) -> str | None:
     """The message refusing every option of :data:`QUANTIZE_OPTIONS` given a value in
-    ``options`` (``spelling.format(name, value)`` names each), for API and CLI alike;
-    None when none is. Imports nothing: the command line answers before torch loads."""
-    asked = [spelling.format(k, options[k]) for k in QUANTIZE_OPTIONS if options.get(k)]
+    ``options`` that :data:`WEIGHTLESS_QUANTIZATION` does not list (each entry of a
+    comma-separated value; ``spelling.format(name, value)`` names each), for API and
+    CLI alike; None when none is. Imports nothing: the command line answers before torch loads."""
+    asked = [spelling.format(k, options[k]) for k, covered in WEIGHTLESS_QUANTIZATION.items() if options.get(k)
+             and any(v.strip() not in covered for v in str(options[k]).split(","))]
     if not asked:
         return None
-    return (f"{where}: {', '.join(asked)}: quantization (torchao) needs the weights' values, which "
-            f"{flag} does not load; drop the option, or {instead}")
+    listed = "; ".join(f"{k} {', '.join(v)}" for k, v in WEIGHTLESS_QUANTIZATION.items() if not k.endswith("format"))
+    return (f"{where}: {', '.join(asked)}: {flag} quantizes each weight as it is read only with {listed}; "
+            f"use one of them, or {instead}")
 
 
 def refuse_quantization(where: str, options: dict, spelling: str, flag: str, instead: str) -> None:

@@ -337,6 +337,30 @@ def is_traceable_wrapper_subclass(tensor: Any) -> bool:
     return bool(resolve("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")(tensor))
 
 
+def quantize_handler(config: Any) -> Any:
+    """torchao's handler of ``type(config)`` (``torchao/quantization/transform_module.py``'s
+    ``_QUANTIZE_CONFIG_HANDLER``, what ``quantize_`` calls on each module it picks):
+    ``handler(module, config)`` quantizes ``module.weight`` in place and returns the module.
+
+    Raises:
+        KeyError: torchao has no handler for that config type.
+    """
+    return resolve("torchao.quantization.transform_module", "_QUANTIZE_CONFIG_HANDLER")[type(config)]
+
+
+def torchao_quant_api() -> Any:
+    """torchao's ``torchao/quantization/quant_api.py``, whose module global
+    ``_replace_with_custom_fn_if_matches_filter`` (the walk ``quantize_`` makes
+    with a config, looked up when called) weights_from shadows.
+
+    Raises:
+        ImportError: torchao is not installed.
+    """
+    api = resolve("torchao.quantization.quant_api")
+    resolve("torchao.quantization.quant_api", "_replace_with_custom_fn_if_matches_filter")
+    return api
+
+
 def program_module():
     """executorch's program module (``exir/program/_program.py``): ``ExecutorchProgramManager``
     calls its module global ``emit_program`` to emit the edge programs."""

@@ -38,8 +38,7 @@ from typing import Any
 
 from .convert import CONVERTIBLE, convertible
 from .errors import QUANTIZATION_ADVICE, BindingError
-from .quantization import derived_from_storage_less
-from .storage_less import is_storage_less
+from .storage_less import derived_from_storage_less, is_storage_less
 
 #: The name prefix of constants ``constant_prop_pass`` folds (``exir/passes/constant_prop_pass.py``).
 FOLDED_PREFIX = "_prop_tensor_constant"

@@ -106,14 +106,14 @@ from ..sources.checkpoint_base import Checkpoint
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
 from .binding import bind_programs, plan_binding, unbound_constants
-from .convert import ConvertDir
+from .convert import ConvertDir, RowReader
 from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .errors import QuantizationNeedsValuesError, UnboundConstantError
 from .folding import folded_to_files
 from .lowering import bind_found, binding_at_lowering, open_contexts, trim_heap
 from .lowering import opened as opened_in_thread
-from .quantization import quantized_constants, refusing_quantization
-from .storage_less import storage_less_model
+from .quantization import quantized_constants, streaming_quantization
+from .storage_less import is_storage_less, storage_less_model
 from .to_device import DeviceLoads, loading_bound_to_device
 
 __all__ = ["WeightsFrom", "weights_from"]
@@ -155,6 +155,8 @@ class WeightsFrom:
         self._identities = {f: _identity(f) for f in checkpoint.files()}
         self.bound_keys: list[str] = []  #: checkpoint keys bound, in binding order
         self.converted_keys: list[str] = []  #: those bound to a converted copy
+        self.quantized_keys: list[str] = []  #: checkpoint keys read and quantized by torchao's quantize_
+        self._quantized: dict[tuple[str, int], str] = {}  # (device type, storage address) of a quantized tensor -> key
         self._refused: set[str] = set()  # changed files already refused
         #: the bound tensors the CUDA backend loads straight from the checkpoint to the GPU, and its stats
         self.device_loads = DeviceLoads(checkpoint, self._identities)
@@ -236,6 +238,7 @@ class WeightsFrom:
 
     def _bind(self, programs: Any, key_map: Mapping[str, str] | None, allow_extra: bool) -> Any:
         methods = programs if isinstance(programs, Mapping) else {"forward": programs}
+        self.adopt_quantized(methods)
         plan = plan_binding(methods, self.checkpoint, {**self.key_map, **(key_map or {})}, allow_extra,
                             self._origins)
         if not plan.groups:
@@ -266,6 +269,61 @@ class WeightsFrom:
         if id(tensor) not in self._origins:
             self._kept.append(tensor)
         self._origins[id(tensor)] = key
+
+    def key_of(self, tensor: Any) -> str | None:
+        """The checkpoint key :meth:`record` named for ``tensor`` (or this context bound it to), or None."""
+        return self._origins.get(id(tensor))
+
+    @contextlib.contextmanager
+    def reading(self, key: str, dtype: Any) -> Iterator[RowReader]:
+        """Rows of checkpoint tensor ``key`` read in ``dtype`` (the model's), for
+        quantization (:mod:`ptdstream.weightless.quantization`): from the mapped
+        checkpoint, or (DCP, a fused key) from a converted copy made first.
+
+        Raises:
+            IntegrityError, OSError: as :meth:`bind`, for the converted copy.
+        """
+        mapped = self.checkpoint.kind in MAPPED_KINDS and key not in self.checkpoint.derived
+        tensor = self.checkpoint.tensor(key) if mapped else self._convert({key: dtype})[key]
+        reader = RowReader(tensor, dtype)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def note_quantized(self, key: str, weight: Any) -> None:
+        """``weight`` (a torchao quantized tensor) was made from checkpoint key
+        ``key``: a program tensor sharing one of its inner tensors' storages is
+        bound to ``key`` (:meth:`adopt_quantized`), the key checked unchanged as
+        bound keys are."""
+        self._kept.append(weight)
+        names, _ = weight.__tensor_flatten__()
+        inner = [getattr(weight, n) for n in names]
+        add_bound(self._bound, inner)
+        for tensor in inner:
+            if tensor.untyped_storage().nbytes():
+                self._quantized[tensor.device.type, tensor.untyped_storage().data_ptr()] = key
+        if key not in self.quantized_keys:
+            self.quantized_keys.append(key)
+
+    def adopt_quantized(self, programs: Mapping[str, Any]) -> None:
+        """Each constant of ``programs`` that shares the storage of a tensor
+        :meth:`note_quantized` recorded (``unwrap_tensor_subclass``'s parameters)
+        counts as bound to its key: registered as bound (XNNPACK's copy shares
+        it) and recorded, so binding takes it as bound and its key as used."""
+        if not self._quantized:
+            return
+        for ep in programs.values():
+            for table in ("state_dict", "constants"):
+                for tensor in getattr(ep, table).values():
+                    if (id(tensor) in self._origins or is_storage_less(tensor)
+                            or adapter.is_traceable_wrapper_subclass(tensor)):
+                        continue
+                    storage = tensor.untyped_storage()
+                    key = self._quantized.get((tensor.device.type, storage.data_ptr())) if storage.nbytes() else None
+                    if key is not None:
+                        add_bound(self._bound, [tensor])
+                        self._origins[id(tensor)] = key
 
     def owns(self, tensor: Any) -> bool:
         """Whether :meth:`record` named ``tensor``'s key (or this context bound it)."""
@@ -308,7 +366,8 @@ def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
         if left:
             raise UnboundConstantError(left, "to_executorch")
         for weights in open_contexts():
-            weights.check_unchanged(weights.bound_keys, "before to_executorch emitted the program (nothing emitted)")
+            weights.check_unchanged(list(dict.fromkeys(weights.bound_keys + weights.quantized_keys)),
+                                    "before to_executorch emitted the program (nothing emitted)")
         if open_contexts():
             trim_heap()  # what lowering and the passes freed
         return real(methods, *args, **kwargs)
@@ -354,11 +413,12 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
             with opened_in_thread(weights), binding_at_lowering(), bound_weights(weights._bound), \
                     constants_by_reference(), sharing_bound_weights(), \
-                    folded_to_files(weights._bound, convert.folder), refusing_quantization(), \
+                    folded_to_files(weights._bound, convert.folder), streaming_quantization(), \
                     loading_bound_to_device(weights.device_loads), releasing_generated_sources():
                 yield weights
-            weights.check_unchanged(weights.converted_keys, "before weights_from exited (its converted copies "
-                                    "hold the values from before the change)", again=False)
+            weights.check_unchanged(list(dict.fromkeys(weights.converted_keys + weights.quantized_keys)),
+                                    "before weights_from exited (its converted copies and quantized weights hold "
+                                    "the values from before the change)", again=False)
         finally:
             if weights is not None:
                 weights._open = False

@@ -53,7 +53,7 @@ from ..system.writeback import WritebackWindows
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CONVERTIBLE", "ConvertDir", "convertible"]
+__all__ = ["CONVERTIBLE", "ConvertDir", "RowReader", "convertible"]
 
 #: The dtypes converted to one another (by name: torch is imported lazily).
 CONVERTIBLE = ("float32", "float16", "bfloat16")
@@ -239,3 +239,49 @@ class ConvertDir:
             except OSError:
                 return
             self._own = False
+
+
+class RowReader:
+    """Rows of a checkpoint tensor (memory-mapped, or a converted copy) read into
+    new tensors of ``dtype``, the pages of each band handed back once read.
+
+    ``tensor``: a CPU tensor over a file mapping (its first dim the rows; any
+    dim order). :meth:`read` gives rows ``[r0, r1)`` as a new contiguous tensor
+    of ``dtype`` (``copy_``: the cast of ``.to(dtype)``, as :meth:`ConvertDir.convert`).
+    """
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        from ..system.pagecache import file_mapping
+
+        self.tensor: torch.Tensor | None = tensor
+        self.dtype = dtype
+        storage = tensor.untyped_storage()
+        self._mapping = file_mapping(storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
+
+    def read(self, r0: int, r1: int, device: str | torch.device | None = None) -> torch.Tensor:
+        """Rows ``[r0, r1)`` in ``dtype`` on ``device`` (None: the CPU), a new tensor.
+
+        Raises:
+            ValueError: the reader is closed, or the rows are out of range.
+        """
+        import torch
+
+        from ..system.pagecache import release_mapped
+
+        tensor = self.tensor
+        if tensor is None:
+            raise ValueError("RowReader.read after close()")
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if not 0 <= r0 <= r1 <= rows:
+            raise ValueError(f"rows [{r0}, {r1}) of a tensor of {rows} rows")
+        part = tensor[r0:r1] if tensor.dim() else tensor
+        out = torch.empty(tuple(part.shape), dtype=self.dtype, device=device if device is not None else "cpu")
+        out.copy_(part)
+        if self._mapping is not None and part.is_contiguous() and part.numel():
+            release_mapped(part.data_ptr(), part.numel() * part.element_size(),
+                           (self._mapping.start, self._mapping.stop))
+        return out
+
+    def close(self) -> None:
+        """Drop the tensor (a converted copy's mapping goes with it); idempotent."""
+        self.tensor = None

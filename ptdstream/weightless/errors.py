@@ -9,9 +9,15 @@ from ..errors import CheckpointMismatchError, PtdstreamError
 __all__ = ["BindingError", "MetaBufferError", "NeedsWeightValuesError", "QuantizationNeedsValuesError",
            "UnboundConstantError"]
 
-#: What to do, in every :class:`QuantizationNeedsValuesError` message.
-QUANTIZATION_ADVICE = ("quantization needs the weights' values: export this model with real weights (outside "
-                       "weights_from); weights_from binds plain checkpoint tensors, not quantized ones")
+#: What to do, in a :class:`QuantizationNeedsValuesError` message of weights no context can read.
+QUANTIZATION_ADVICE = ("quantization needs the weights' values: call torchao's quantize_ inside the weights_from "
+                       "block, in its thread (each weight is read from the checkpoint and quantized there), or "
+                       "export this model with real weights")
+#: What to do, in a :class:`QuantizationNeedsValuesError` message of a config weights_from does not cover.
+UNCOVERED_ADVICE = ("weights_from quantizes storage-less weights as they stream with Int8DynamicActivationIntx"
+                    "WeightConfig and IntxWeightOnlyConfig (int4 or int8, PerGroup or PerAxis(0), symmetric, "
+                    "unpacked_to_int8, affine or hqq_scale_only) and Int4WeightOnlyConfig (tile_packed_to_4d): "
+                    "use one of them, or export this model with real weights (outside weights_from)")
 
 
 class MetaBufferError(PtdstreamError, ValueError):
@@ -56,12 +62,15 @@ class UnboundConstantError(PtdstreamError, ValueError):
 
 
 class QuantizationNeedsValuesError(PtdstreamError, ValueError):
-    """A quantization of storage-less weights. ``names`` lists them."""
+    """A quantization of storage-less weights that cannot be computed: outside a
+    ``weights_from`` block (or its thread), or with a config it does not cover
+    (``reason`` says which field). ``names`` lists the weights; nothing was read."""
 
-    def __init__(self, names: list[str], where: str) -> None:
+    def __init__(self, names: list[str], where: str, reason: str | None = None) -> None:
         self.names = list(names)
-        super().__init__(f"{where}: {len(names)} storage-less weight(s) would be quantized: "
-                         f"{', '.join(names)}; {QUANTIZATION_ADVICE}")
+        self.reason = reason
+        super().__init__(f"{where}: {len(names)} storage-less weight(s) would be quantized: {', '.join(names)}; "
+                         + (f"{reason}: {UNCOVERED_ADVICE}" if reason else QUANTIZATION_ADVICE))
 
 
 class NeedsWeightValuesError(PtdstreamError, ValueError):

@@ -35,17 +35,19 @@ transformers cannot load from the folder (no key becomes it, its shape does not
 fit, a fusion fails: :class:`~ptdstream.weightless.BindingError` names each), a
 shard the index names that is missing, unreadable or outside the folder
 (:class:`~ptdstream.CheckpointFileError`), a checkpoint dtype other than the
-export's, a ``.to()`` that would move or convert a module with storage-less
-parameters, and optimum's quantization (``qlinear``, ``qembedding``: torchao
-needs the weights' values). Checkpoint keys the model does not use are
-ignored, as ``from_pretrained`` ignores them. Unlike ``from_pretrained``,
+export's that is not converted (float32, float16 and bfloat16 are, to one
+another, as ``from_pretrained`` converts them), a ``.to()`` that would move or
+convert a module with storage-less parameters, and a quantization config
+weights_from does not cover (optimum's ``qlinear`` / ``qembedding`` 8da4w,
+8da8w, 4w, 8w are: each weight is read from its shard and quantized as it
+streams, :mod:`ptdstream.weightless.quantization`). Checkpoint keys the model
+does not use are ignored, as ``from_pretrained`` ignores them. Unlike ``from_pretrained``,
 nothing is initialized: a model without a checkpoint key has no value.
 
 Patches (through :mod:`ptdstream.upstream.patching`, restored by the last exit):
 ``PreTrainedModel._load_pretrained_model`` (registered in
 :mod:`ptdstream.upstream.names`, checked against transformers 5.0.0rc1),
-``torch.nn.Module.to``, those of :mod:`ptdstream.weightless.lowering` and optimum's
-``quantize_model_`` in its task modules. They act only in the thread that
+``torch.nn.Module.to`` and those of :mod:`ptdstream.weightless.lowering`. They act only in the thread that
 entered the context (elsewhere the originals run), except ``to``, which acts on
 every module holding storage-less tensors (a no-op to the CPU in their dtypes,
 refused otherwise; upstream's fails on them).
@@ -57,7 +59,6 @@ import contextlib
 import functools
 import inspect
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -73,10 +74,6 @@ from .storage_less import is_storage_less, storage_less_model
 __all__ = ["StorageLessPretrained", "model_from_config", "pretrained_without_weights"]
 
 _local = threading.local()  # .active: the StorageLessPretrained contexts of this thread, innermost last
-
-#: optimum's task options that quantize the eager model (torchao: needs the weights' values).
-QUANTIZE_OPTIONS = ("qlinear", "qlinear_encoder", "qembedding", "qembedding_encoder")
-
 
 def model_from_config(folder: str | os.PathLike[str], auto_class: str = "AutoModelForCausalLM",
                       **from_config: Any) -> Any:
@@ -214,31 +211,6 @@ def _moving(real: Callable[..., Any]) -> Callable[..., Any]:
     return to
 
 
-def _refusing_quantization(real: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(real)
-    def quantize_model_(*args: Any, **kwargs: Any) -> Any:
-        asked = {k: v for k, v in kwargs.items() if k in ("qlinear_config", "qembedding_config") and v}
-        if asked and _active() is not None:
-            raise NeedsWeightValuesError(
-                f"optimum's quantize_model_({', '.join(f'{k}={v!r}' for k, v in asked.items())}): quantization "
-                "(torchao) needs the weights' values, which a weightless export does not load; drop "
-                f"{'/'.join('--' + o for o in QUANTIZE_OPTIONS)}, or export without weightless")
-        return real(*args, **kwargs)
-
-    return quantize_model_
-
-
-def _optimum_task_modules() -> list[Any]:
-    """optimum-executorch's task modules that call ``quantize_model_`` (imported); [] without optimum."""
-    try:
-        from optimum.exporters.executorch.task_registry import discover_tasks
-    except ImportError:
-        return []
-    discover_tasks()
-    prefix = "optimum.exporters.executorch.tasks."
-    return [m for n, m in sorted(sys.modules.items()) if n.startswith(prefix) and hasattr(m, "quantize_model_")]
-
-
 @contextlib.contextmanager
 def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
     """Inside, ``from_pretrained`` of a local safetensors folder loads no weight
@@ -268,8 +240,6 @@ def pretrained_without_weights() -> Iterator[StorageLessPretrained]:
                                      classmethod(_loading(model_class._load_pretrained_model.__func__))))
         stack.enter_context(shadowed(torch.nn.Module, "to", _moving(torch.nn.Module.to)))
         stack.enter_context(binding_at_lowering())
-        for module in _optimum_task_modules():
-            stack.enter_context(shadowed(module, "quantize_model_", _refusing_quantization(module.quantize_model_)))
         _local.active = getattr(_local, "active", None) or []
         _local.active.append(context)
         try:

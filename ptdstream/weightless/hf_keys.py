@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..upstream import adapter
+from .convert import convertible
 from .errors import BindingError
 from .storage_less import is_storage_less, storage_less, storage_less_model
 
@@ -289,7 +290,9 @@ def record_keys(model: Any, weights: Any, weight_mapping: Any, dtype: Any = None
     Raises:
         BindingError: every weight transformers could not load (a key none
             becomes, a shape that does not fit, a conversion that fails) or
-            that the checkpoint holds in another dtype, at once, by name.
+            that the checkpoint holds in a dtype not converted to the model's
+            (float32, float16 and bfloat16 are, to one another, when bound or
+            quantized, as ``from_pretrained`` converts them), at once, by name.
     """
     checkpoint = weights.checkpoint
     held = checkpoint.entries
@@ -337,7 +340,8 @@ def record_keys(model: Any, weights: Any, weight_mapping: Any, dtype: Any = None
                 continue
             weights.record(tensor, source)
             entry = held[source]
-            if entry.dtype != tensor.dtype or tuple(entry.shape) != tuple(tensor.shape):
+            if (entry.dtype != tensor.dtype and not convertible(entry.dtype, tensor.dtype)
+                    or tuple(entry.shape) != tuple(tensor.shape)):  # a float dtype converted as from_pretrained does
                 problems.append(f"{key!r} ({entry.where}): the checkpoint holds {entry.dtype} "
                                 f"{list(entry.shape)}, the model needs {tensor.dtype} {list(tensor.shape)}")
     if problems:

@@ -105,6 +105,8 @@ def bind_found(programs: Mapping[str, Any]) -> int:
     stack = open_contexts()
     if not stack:
         return 0
+    for weights in stack:
+        weights.adopt_quantized(programs)  # torchao's quantized weights made in a context: bound already
     found = needing_values(programs)
     if not found:
         return 0

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..system.files import pwrite_all
 
-__all__ = ["mapped_copy", "mapped_transpose"]
+__all__ = ["RowFiles", "mapped_copy", "mapped_transpose"]
 
 
 def _open_unlinked(folder: str) -> tuple[int, str | None]:
@@ -149,3 +149,84 @@ def mapped_transpose(tensor: Any, folder: str, band_nbytes: int) -> Any:
         except BufferError:  # a view still alive: the mapping goes with it
             pass
     return torch.empty(0, dtype=tensor.dtype).set_(mapped, 0, (cols, rows), (rows, 1))
+
+
+class RowFiles:
+    """Tensors built band by band: each band's rows appended to a nameless file
+    in ``folder`` (one file a name), mapped back whole by :meth:`finish`.
+
+    Every band of a name must be a contiguous CPU tensor of one dtype whose
+    dims after the first are the same; its bytes go right after the band
+    before. Resident: none of the bands (each is written as it comes).
+    Use as a context manager: files not finished are closed on exit.
+
+    Raises:
+        ValueError: a band that is not contiguous, not on the CPU, or of
+            another dtype or row shape than the first band of its name.
+        OSError: a file cannot be created, written (ENOSPC names the folder) or mapped.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        # name -> [fd, path or None, bytes written, rows, dtype, shape of a row]
+        self._files: dict[str, list[Any]] = {}
+
+    def append(self, name: str, band: Any) -> None:
+        """Write ``band``'s rows after those of ``name`` appended before."""
+        if band.device.type != "cpu" or not band.is_contiguous() or band.dim() == 0:
+            raise ValueError(f"{name}: a band must be a contiguous CPU tensor of at least one dim, got "
+                             f"{band.device} {tuple(band.shape)} with strides {band.stride()}")
+        entry = self._files.get(name)
+        if entry is None:
+            fd, path = _open_unlinked(self.folder)
+            entry = self._files[name] = [fd, path, 0, 0, band.dtype, tuple(band.shape[1:])]
+        if (band.dtype, tuple(band.shape[1:])) != (entry[4], entry[5]):
+            raise ValueError(f"{name}: a band of {band.dtype} {tuple(band.shape)} after bands of {entry[4]} rows "
+                             f"{entry[5]}")
+        nbytes = band.numel() * band.element_size()
+        if nbytes:
+            _write(entry[0], memoryview((ctypes.c_char * nbytes).from_address(band.data_ptr())).cast("B"), entry[2],
+                   self.folder)
+        entry[2] += nbytes
+        entry[3] += band.shape[0]
+
+    def finish(self) -> dict[str, Any]:
+        """Each name's rows, one contiguous tensor over its file's shared mapping
+        (``requires_grad`` False); the files are closed (and their names removed)."""
+        import torch
+
+        out = {}
+        for name, (fd, path, nbytes, rows, dtype, row_shape) in list(self._files.items()):
+            shape = (rows, *row_shape)
+            if nbytes:
+                mapped = _map_back(fd, path, nbytes)
+                out[name] = torch.empty(0, dtype=dtype).set_(mapped, 0, shape, _contiguous_strides(shape))
+            else:
+                out[name] = torch.empty(shape, dtype=dtype)
+            self._close(name)
+        return out
+
+    def _close(self, name: str) -> None:
+        fd, path = self._files.pop(name)[:2]
+        os.close(fd)
+        if path is not None:
+            os.unlink(path)
+
+    def close(self) -> None:
+        """Close (and remove) every file not finished; idempotent."""
+        for name in list(self._files):
+            self._close(name)
+
+    def __enter__(self) -> RowFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(strides))

@@ -1,59 +1,141 @@
-"""Quantization of storage-less weights: refused by name, before anything is written.
+"""Quantization as the weights stream: torchao's ``quantize_`` on storage-less weights, one weight at a time.
 
-torchao's ``quantize_`` computes each quantized weight (scales, zero points,
-integer data) from the weight's values. On a storage-less parameter
-(:mod:`ptdstream.weightless.storage_less`) there are none: depending on the
-config it fails deep inside torchao (HQQ: a data-dependent FakeTensor error;
-``unwrap_tensor_subclass``: an ``AttributeError``) or, worse, builds a
-quantized tensor subclass whose inner tensors are storage-less, which no
-checkpoint tensor can fill.
+torchao's ``quantize_`` computes each quantized weight (integer data, scales,
+zero points) from the weight's values. Inside
+:func:`~ptdstream.weightless.weights_from` (in the thread where it is open),
+``quantize_`` (the name in ``torchao``, ``torchao.quantization`` and
+``torchao.quantization.quant_api``; optimum-executorch's ``quantize_model_``
+imports it there when it runs) is shadowed by :func:`streaming_quantize`. On a
+model whose targeted weights are storage-less, it:
 
-So, inside :func:`~ptdstream.weightless.weights_from`:
+1. finds, before anything is read, every weight the call would quantize
+   (``filter_fn``, torchao's default ``_is_linear``, walked as torchao walks:
+   a module picked is not descended into) and its checkpoint key (the key a
+   context recorded for that tensor, the Hugging Face route's; else its FQN
+   in the model given, through ``key_map``): a config not covered
+   (:func:`uncovered_reason`) is refused by name
+   (:class:`~ptdstream.weightless.QuantizationNeedsValuesError`), a weight no
+   checkpoint key fits by :class:`~ptdstream.weightless.BindingError`, the
+   model unchanged;
+2. runs torchao's own ``quantize_`` with ``filter_fn`` wrapped, so the modules
+   are visited in torchao's order: at each storage-less target, the weight is
+   read from the checkpoint's mapping (or a converted copy, for DCP and fused
+   keys) and converted to the model's dtype (``copy_``: bfloat16 to float32 as
+   ``from_pretrained(dtype=float32)`` does; a NaN's payload bits may differ,
+   see :mod:`ptdstream.weightless.convert`), set as the module's weight and
+   quantized by torchao's handler of the config (its own code, on that one
+   module); the quantized tensor's inner tensors (``qdata``, ``scale``,
+   ``zero_point``) are written to nameless files of the context's folder and
+   mapped back (:mod:`ptdstream.weightless.mapped_copy`), the full-precision
+   weight released, before the next module;
+3. a weight larger than :data:`LARGE_NBYTES` (in the model's dtype) under a
+   config whose scales are per row or per group of a row
+   (``Int8DynamicActivationIntxWeightConfig``, ``IntxWeightOnlyConfig``:
+   torchao's ``IntxUnpackedToInt8Tensor``) is quantized in bands of rows of
+   about :data:`BAND_NBYTES`, each band's inner tensors appended to the files:
+   the same bytes as the whole tensor quantized at once (rows are quantized
+   independently; ``tests/weightless/test_quantized.py`` checks it with NaN
+   and Inf rows). Other configs (the CUDA backend's int4 tile-packed) quantize
+   one whole tensor at a time.
 
-* ``quantize_`` (the name in ``torchao``, ``torchao.quantization`` and
-  ``torchao.quantization.quant_api``; optimum-executorch's ``qlinear`` and
-  ``qembedding`` import it there when they run) is shadowed by
-  :func:`refusing_quantize`: if a module it would quantize (``filter_fn``,
-  torchao's default ``_is_linear``; any module for a ``FqnToConfig``) holds a
-  storage-less parameter, it raises :class:`QuantizationNeedsValuesError`
-  naming them, and the model is left unchanged;
-* a quantized constant made from storage-less weights anyway (``quantize_``
-  imported before the context opened) is refused by name by
-  :meth:`~ptdstream.weightless.WeightsFrom.bind` and before emission
-  (:func:`derived_from_storage_less`).
+The quantized tensors are plain file-backed tensors: ``unwrap_tensor_subclass``
+(optimum runs it) parametrizes them as usual, ``torch.export`` shares them, and
+each program is bound as it reaches lowering: a tensor whose storage is one of
+them counts as bound to its checkpoint key
+(:meth:`~ptdstream.weightless.WeightsFrom.adopt_quantized`; XNNPACK's copy
+shares it, the emitter and the save stream it from its file). Tied weights:
+optimum quantizes ``embed_tokens`` (8w) first, which gives it a new parameter
+and so unties ``lm_head``, then ``lm_head`` (8da4w): each is read from the
+checkpoint key and quantized in that order, as upstream does. The keys
+quantized are checked unchanged as bound keys are (before emission, at exit).
 
-What to do: export with real weights (outside ``weights_from``); weights_from
-binds plain checkpoint tensors only.
+``device`` (``quantize_``'s argument): where each streamed weight is read to
+and quantized (``"cuda"``: the CUDA backend's int4; its quantized tensors stay
+there, nothing written to files); the storage-less model is not moved.
+
+Outside a context (or in another thread), a storage-less target is refused by
+name as before; a quantized constant made from storage-less weights anyway
+(``quantize_`` imported before the context opened) is refused by
+:meth:`~ptdstream.weightless.WeightsFrom.bind` and before emission
+(:func:`derived_from_storage_less`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..upstream import adapter
 from ..upstream.patching import shadowed
-from .errors import QuantizationNeedsValuesError
-from .storage_less import is_storage_less
+from .convert import convertible
+from .errors import BindingError, QuantizationNeedsValuesError
+from .lowering import open_contexts, trim_heap
+from .mapped_copy import RowFiles, mapped_copy
+from .storage_less import derived_from_storage_less, is_storage_less
 
-__all__ = ["QUANTIZE_MODULES", "derived_from_storage_less", "quantized_constants",
-           "refusing_quantization"]
+__all__ = ["BAND_NBYTES", "COVERED", "LARGE_NBYTES", "quantized_constants", "streaming_quantization",
+           "streaming_walk", "uncovered_reason"]
 
-#: The modules whose global ``quantize_`` is shadowed (those that are importable).
-QUANTIZE_MODULES = ("torchao", "torchao.quantization", "torchao.quantization.quant_api")
+#: A weight larger than this (bytes in the model's dtype) is quantized in bands of rows, where the config allows.
+LARGE_NBYTES = 64 << 20
+#: About the bytes of one band (rows of the weight in the model's dtype).
+BAND_NBYTES = 32 << 20
+
+#: The torchao configs quantized as the weights stream, with what each must hold (:func:`uncovered_reason`).
+COVERED = (
+    "Int8DynamicActivationIntxWeightConfig (optimum's 8da4w/8da8w, executorch's LLM exporter's 8da4w: weight_dtype "
+    "int4 or int8, PerGroup or PerAxis(0), symmetric, unpacked_to_int8, affine or hqq_scale_only)",
+    "IntxWeightOnlyConfig (optimum's 4w/8w and --qembedding: weight_dtype int4 or int8, PerGroup or PerAxis(0), "
+    "symmetric, unpacked_to_int8, affine or hqq_scale_only)",
+    "Int4WeightOnlyConfig (the CUDA backend's int4: tile_packed_to_4d, hqq or tinygemm)",
+)
+
+#: The configs whose quantized rows depend on their own row only (banded past LARGE_NBYTES).
+_ROW_WISE = ("Int8DynamicActivationIntxWeightConfig", "IntxWeightOnlyConfig")
 
 
-def derived_from_storage_less(tensor: Any) -> bool:
-    """Whether ``tensor`` is a tensor subclass (a torchao quantized tensor) some
-    inner tensor of which is storage-less, at any depth."""
-    if not adapter.is_traceable_wrapper_subclass(tensor):
-        return False
-    names, _ = tensor.__tensor_flatten__()
-    inner = [getattr(tensor, n) for n in names]
-    return any(is_storage_less(t) or derived_from_storage_less(t) for t in inner)
+def _named(value: Any, *names: str) -> bool:
+    """Whether an enum member (or its plain-string spelling) is one of ``names`` (lower case)."""
+    spelled = {str(getattr(value, "value", value)).lower(), str(getattr(value, "name", value)).lower()}
+    return bool(spelled & set(names))
+
+
+def uncovered_reason(config: Any) -> str | None:
+    """Why ``config`` is not quantized as the weights stream (one of :data:`COVERED`), or None."""
+    name = type(config).__name__
+
+    def granularity(g: Any) -> bool:
+        kind = type(g).__name__
+        return kind == "PerGroup" or (kind == "PerAxis" and getattr(g, "axis", None) == 0)
+
+    if name in _ROW_WISE:
+        weight = name == "Int8DynamicActivationIntxWeightConfig"
+        checks = {
+            "weight_dtype": str(config.weight_dtype) in ("torch.int4", "torch.int8"),
+            ("weight_granularity" if weight else "granularity"):
+                granularity(config.weight_granularity if weight else config.granularity),
+            ("weight_mapping_type" if weight else "mapping_type"):
+                _named(config.weight_mapping_type if weight else config.mapping_type, "symmetric"),
+            ("weight_scale_dtype" if weight else "scale_dtype"):
+                (config.weight_scale_dtype if weight else config.scale_dtype) is None,
+            "intx_packing_format": _named(config.intx_packing_format, "unpacked_to_int8"),
+            "intx_choose_qparams_algorithm": _named(config.intx_choose_qparams_algorithm, "affine",
+                                                    "hqq_scale_only"),
+            "version": config.version == 2,
+        }
+        if weight:
+            checks["act_mapping_type"] = _named(config.act_mapping_type, "asymmetric")
+    elif name == "Int4WeightOnlyConfig":
+        checks = {"int4_packing_format": _named(config.int4_packing_format, "tile_packed_to_4d"),
+                  "int4_choose_qparams_algorithm": _named(config.int4_choose_qparams_algorithm, "hqq", "tinygemm"),
+                  "version": config.version == 2}
+    else:
+        return f"{name} is not covered"
+    bad = [f"{field}={getattr(config, field)!r}" for field, ok in checks.items() if not ok]
+    return f"{name} with {', '.join(bad)} is not covered" if bad else None
 
 
 def quantized_constants(programs: Mapping[str, Any]) -> list[str]:
@@ -71,55 +153,237 @@ def _describe(fqn: str, param: Any) -> str:
     return f"{fqn!r} ({param.dtype} {list(param.shape)})"
 
 
-def _storage_less_targets(model: Any, config: Any, filter_fn: Any, default_filter: Any) -> list[str]:
-    """The storage-less weights (``weight`` parameters; any parameter for a
-    ``FqnToConfig``) of the modules ``quantize_(model, config, filter_fn)`` would visit."""
+def _under(fqn: str, prefix: str) -> bool:
+    return prefix == "" or fqn == prefix or fqn.startswith(prefix + ".")
+
+
+def _targets(model: Any, config: Any, chosen: Any) -> list[tuple[str, Any, Any]]:
+    """``(module fqn, module, weight)`` of each module ``quantize_`` would quantize
+    whose ``weight`` is storage-less, in torchao's order
+    (``quant_api._replace_with_custom_fn_if_matches_filter``: a module picked
+    is not descended into); every module with a storage-less parameter for a
+    ``FqnToConfig`` (its weight, or its first such parameter)."""
+    if type(config).__name__ == "FqnToConfig":
+        found = []
+        for fqn, module in model.named_modules():
+            params = [p for _, p in module.named_parameters(recurse=False) if is_storage_less(p)]
+            if params:
+                found.append((fqn, module, getattr(module, "weight", params[0])))
+        return found
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(module: Any, fqn: str) -> None:
+        if chosen(module, fqn):
+            weight = module._parameters.get("weight")
+            if weight is not None and is_storage_less(weight):
+                out.append((fqn, module, weight))
+            return
+        for name, child in module.named_children():
+            walk(child, f"{fqn}.{name}" if fqn else name)
+
+    walk(model, "")
+    return out
+
+
+def _key_of(contexts: list[Any], weight: Any, fqn: str) -> tuple[Any, str | None]:
+    """The context that binds ``weight`` (``fqn``: its name in the model given)
+    and its checkpoint key there (None: that context holds no such key)."""
+    for weights in reversed(contexts):
+        if weights.owns(weight):
+            return weights, weights.key_of(weight)
+    by_name = next((w for w in reversed(contexts) if w.by_name), contexts[-1])
+    key = by_name.key_map.get(fqn, fqn)
+    return by_name, key if key in by_name.checkpoint.entries else None
+
+
+class _Plan:
+    """The weights one ``quantize_`` call streams: each module's context, key and weight."""
+
+    def __init__(self, config: Any, targets: list[tuple[str, Any, Any]], contexts: list[Any]) -> None:
+        self.config = config
+        self.entries: dict[int, tuple[str, Any, str, Any]] = {}  # id(module) -> (fqn, context, key, weight)
+        problems: dict[Any, list[str]] = {}
+        for fqn, module, weight in targets:
+            name = f"{fqn}.weight" if fqn else "weight"
+            weights, key = _key_of(contexts, weight, name)
+            if key is None:
+                problems.setdefault(weights, []).append(
+                    f"missing: {name!r} (quantized by quantize_) needs checkpoint key "
+                    f"{weights.key_map.get(name, name)!r}, which the checkpoint does not hold")
+                continue
+            entry = weights.checkpoint.entries[key]
+            where = f"{name!r} <- key {key!r} ({entry.where})"
+            if entry.dtype != weight.dtype and not convertible(entry.dtype, weight.dtype):
+                problems.setdefault(weights, []).append(
+                    f"dtype: {where}: the checkpoint holds {entry.dtype}, quantize_ needs {weight.dtype}")
+            elif tuple(entry.shape) != tuple(weight.shape):
+                problems.setdefault(weights, []).append(
+                    f"shape: {where}: the checkpoint holds {list(entry.shape)}, the model {list(weight.shape)}")
+            else:
+                self.entries[id(module)] = (fqn, weights, key, weight)
+        for weights, found in problems.items():
+            raise BindingError(weights.checkpoint.path, found)
+
+
+class _NotRowWise(Exception):
+    """torchao's bands did not come out one row of inner tensors per row: quantize the tensor whole."""
+
+
+def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, config: Any, device: Any) -> None:
+    """Quantize ``module.weight`` (storage-less ``weight``) from checkpoint key ``key`` with torchao's handler."""
     import torch
 
-    per_fqn = type(config).__name__ == "FqnToConfig"
-    chosen = filter_fn or default_filter or (lambda module, fqn: isinstance(module, torch.nn.Linear))
-    found: dict[int, str] = {}
-    for prefix, module in model.named_modules():
-        if not per_fqn and not chosen(module, prefix):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            if (per_fqn or name == "weight") and is_storage_less(param) and id(param) not in found:
-                found[id(param)] = _describe(f"{prefix}.{name}" if prefix else name, param)
-    return sorted(found.values())
+    handler = adapter.quantize_handler(config)
+    rows = weight.shape[0] if weight.dim() else 1
+    row_nbytes = weight[0].numel() * weight.element_size() if weight.dim() else weight.element_size()
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    banded = (on_cpu and type(config).__name__ in _ROW_WISE and weight.dim() >= 2
+              and rows * row_nbytes > LARGE_NBYTES)
+    weights.check_unchanged([key], f"before key {key!r} was quantized")
+    extra_repr = module.__dict__.get("extra_repr")
+    with weights.reading(key, weight.dtype) as source:
+        quantized = None
+        if banded:
+            try:
+                quantized = _banded(module, weight, config, handler, source, rows,
+                                    max(1, BAND_NBYTES // max(row_nbytes, 1)), weights.convert_dir.folder,
+                                    extra_repr)
+            except _NotRowWise:
+                _restore_extra_repr(module, extra_repr)
+        if quantized is None:
+            module.weight = torch.nn.Parameter(source.read(0, rows, device), requires_grad=weight.requires_grad)
+            handler(module, config)
+            quantized = module.weight
+            module.weight = None
+            if adapter.is_traceable_wrapper_subclass(quantized):
+                quantized = _kept(quantized, weights.convert_dir.folder)
+            else:  # torchao left it as it was (Int4WeightOnlyConfig: a shape the group size does not divide)
+                quantized = None
+        module.weight = weight if quantized is None else torch.nn.Parameter(quantized, requires_grad=False)
+    del quantized
+    weights.check_unchanged([key], f"while key {key!r} was quantized")
+    if module.weight is not weight:
+        weights.note_quantized(key, module.weight)
+    trim_heap()  # the full-precision weight and torchao's intermediates, freed by now
 
 
-def refusing_quantize(real: Callable[..., Any], default_filter: Any) -> Callable[..., Any]:
-    """``quantize_`` that refuses storage-less weights first (see the module docstring)."""
-    missing = object()
+def _restore_extra_repr(module: Any, extra_repr: Any) -> None:
+    """``module``'s ``extra_repr`` as it was before torchao's handler wrapped it."""
+    if extra_repr is None:
+        module.__dict__.pop("extra_repr", None)
+    else:
+        module.extra_repr = extra_repr
+
+
+def _kept(quantized: Any, folder: str) -> Any:
+    """``quantized`` with each CPU inner tensor moved to a nameless file in ``folder``."""
+    names, meta = quantized.__tensor_flatten__()
+    inner = {}
+    for name in names:
+        tensor = getattr(quantized, name)
+        cpu = not adapter.is_traceable_wrapper_subclass(tensor) and tensor.device.type == "cpu"
+        inner[name] = mapped_copy(tensor, folder) if cpu and tensor.untyped_storage().nbytes() else tensor
+    return type(quantized).__tensor_unflatten__(inner, meta, quantized.shape, quantized.stride())
+
+
+def _banded(module: Any, weight: Any, config: Any, handler: Any, source: Any, rows: int, step: int, folder: str,
+            extra_repr: Any) -> Any:
+    """The quantized weight, made band by band (rows ``[r, r + step)``) by torchao's
+    handler on ``module``, each band's inner tensors appended to files in ``folder``.
+
+    Raises:
+        _NotRowWise: a band's inner tensors are not one row per row of the weight.
+    """
+    import torch
+
+    first: tuple[Any, list[str], Any] | None = None
+    with RowFiles(folder) as files:
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            _restore_extra_repr(module, extra_repr)  # torchao wraps it once per call: once in all, as upstream
+            module.weight = torch.nn.Parameter(source.read(r0, r1, None), requires_grad=weight.requires_grad)
+            handler(module, config)
+            band = module.weight
+            module.weight = None  # the band's full-precision values go now
+            if not adapter.is_traceable_wrapper_subclass(band):
+                raise _NotRowWise
+            names, meta = band.__tensor_flatten__()
+            if first is None:
+                first = (type(band), list(names), meta)
+            if (type(band), list(names), meta) != first:
+                raise _NotRowWise
+            for name in names:
+                part = getattr(band, name)
+                if (adapter.is_traceable_wrapper_subclass(part) or part.dim() == 0
+                        or part.shape[0] != r1 - r0):
+                    raise _NotRowWise
+                files.append(name, part.contiguous())
+            del band
+        assert first is not None
+        inner = files.finish()
+    cls, _, meta = first
+    return cls.__tensor_unflatten__(inner, meta, tuple(weight.shape), weight.stride())
+
+
+_walking = threading.local()  # .active: this thread is inside a streaming walk (torchao's recursion)
+
+
+def streaming_walk(real: Callable[..., Any]) -> Callable[..., Any]:
+    """torchao's ``_replace_with_custom_fn_if_matches_filter`` (the walk every
+    ``quantize_`` makes with a config, however ``quantize_`` was imported) that
+    streams storage-less weights from the checkpoint (see the module docstring).
+    Its own recursion, and every call without storage-less targets, runs as upstream's."""
 
     @functools.wraps(real)
-    def quantize_(model, config, filter_fn=missing, *args, **kwargs):
-        chosen = default_filter if filter_fn is missing else filter_fn
-        names = _storage_less_targets(model, config, chosen, default_filter)
-        if names:
-            raise QuantizationNeedsValuesError(names, f"torchao quantize_ ({type(config).__name__})")
-        if filter_fn is missing:
-            return real(model, config, *args, **kwargs)
-        return real(model, config, filter_fn, *args, **kwargs)
+    def _replace_with_custom_fn_if_matches_filter(model, replacement_fn, filter_fn, cur_fqn="", device=None,
+                                                  extra_args=()):
+        config = extra_args[0] if extra_args else None
+        if getattr(_walking, "active", False) or cur_fqn or config is None:
+            return real(model, replacement_fn, filter_fn, cur_fqn, device, extra_args)
+        targets = _targets(model, config, filter_fn)
+        if not targets:
+            return real(model, replacement_fn, filter_fn, cur_fqn, device, extra_args)
+        contexts = open_contexts()
+        names = sorted({_describe(f"{fqn}.weight" if fqn else "weight", w) for fqn, _, w in targets})
+        where = f"torchao quantize_ ({type(config).__name__})"
+        if not contexts:
+            raise QuantizationNeedsValuesError(names, where)
+        reason = uncovered_reason(config)
+        if reason is not None:
+            raise QuantizationNeedsValuesError(names, where, reason)
+        plan = _Plan(config, targets, contexts)
+        done: list[str] = []
 
-    return quantize_
+        def streaming_filter(module, fqn):
+            if any(_under(fqn, d) for d in done):
+                return False  # inside a module quantized here: torchao would not descend into it
+            entry = plan.entries.get(id(module))
+            if entry is not None and entry[0] == fqn:
+                _quantize_one(module, fqn, entry[1], entry[2], entry[3], config, device)
+                done.append(fqn)
+                return False
+            return filter_fn(module, fqn)
+
+        _walking.active = True
+        try:  # device: where each streamed weight is quantized; the storage-less model is not moved
+            return real(model, replacement_fn, streaming_filter, cur_fqn, None, extra_args)
+        finally:
+            _walking.active = False
+
+    return _replace_with_custom_fn_if_matches_filter
 
 
 @contextlib.contextmanager
-def refusing_quantization() -> Iterator[None]:
-    """While active, torchao's ``quantize_`` refuses storage-less weights by name
-    (every thread: it refuses only what cannot be computed). Does nothing when
-    torchao is not importable."""
+def streaming_quantization() -> Iterator[None]:
+    """While active, torchao's ``quantize_`` streams storage-less weights from the
+    checkpoint in threads with an open context and refuses them by name elsewhere
+    (:func:`streaming_walk`; every thread: it changes only calls that
+    upstream's code cannot run). Does nothing when torchao is not importable."""
     try:
-        api = importlib.import_module("torchao.quantization.quant_api")
+        api = adapter.torchao_quant_api()
     except ImportError:
         yield
         return
-    real, default_filter = api.quantize_, getattr(api, "_is_linear", None)
-    wrapper = refusing_quantize(real, default_filter)
-    with contextlib.ExitStack() as patches:
-        for name in QUANTIZE_MODULES:
-            module = importlib.import_module(name)
-            if getattr(module, "quantize_", None) is real:
-                patches.enter_context(shadowed(module, "quantize_", wrapper))
+    with shadowed(api, "_replace_with_custom_fn_if_matches_filter",
+                  streaming_walk(api._replace_with_custom_fn_if_matches_filter)):
         yield

@@ -32,7 +32,7 @@ from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .errors import MetaBufferError
 
-__all__ = ["is_storage_less", "meta_to_storage_less", "storage_less", "storage_less_model"]
+__all__ = ["derived_from_storage_less", "is_storage_less", "meta_to_storage_less", "storage_less", "storage_less_model"]
 
 _local = threading.local()  # the fake mode of the thread building a model
 
@@ -44,6 +44,16 @@ def is_storage_less(tensor: Any) -> bool:
     if not isinstance(tensor, torch.Tensor):
         return False
     return isinstance(tensor, adapter.fake_tensor_type()) or tensor.is_meta
+
+
+def derived_from_storage_less(tensor: Any) -> bool:
+    """Whether ``tensor`` is a tensor subclass (a torchao quantized tensor) some
+    inner tensor of which is storage-less, at any depth."""
+    if not adapter.is_traceable_wrapper_subclass(tensor):
+        return False
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, n) for n in names]
+    return any(is_storage_less(t) or derived_from_storage_less(t) for t in inner)
 
 
 def _mode() -> Any:
