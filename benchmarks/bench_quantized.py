@@ -474,7 +474,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int)
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int)
-    p.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
+    p.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES),
+                   help="the routes to run, in this order (the table keeps upstream, loaded, streaming)")
     p.add_argument("--no-skip", action="store_true", help="run upstream and loaded even when they look too large")
     p.add_argument("--qlinear", default="8da4w", help="optimum's --qlinear ('' for none)")
     p.add_argument("--qembedding", default="8w", help="optimum's --qembedding ('' for none)")
@@ -525,7 +526,7 @@ def main() -> int:
                      f" --max_seq_len {args.max_seq_len or 'default'}")
             skipped = skip_reasons(args, model["weights_nbytes"])
             runs: dict = {}
-            for route in ROUTES:
+            for route in args.routes:  # in the order given
                 if route in skipped:
                     continue
                 runs[route] = run_child(args, route)
