@@ -25,6 +25,13 @@ the same reference: the one the ``NamedDataStore`` keeps is the one hashed (its
 SHA-256 cached, and the xxh3-128 of that read handed to the save, which refuses
 bytes changed since).
 
+Inside :func:`spilling_converted` too (the weightless route's: weights_from
+opens it), a converted constant of at least :data:`SPILL_MIN_NBYTES` (a packed
+4-bit weight, its bf16 scales) is handed to the spill it names, which writes
+its bytes to a nameless file and maps them back; both calls for it get a
+reference to that mapping, so lowering holds no copy of it either. The second
+call is matched to the first by address, size and bytes (compared).
+
 The XNNPACK lowering runs in ``to_edge_transform_and_lower``: wrap that call
 (optimum-executorch: the whole ``main_export``). ``ptdstream.save`` and
 upstream's writers write the same bytes as without the context. The module's
@@ -43,7 +50,8 @@ import ctypes
 import functools
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..upstream import adapter
 from ..upstream.patching import shadowed
@@ -51,7 +59,11 @@ from .emitter import reference
 from .interop import EMITTER_HASHLIB
 from .reachability import compact_dependency_viewers
 
-__all__ = ["xnnpack_constants_by_reference"]
+__all__ = ["SPILL_MIN_NBYTES", "spilling_converted", "xnnpack_constants_by_reference"]
+
+#: A converted constant at least this large goes to the spill of :func:`spilling_converted`, when one is open.
+SPILL_MIN_NBYTES = 1 << 20
+_spill: contextvars.ContextVar = contextvars.ContextVar("ptdstream_xnnpack_spill", default=None)
 
 _entered: contextvars.ContextVar = contextvars.ContextVar("ptdstream_xnnpack_by_reference", default=())
 _open: set = set()
@@ -103,7 +115,44 @@ def _node_visitor_bytes(*args, **kwargs):
             ref = reference(storage)
             _last.reference = (tensor, ref)
             return ref
+    spill = _spill.get()
+    if (spill is not None and len(args) == 1 and not kwargs and isinstance(args[0], ctypes.Array)
+            and ctypes.sizeof(args[0]) >= SPILL_MIN_NBYTES and _active()):
+        return _spilled(args[0], spill)
     return builtins.bytes(*args, **kwargs)
+
+
+def _spilled(view: ctypes.Array, spill: Callable[[memoryview], Any]) -> Any:
+    """A reference to ``view``'s bytes written by ``spill``; the same one for the call that follows with the
+    same bytes at the same address (upstream hashes, then adds the constant)."""
+    import numpy
+
+    where = (ctypes.addressof(view), ctypes.sizeof(view))
+    pending = getattr(_last, "spilled", None)
+    _last.spilled = None
+    data = memoryview(view).cast("B")
+    if pending is not None and pending[0] == where and numpy.array_equal(
+            numpy.frombuffer(data, dtype=numpy.uint8), pending[1].numpy()):
+        return pending[2]
+    mapped = spill(data)
+    ref = reference(mapped.untyped_storage())
+    _last.spilled = (where, mapped, ref)
+    return ref
+
+
+@contextlib.contextmanager
+def spilling_converted(spill: Callable[[memoryview], Any]) -> Iterator[None]:
+    """While active in this thread or task (inside :func:`xnnpack_constants_by_reference`),
+    each converted constant XNNPACK serializes of at least :data:`SPILL_MIN_NBYTES`
+    is given to ``spill`` (its bytes), which returns a flat ``torch.uint8`` CPU
+    tensor holding them (a file mapping); the ``NamedDataStore`` keeps a reference
+    to it, not a copy. Nests (the innermost spill is used)."""
+    token = _spill.set(spill)
+    try:
+        yield
+    finally:
+        _last.spilled = None
+        _spill.reset(token)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,9 @@
 * What an export computes from a weight, one weight at a time, written to a
   nameless temp file and bound like a checkpoint tensor: ``folding``
   (``constant_prop_pass`` on bound programs; ``mapped_copy``, and a large
-  transpose written in bands), ``quantization`` (torchao's ``quantize_``).
+  transpose written in bands), ``quantization`` (torchao's ``quantize_``: each
+  weight read from the checkpoint and quantized by torchao's own handler, its
+  quantized tensors in files, a large one in bands of rows).
 * ``delegates``: XNNPACK's constants by reference and its per-partition copy
   sharing the bound tensors.
 * ``to_device`` / ``device_load``: inside the context, executorch's

@@ -58,8 +58,12 @@ before :meth:`WeightsFrom.bind` leaves folded constants that
 from the mapped checkpoint, each moved to a nameless temp file as soon as it is
 computed (:mod:`ptdstream.weightless.folding`: one folded constant in memory at
 a time, the same bytes). Quantization (torchao's ``quantize_``, optimum's
-``qlinear``) of storage-less weights is refused by name before anything is
-written (:mod:`ptdstream.weightless.quantization`); XNNPACK's packing of
+``qlinear`` / ``qembedding``) of storage-less weights runs as the weights
+stream: each weight read from the checkpoint, converted, quantized by
+torchao's handler on its module, its quantized tensors moved to nameless files
+and bound to its key at lowering (``quantized_keys``); a config not covered is
+refused by name before anything is read
+(:mod:`ptdstream.weightless.quantization`); XNNPACK's packing of
 transformed weights (4-bit, NHWC or swapped convolutions) reads them from the
 mapping and copies them, as upstream does. Checkpoints: safetensors (a file,
 or a Hugging Face sharded folder), weights-only ``torch.save`` (both mapped) and
@@ -76,7 +80,7 @@ Patches: ``torch.export``'s and ``run_decompositions`` (:mod:`~ptdstream.weightl
 the emitter's (see ``constants_by_reference``), XNNPACK's (see
 ``xnnpack_constants_by_reference`` and :mod:`~ptdstream.weightless.delegates`),
 ``constant_prop_pass``'s (:mod:`~ptdstream.weightless.folding`), torchao's
-``quantize_`` (:mod:`~ptdstream.weightless.quantization`), the CUDA backend's
+walk of ``quantize_`` (:mod:`~ptdstream.weightless.quantization`), the CUDA backend's
 (:mod:`~ptdstream.weightless.to_device`, when it is importable) and executorch's
 ``exir/program/_program.py`` module global ``emit_program`` (a check of its
 input first), all scoped through :mod:`ptdstream.upstream.patching`; all but
@@ -412,7 +416,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
             _emission_checked.open(lambda: shadowed(module, "emit_program", _checking_emit(module.emit_program)))
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
             with opened_in_thread(weights), binding_at_lowering(), bound_weights(weights._bound), \
-                    constants_by_reference(), sharing_bound_weights(), \
+                    constants_by_reference(), sharing_bound_weights(convert.folder), \
                     folded_to_files(weights._bound, convert.folder), streaming_quantization(), \
                     loading_bound_to_device(weights.device_loads), releasing_generated_sources():
                 yield weights

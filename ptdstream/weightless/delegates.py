@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..hooks.xnnpack import xnnpack_constants_by_reference
+from ..hooks.xnnpack import spilling_converted, xnnpack_constants_by_reference
 from ..upstream.patching import shadowed
+from .mapped_copy import mapped_copy
 
 __all__ = ["add_bound", "bound_weights", "is_bound", "sharing_bound_weights"]
 
@@ -62,6 +64,13 @@ def is_bound(tensor: Any) -> bool:
         return id(tensor) in _bound
 
 
+def _spill_to(folder: str, data: memoryview) -> Any:
+    import torch
+
+    return mapped_copy(torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8),
+                       folder)
+
+
 def _sharing_copy(cls, edge_program, compile_specs):
     with _lock:
         memo = {id(t): t for values in (edge_program.state_dict, edge_program.constants)
@@ -70,11 +79,14 @@ def _sharing_copy(cls, edge_program, compile_specs):
 
 
 @contextlib.contextmanager
-def sharing_bound_weights() -> Iterator[None]:
+def sharing_bound_weights(folder: str | None = None) -> Iterator[None]:
     """While active, XNNPACK keeps unchanged weights by reference
-    (:func:`ptdstream.hooks.xnnpack.xnnpack_constants_by_reference`) and its
-    per-partition copy shares the bound tensors. Does nothing when executorch's
-    XNNPACK backend is not importable."""
+    (:func:`ptdstream.hooks.xnnpack.xnnpack_constants_by_reference`), with a
+    ``folder``, the converted ones it packs (4-bit weights, their scales) of at
+    least 1 MiB in nameless files there, mapped back
+    (:func:`ptdstream.hooks.xnnpack.spilling_converted`), and its per-partition
+    copy shares the bound tensors. Does nothing when executorch's XNNPACK
+    backend is not importable."""
     try:
         from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
     except ImportError:
@@ -82,6 +94,8 @@ def sharing_bound_weights() -> Iterator[None]:
     with contextlib.ExitStack() as patches:
         if XnnpackBackend is not None:
             patches.enter_context(xnnpack_constants_by_reference())
+            if folder is not None:
+                patches.enter_context(spilling_converted(functools.partial(_spill_to, folder)))
             patches.enter_context(shadowed(XnnpackBackend, "copy_exported_program_for_preprocess",
                                            classmethod(_sharing_copy)))
         yield

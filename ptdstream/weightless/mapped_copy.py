@@ -10,6 +10,9 @@ drops pages (:class:`~ptdstream.sources.mapped.MappedTensorSource`: the
 emitter's hash, the save) keeps about one piece resident. The file vanishes
 with the last tensor that maps it, or when the process ends.
 
+:class:`RowFiles` builds tensors the same way band by band (the rows of each
+band appended to its file): a weight quantized in bands of rows.
+
 On a tmpfs the copied bytes stay in memory: give a folder on disk.
 """
 

@@ -3,9 +3,10 @@
 torchao's ``quantize_`` computes each quantized weight (integer data, scales,
 zero points) from the weight's values. Inside
 :func:`~ptdstream.weightless.weights_from` (in the thread where it is open),
-``quantize_`` (the name in ``torchao``, ``torchao.quantization`` and
-``torchao.quantization.quant_api``; optimum-executorch's ``quantize_model_``
-imports it there when it runs) is shadowed by :func:`streaming_quantize`. On a
+the walk every ``quantize_`` with a config makes (``quant_api``'s module global
+``_replace_with_custom_fn_if_matches_filter``, looked up when ``quantize_``
+runs: however ``quantize_`` was imported, optimum-executorch's
+``quantize_model_`` included) is shadowed by :func:`streaming_walk`. On a
 model whose targeted weights are storage-less, it:
 
 1. finds, before anything is read, every weight the call would quantize
@@ -17,7 +18,7 @@ model whose targeted weights are storage-less, it:
    (:class:`~ptdstream.weightless.QuantizationNeedsValuesError`), a weight no
    checkpoint key fits by :class:`~ptdstream.weightless.BindingError`, the
    model unchanged;
-2. runs torchao's own ``quantize_`` with ``filter_fn`` wrapped, so the modules
+2. runs torchao's own walk with ``filter_fn`` wrapped, so the modules
    are visited in torchao's order: at each storage-less target, the weight is
    read from the checkpoint's mapping (or a converted copy, for DCP and fused
    keys) and converted to the model's dtype (``copy_``: bfloat16 to float32 as
@@ -35,8 +36,10 @@ model whose targeted weights are storage-less, it:
    about :data:`BAND_NBYTES`, each band's inner tensors appended to the files:
    the same bytes as the whole tensor quantized at once (rows are quantized
    independently; ``tests/weightless/test_quantized.py`` checks it with NaN
-   and Inf rows). Other configs (the CUDA backend's int4 tile-packed) quantize
-   one whole tensor at a time.
+   and Inf rows; under the ``affine`` algorithm a NaN weight's NaN scale may
+   take other NaN bits, as torch's vectorized and scalar loops give them).
+   Other configs (the CUDA backend's int4 tile-packed) quantize one whole
+   tensor at a time.
 
 The quantized tensors are plain file-backed tensors: ``unwrap_tensor_subclass``
 (optimum runs it) parametrizes them as usual, ``torch.export`` shares them, and
@@ -54,7 +57,8 @@ and quantized (``"cuda"``: the CUDA backend's int4; its quantized tensors stay
 there, nothing written to files); the storage-less model is not moved.
 
 Outside a context (or in another thread), a storage-less target is refused by
-name as before; a quantized constant made from storage-less weights anyway
+name; a ``FqnToConfig`` (which ``quantize_`` applies without the walk) is not
+covered; a quantized constant made from storage-less weights anyway
 (``quantize_`` imported before the context opened) is refused by
 :meth:`~ptdstream.weightless.WeightsFrom.bind` and before emission
 (:func:`derived_from_storage_less`).
@@ -157,19 +161,11 @@ def _under(fqn: str, prefix: str) -> bool:
     return prefix == "" or fqn == prefix or fqn.startswith(prefix + ".")
 
 
-def _targets(model: Any, config: Any, chosen: Any) -> list[tuple[str, Any, Any]]:
+def _targets(model: Any, chosen: Any) -> list[tuple[str, Any, Any]]:
     """``(module fqn, module, weight)`` of each module ``quantize_`` would quantize
     whose ``weight`` is storage-less, in torchao's order
     (``quant_api._replace_with_custom_fn_if_matches_filter``: a module picked
-    is not descended into); every module with a storage-less parameter for a
-    ``FqnToConfig`` (its weight, or its first such parameter)."""
-    if type(config).__name__ == "FqnToConfig":
-        found = []
-        for fqn, module in model.named_modules():
-            params = [p for _, p in module.named_parameters(recurse=False) if is_storage_less(p)]
-            if params:
-                found.append((fqn, module, getattr(module, "weight", params[0])))
-        return found
+    is not descended into)."""
     out: list[tuple[str, Any, Any]] = []
 
     def walk(module: Any, fqn: str) -> None:
@@ -340,7 +336,7 @@ def streaming_walk(real: Callable[..., Any]) -> Callable[..., Any]:
         config = extra_args[0] if extra_args else None
         if getattr(_walking, "active", False) or cur_fqn or config is None:
             return real(model, replacement_fn, filter_fn, cur_fqn, device, extra_args)
-        targets = _targets(model, config, filter_fn)
+        targets = _targets(model, filter_fn)
         if not targets:
             return real(model, replacement_fn, filter_fn, cur_fqn, device, extra_args)
         contexts = open_contexts()

@@ -214,6 +214,25 @@ def test_hf_main_refuses_a_bad_model_folder_or_recipe_before_torch_is_imported(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "my-llama"]
 
 
+def test_hf_main_weightless_refuses_an_uncovered_quantization_before_torch_and_passes_covered_ones(tmp_path):
+    """--weightless --qlinear fpa4w: one line, exit 1, torch never imported; --qlinear 8da4w --qembedding 8w
+    passes the check (it goes on to optimum, which then refuses the empty config.json)."""
+    (tmp_path / "my-llama").mkdir()
+    (tmp_path / "my-llama" / "config.json").write_text("{}")
+    head = ["export", "executorch", "--task", "text-generation", "-o", "out", "-m", "my-llama", "--weightless"]
+    proc, cpu, modules, errors = _hf_cli(*head, "--qlinear", "fpa4w", "--qembedding", "8w", cwd=tmp_path)
+    assert (proc.returncode, proc.stdout, errors) == (1, "", [
+        "ptdstream.hf: error: my-llama: --qlinear 'fpa4w': --weightless quantizes each weight as it is read only "
+        "with qlinear 8da4w, 8da8w, 4w, 8w; qlinear_encoder 8da4w, 8da8w, 4w, 8w; qembedding 8w, 4w; "
+        "qembedding_encoder 8w, 4w; use one of them, or export without --weightless"])
+    assert cpu < 1.5 and "torch" not in modules and "optimum" not in modules
+    from ptdstream.hf.routes import quantization_refusal
+
+    covered = {"qlinear": "8da4w,8da8w", "qembedding": "8w", "qlinear_packing_format": "tile_packed_to_4d"}
+    assert quantization_refusal("m", covered, "--{} {!r}", "--weightless", "x") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-llama"]
+
+
 def test_hf_recipe_names_are_optimums():
     """The static list main checks --recipe against is optimum-executorch's registry."""
     from optimum.exporters.executorch.recipe_registry import discover_recipes, recipe_registry

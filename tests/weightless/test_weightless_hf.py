@@ -192,7 +192,7 @@ def test_missing_and_mistyped_weights_refused_by_name_before_any_output(tmp_path
     folder = _folder(tmp_path / "m", _config(tied=False))
     state = load_file(os.path.join(folder, "model.safetensors"))
     del state["model.norm.weight"]
-    state["lm_head.weight"] = state["lm_head.weight"].to(torch.bfloat16)
+    state["lm_head.weight"] = state["lm_head.weight"].to(torch.float64)  # bfloat16 would be converted
     save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     before = read_folder(folder)
     out = tmp_path / "out"
@@ -205,44 +205,45 @@ def test_missing_and_mistyped_weights_refused_by_name_before_any_output(tmp_path
                            "under its name or any name transformers converts to it (from_pretrained would initialize "
                            "it at random)")
     assert problems[1].startswith("'lm_head.weight' (")
-    assert problems[1].endswith("the checkpoint holds torch.bfloat16 [128, 32], the model needs torch.float32 "
+    assert problems[1].endswith("the checkpoint holds torch.float64 [128, 32], the model needs torch.float32 "
                                 "[128, 32]")
     assert not out.exists() and read_folder(folder) == before
     assert _shadows() == [False, False, False]
 
 
-def test_quantization_refused_by_name_api_and_cli(llama, tmp_path, capsys):
+def test_quantization_not_covered_refused_by_name_api_and_cli(llama, tmp_path, capsys):
     folder, _, _ = llama
     out = tmp_path / "out"
-    with pytest.raises(NeedsWeightValuesError, match=r": qlinear='8da4w': quantization \(torchao\) needs"):
-        ptdstream.hf.export(folder, str(out), task="text-generation", weightless=True, qlinear="8da4w")
+    with pytest.raises(NeedsWeightValuesError, match=r": qlinear='fpa4w': weightless=True quantizes each weight as "
+                                                     r"it is read only with qlinear 8da4w, 8da8w, 4w, 8w;"):
+        ptdstream.hf.export(folder, str(out), task="text-generation", weightless=True, qlinear="fpa4w")
     rc = ptdstream.hf.main(["export", "executorch", "-m", folder, "--task", "text-generation", "--recipe",
-                            "xnnpack", "-o", str(out), "--qembedding", "8w", "--weightless"])
+                            "xnnpack", "-o", str(out), "--qembedding", "8w", "--qlinear", "fpa4w", "--weightless"])
     assert rc == 1
     err = capsys.readouterr().err
-    assert err.strip() == (f"ptdstream.hf: error: {folder}: --qembedding '8w': quantization (torchao) needs the "
-                           "weights' values, which --weightless does not load; drop the option, or export without "
+    assert err.strip() == (f"ptdstream.hf: error: {folder}: --qlinear 'fpa4w': --weightless quantizes each weight as "
+                           "it is read only with qlinear 8da4w, 8da8w, 4w, 8w; qlinear_encoder 8da4w, 8da8w, 4w, 8w; "
+                           "qembedding 8w, 4w; qembedding_encoder 8w, 4w; use one of them, or export without "
                            "--weightless")
     assert not out.exists()
     assert _shadows() == [False, False, False]
 
 
-@pytest.mark.parametrize("flags, named", [(["--qlinear_encoder", "8da4w"], "--qlinear_encoder '8da4w'"),
-                                          (["--qembedding_encoder=8w"], "--qembedding_encoder '8w'"),
-                                          (["--qlinear", "8da4w", "--qembedding", "4w"],
-                                           "--qlinear '8da4w', --qembedding '4w'")],
-                         ids=["qlinear_encoder", "qembedding_encoder=", "two"])
-def test_the_cli_refuses_every_quantization_option_the_api_refuses(llama, tmp_path, capsys, flags, named):
-    """``--qlinear_encoder`` on a decoder-only model was accepted (optimum ignores it), where
-    the API refuses it: both refuse every option of QUANTIZE_OPTIONS, before optimum runs."""
+@pytest.mark.parametrize("flags, named", [(["--qlinear_encoder", "fpa4w"], "--qlinear_encoder 'fpa4w'"),
+                                          (["--qlinear=8da4w,fpa4w"], "--qlinear '8da4w,fpa4w'"),
+                                          (["--qlinear", "fpa4w", "--qlinear_encoder", "fpa4w"],
+                                           "--qlinear 'fpa4w', --qlinear_encoder 'fpa4w'")],
+                         ids=["qlinear_encoder", "qlinear=", "two"])
+def test_the_cli_refuses_every_quantization_value_the_api_refuses(llama, tmp_path, capsys, flags, named):
+    """One list (ptdstream.hf.routes.WEIGHTLESS_QUANTIZATION) for the API and the command line, checked
+    before optimum runs; every entry of a comma-separated value."""
     folder, _, _ = llama
     out = tmp_path / "out"
     rc = ptdstream.hf.main(["export", "executorch", "-m", folder, "--task", "text-generation", "--recipe",
                             "portable", "-o", str(out), "--weightless", *flags])
     assert rc == 1
-    assert capsys.readouterr().err.strip() == (
-        f"ptdstream.hf: error: {folder}: {named}: quantization (torchao) needs the weights' values, which "
-        "--weightless does not load; drop the option, or export without --weightless")
+    assert capsys.readouterr().err.strip().startswith(
+        f"ptdstream.hf: error: {folder}: {named}: --weightless quantizes each weight as it is read only with ")
     assert not out.exists()
 
 

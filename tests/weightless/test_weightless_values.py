@@ -1,6 +1,6 @@
 """weights_from where the export needs values: constant_prop_pass on bound programs
 (each folded constant moved to a temp file as it is computed, the same bytes),
-torchao quantization of storage-less weights (refused by name), and a Llama-style
+torchao quantization with a config not covered or outside the block (refused by name), and a Llama-style
 decoder (prefill + decode sharing weights, tied embedding, real rotary inv_freq,
 KV caches as mutable buffers, storage-less or real)."""
 
@@ -173,37 +173,54 @@ def test_mapped_copy_keeps_layout_and_names_a_bad_folder(tmp_path):
 # ------------------------------------------------------------------ quantization
 
 
-def test_quantize_of_storage_less_weights_is_refused_by_name_and_leaves_the_model(tmp_path):
+def test_quantize_with_a_config_not_covered_is_refused_by_name_and_leaves_the_model(tmp_path):
+    from torchao.quantization.quant_api import Int8WeightOnlyConfig
+
+    ckpt = save_checkpoint("safetensors", state_of(_seeded(Mlp)), tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        model = weights.model(Mlp)
+        with pytest.raises(QuantizationNeedsValuesError) as caught:
+            quantize_imported_early(model, Int8WeightOnlyConfig())  # imported before the context: seen too
+        assert all(is_storage_less(p) for p in model.parameters())  # unchanged: still plain storage-less
+        assert weights.quantized_keys == [] and os.listdir(weights.convert_dir.folder) == []
+    assert caught.value.names == ["'l1.weight' (torch.float32 [32, 64])", "'l2.weight' (torch.float32 [8, 32])"]
+    assert str(caught.value) == (
+        "torchao quantize_ (Int8WeightOnlyConfig): 2 storage-less weight(s) would be quantized: 'l1.weight' "
+        "(torch.float32 [32, 64]), 'l2.weight' (torch.float32 [8, 32]); Int8WeightOnlyConfig is not covered: "
+        "weights_from quantizes storage-less weights as they stream with Int8DynamicActivationIntxWeightConfig and "
+        "IntxWeightOnlyConfig (int4 or int8, PerGroup or PerAxis(0), symmetric, unpacked_to_int8, affine or "
+        "hqq_scale_only) and Int4WeightOnlyConfig (tile_packed_to_4d): use one of them, or export this model with "
+        "real weights (outside weights_from)")
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_quantize_in_a_thread_without_the_context_is_refused_by_name(tmp_path):
+    import threading
+
     from torchao.quantization.granularity import PerGroup
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig
 
     ckpt = save_checkpoint("safetensors", state_of(_seeded(Mlp)), tmp_path / "ckpt")
+    caught = []
     with weights_from(ckpt) as weights:
-        from torchao.quantization import quantize_  # imported inside the context, as optimum does
-
         model = weights.model(Mlp)
         config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
-        with pytest.raises(QuantizationNeedsValuesError) as caught:
-            quantize_(model, config)
-        assert all(is_storage_less(p) for p in model.parameters())  # unchanged: still plain storage-less
-    assert caught.value.names == ["'l1.weight' (torch.float32 [32, 64])", "'l2.weight' (torch.float32 [8, 32])"]
-    assert str(caught.value) == (
-        "torchao quantize_ (Int8DynamicActivationIntxWeightConfig): 2 storage-less weight(s) would be quantized: "
-        "'l1.weight' (torch.float32 [32, 64]), 'l2.weight' (torch.float32 [8, 32]); quantization needs the "
-        "weights' values: export this model with real weights (outside weights_from); weights_from binds plain "
-        "checkpoint tensors, not quantized ones")
-    assert os.listdir(tmp_path) == ["ckpt"]
 
+        def other():
+            try:
+                quantize_imported_early(model, config)
+            except QuantizationNeedsValuesError as e:
+                caught.append(e)
 
-def test_optimum_qlinear_on_storage_less_weights_is_refused_by_name(tmp_path):
-    from optimum.exporters.executorch.quantization import quantize_model_
-
-    ckpt = save_checkpoint("safetensors", state_of(_seeded(Mlp)), tmp_path / "ckpt")
-    with weights_from(ckpt) as weights:
-        model = weights.model(Mlp)
-        with pytest.raises(QuantizationNeedsValuesError, match=r"^torchao quantize_ \(Int8DynamicActivationIntx"
-                                                               r"WeightConfig\): 2 storage-less weight\(s\)"):
-            quantize_model_(model, qlinear_config="8da4w")
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert all(is_storage_less(p) for p in model.parameters())
+    assert str(caught[0]).endswith(
+        "2 storage-less weight(s) would be quantized: 'l1.weight' (torch.float32 [32, 64]), 'l2.weight' "
+        "(torch.float32 [8, 32]); quantization needs the weights' values: call torchao's quantize_ inside the "
+        "weights_from block, in its thread (each weight is read from the checkpoint and quantized there), or "
+        "export this model with real weights")
 
 
 def test_quantized_constant_made_from_storage_less_weights_is_refused_by_bind(tmp_path):
@@ -214,14 +231,15 @@ def test_quantized_constant_made_from_storage_less_weights_is_refused_by_bind(tm
     ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
     with weights_from(ckpt) as weights:
         model = weights.model(Mlp)
-        # imported before the context opened: the unpatched quantize_ builds storage-less quantized weights
-        quantize_imported_early(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
-                                                                             weight_granularity=PerGroup(32)))
+        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+        for linear in (model.l1, model.l2):  # torchao's handler called directly: no walk sees it
+            adapter.quantize_handler(config)(linear, config)
         program = torch.export.export(model, example_inputs(real))
         with pytest.raises(BindingError) as caught:
             weights.bind(program)
-    advice = ("quantization needs the weights' values: export this model with real weights (outside weights_from); "
-              "weights_from binds plain checkpoint tensors, not quantized ones")
+    advice = ("quantization needs the weights' values: call torchao's quantize_ inside the weights_from block, in "
+              "its thread (each weight is read from the checkpoint and quantized there), or export this model with "
+              "real weights")
     assert caught.value.problems == [  # 'l1.weight' and 'l2.weight' are not reported as extra keys
         f"quantized: '{k}' is a IntxUnpackedToInt8Tensor made from a storage-less weight (its inner tensors hold "
         f"no bytes); {advice}" for k in ("l1.weight", "l2.weight")]

@@ -1,0 +1,260 @@
+"""torchao's quantize_ on storage-less weights inside weights_from: each weight read
+from the checkpoint (converted to the model's dtype), quantized by torchao's own
+handler on its module, its quantized tensors moved to nameless files; the saved
+program is byte for byte executorch's own serialization of the same script on
+loaded weights (sha256 of model.pte), bf16 checkpoints exported in fp32, tied
+embeddings in upstream's untie order, large weights in bands of rows."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+
+import pytest
+import torch
+from _checkpoints import save_checkpoint, state_of
+from _llama import Llama, methods, seeded
+from torchao.quantization import quantize_  # imported before any context opens, as scripts do
+from torchao.quantization.granularity import PerAxis, PerGroup
+from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+from torchao.utils import unwrap_tensor_subclass
+
+import ptdstream
+from ptdstream.errors import IntegrityError
+from ptdstream.weightless import BindingError, is_storage_less, quantization, weights_from
+
+warnings.filterwarnings("ignore")
+
+EMBEDDING_8W = IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0),
+                                    intx_choose_qparams_algorithm="hqq_scale_only")  # optimum's --qembedding 8w
+LINEAR_8DA4W = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32),
+                                                     intx_choose_qparams_algorithm="hqq_scale_only")  # --qlinear 8da4w
+ROW_WISE = {
+    "8da4w-hqq-g32": LINEAR_8DA4W,
+    "8da4w-affine-g128": Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                               weight_granularity=PerGroup(128)),  # LLM exporter
+    "8da8w": Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0),
+                                                   intx_choose_qparams_algorithm="hqq_scale_only"),
+    "8w": EMBEDDING_8W,
+    "4w-g32": IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32),
+                                   intx_choose_qparams_algorithm="hqq_scale_only"),
+    "4w-affine-g64": IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64)),
+}
+
+
+class Biased(torch.nn.Module):
+    """An embedding and two linears, one with a bias: torchao's quantize_ used directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 64)
+        self.up = torch.nn.Linear(64, 128, bias=True)
+        self.down = torch.nn.Linear(128, 32, bias=False)
+
+    def forward(self, tokens):
+        return self.down(torch.relu(self.up(self.embed(tokens))))
+
+
+TOKENS = (torch.tensor([[3, 17, 42, 95, 5]]),)
+
+
+def _quantize(model) -> None:
+    """optimum's order: embeddings (8w) first, then every linear (8da4w); then unwrapped."""
+    quantize_(model, EMBEDDING_8W, lambda m, fqn: isinstance(m, torch.nn.Embedding))
+    quantize_(model, LINEAR_8DA4W, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+    unwrap_tensor_subclass(model)
+
+
+def _xnnpack(programs):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    return to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()]).to_executorch(
+        ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _loaded(cls, ckpt_state):
+    """The model as from_pretrained(dtype=float32) loads the checkpoint: values converted to float32."""
+    model = cls().eval()
+    model.load_state_dict({k: v.to(torch.float32) for k, v in ckpt_state.items()})
+    return model
+
+
+@pytest.mark.parametrize("kind, dtype, spill", [("safetensors", torch.float32, False),
+                                                ("safetensors", torch.bfloat16, True), ("torch", torch.float32, False)],
+                         ids=["st-fp32", "st-bf16-spilled", "torch-fp32"])
+def test_quantized_module_with_biases_is_executorchs_bytes(tmp_path, monkeypatch, kind, dtype, spill):
+    """spilled: XNNPACK's packed 4-bit weights and scales (from 1 byte on, for the test) go to nameless files."""
+    from ptdstream.hooks import xnnpack
+
+    spilled = []
+    if spill:
+        real_spilled = xnnpack._spilled
+        monkeypatch.setattr(xnnpack, "SPILL_MIN_NBYTES", 1)
+        monkeypatch.setattr(xnnpack, "_spilled", lambda view, f: spilled.append(len(view)) or real_spilled(view, f))
+    torch.manual_seed(0)
+    state = {k: v.to(dtype) for k, v in state_of(Biased()).items()}
+    ckpt = save_checkpoint(kind, state, tmp_path / "ckpt")
+    real = _loaded(Biased, state)
+    _quantize(real)
+    want = _xnnpack(torch.export.export(real, TOKENS)).buffer  # executorch's own serializer
+
+    with weights_from(ckpt) as weights:
+        with torch.device("meta"):
+            model = Biased().eval()
+        model = weights.model(model)
+        _quantize(model)
+        assert weights.quantized_keys == ["embed.weight", "up.weight", "down.weight"]
+        assert is_storage_less(model.up.bias)  # bound as a plain weight at lowering
+        qdata = model.up.parametrizations.weight.original0
+        assert not is_storage_less(qdata) and _file_backed(qdata)
+        manager = _xnnpack(torch.export.export(model, TOKENS))
+        (tmp_path / "out").mkdir()
+        ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
+        assert weights.bound_keys == ["up.bias"]
+        assert (len(spilled) >= 4) == spill  # hash and add of the two 4-bit weights and their scales, at least
+        assert os.listdir(weights.convert_dir.folder) == []  # nameless files only
+    with open(tmp_path / "out" / "model.pte", "rb") as f:
+        assert _sha(f.read()) == _sha(want)
+
+
+def _file_backed(tensor) -> bool:
+    from ptdstream.system.pagecache import file_mapping
+
+    storage = tensor.untyped_storage()
+    return file_mapping(storage.data_ptr(), storage.nbytes()) is not None
+
+
+@pytest.mark.slow
+def test_tied_embedding_is_quantized_twice_in_upstreams_order(tmp_path):
+    """embed (8w) first gives it a new parameter, which unties lm_head; lm_head (8da4w) then reads the same key."""
+    real = seeded()
+    ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
+    _quantize(real)
+    prefill = methods()["prefill"]
+    want = _xnnpack({"prefill": torch.export.export(real, prefill)}).buffer
+
+    with weights_from(ckpt, key_map={"lm_head.weight": "embed.weight"}) as weights:
+        model = weights.model(Llama)
+        assert model.lm_head.weight is model.embed.weight
+        _quantize(model)
+        assert weights.quantized_keys[0] == "embed.weight"  # the one key, read twice
+        assert type(model.embed.parametrizations.weight[0]).__name__ == "UnwrapTensorSubclass"
+        embed, lm_head = model.embed.parametrizations.weight, model.lm_head.parametrizations.weight
+        assert embed.original0.shape == lm_head.original0.shape == (128, 64)
+        assert model.embed.parametrizations.weight.original1.shape == (128, 1)  # 8w: one scale a row
+        assert model.lm_head.parametrizations.weight.original1.shape == (128, 2)  # 8da4w: groups of 32
+        manager = _xnnpack({"prefill": torch.export.export(model, prefill)})
+        (tmp_path / "out").mkdir()
+        ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
+    with open(tmp_path / "out" / "model.pte", "rb") as f:
+        assert _sha(f.read()) == _sha(want)
+
+
+@pytest.mark.parametrize("name", list(ROW_WISE))
+def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes(tmp_path, monkeypatch, name):
+    """Rows are quantized independently (per-row and per-group scales): bands of 7 rows give the
+    bytes of the tensor quantized whole, NaN and Inf rows included."""
+    config = ROW_WISE[name]
+    torch.manual_seed(1)
+    weight = torch.randn(61, 256)
+    weight[3, 5], weight[10, :] = float("nan"), float("inf")
+    weight[20, 7] = -float("inf")
+    ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
+    real = torch.nn.Sequential()
+    real.lin = torch.nn.Linear(256, 61, bias=False)
+    real.lin.weight = torch.nn.Parameter(weight.clone())
+    quantize_(real, config)
+
+    calls = []
+    real_handler = quantization.adapter.quantize_handler
+    monkeypatch.setattr(quantization.adapter, "quantize_handler",
+                        lambda c: lambda m, cfg: calls.append(m.weight.shape[0]) or real_handler(c)(m, cfg))
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * 256 * 4)
+    with weights_from(ckpt) as weights:
+        model = torch.nn.Sequential()
+        with torch.device("meta"):
+            model.lin = torch.nn.Linear(256, 61, bias=False)
+        model = weights.model(model)
+        quantize_(model, config)
+        got, want = model.lin.weight, real.lin.weight
+        assert calls == [7] * 8 + [5]  # nine bands of rows
+        assert type(got) is type(want) and got.__tensor_flatten__()[1] == want.__tensor_flatten__()[1]
+        for inner in want.__tensor_flatten__()[0]:
+            a, b = getattr(got, inner), getattr(want, inner)
+            assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+            nan = b.isnan() if b.is_floating_point() else torch.zeros_like(b, dtype=torch.bool)
+            assert a.isnan().equal(nan) if b.is_floating_point() else True, inner
+            # a NaN's payload bits (sign, mantissa) follow torch's vectorized or scalar loop, which
+            # depends on the tensor's size, as for converted weights (docs/guarantees.md): NaN only
+            assert a[~nan].view(torch.uint8 if a.element_size() == 1 else torch.int32).equal(
+                b[~nan].view(torch.uint8 if b.element_size() == 1 else torch.int32)), inner
+            if name != "8da4w-affine-g128":
+                assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
+            assert _file_backed(a)
+
+
+def test_a_checkpoint_changed_after_quantization_is_refused_before_emission(tmp_path):
+    torch.manual_seed(0)
+    state = state_of(Biased())
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        model = weights.model(Biased)
+        _quantize(model)
+        program = torch.export.export(model, TOKENS)
+        with open(ckpt, "r+b") as f:  # the same bytes written again: a new modification time
+            data = f.read()
+            f.seek(0)
+            f.write(data)
+        with pytest.raises(IntegrityError, match=r"before to_executorch emitted the program \(nothing emitted\): "
+                                                 r"4 bound key\(s\) come from it: 'up.bias', 'embed.weight', "
+                                                 r"'up.weight', 'down.weight'"):
+            _xnnpack(program)
+
+
+def test_a_weight_the_group_size_does_not_divide_fails_as_upstream_and_a_missing_key_is_named(tmp_path):
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+    ckpt = save_checkpoint("safetensors", {"0.weight": torch.randn(8, 48)}, tmp_path / "ckpt")
+    with pytest.raises(AssertionError) as upstream:
+        quantize_(torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False)), config)
+    with weights_from(ckpt) as weights:
+        model = weights.model(lambda: torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False)))
+        with pytest.raises(AssertionError) as ours:
+            quantize_(model, config)
+        assert str(ours.value) == str(upstream.value)
+        other = weights.model(lambda: torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False),
+                                                          torch.nn.Linear(64, 8, bias=False)))
+        with pytest.raises(BindingError) as missing:
+            quantize_(other, config, filter_fn=lambda m, fqn: fqn == "1")
+        assert is_storage_less(other[1].weight)
+    assert missing.value.problems == ["missing: '1.weight' (quantized by quantize_) needs checkpoint key '1.weight', "
+                                      "which the checkpoint does not hold"]
+
+
+@pytest.mark.parametrize("kind", ["dcp", "hf-sharded"])
+def test_dcp_and_sharded_checkpoints_quantize_to_upstreams_tensors(tmp_path, kind):
+    """DCP (read through a converted copy, one tensor at a time) and a sharded folder (each
+    key from its shard): the quantized tensors are upstream's, bit for bit."""
+    torch.manual_seed(0)
+    state = {k: v.to(torch.bfloat16) for k, v in state_of(Biased()).items()}
+    ckpt = save_checkpoint(kind, state, tmp_path / "ckpt")
+    real = _loaded(Biased, state)
+    _quantize(real)
+    with weights_from(ckpt, format="dcp" if kind == "dcp" else "auto") as weights:
+        model = weights.model(Biased)
+        _quantize(model)
+        assert weights.quantized_keys == ["embed.weight", "up.weight", "down.weight"]
+        for module in ("embed", "up", "down"):
+            for inner in ("original0", "original1", "original2"):
+                got = getattr(getattr(model, module).parametrizations.weight, inner)
+                want = getattr(getattr(real, module).parametrizations.weight, inner)
+                assert (got.dtype, got.shape) == (want.dtype, want.shape) and _file_backed(got)
+                assert got.view(torch.uint8).equal(want.view(torch.uint8)) if got.element_size() == 1 else \
+                    got.view(torch.int32).equal(want.view(torch.int32)), (module, inner)
+        assert os.listdir(weights.convert_dir.folder) == []
