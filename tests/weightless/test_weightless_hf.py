@@ -271,3 +271,18 @@ def test_optimum_cli_weightless_is_byte_identical_tied_llama_portable(llama, tmp
     folder, _, _ = llama
     real, light = _real_and_weightless(folder, tmp_path, "text-generation", "portable", True, max_seq_len=16)
     assert sorted(light) == ["model.pte"] and light == real
+
+
+@pytest.mark.slow
+def test_optimum_cli_weightless_converts_a_bf16_folder_with_fp32_norms_as_from_pretrained_does(tmp_path):
+    """A fine-tune's mixed dtypes (norms float32, the rest bfloat16) exported in optimum's default
+    float32: each weight converted as it is read, the loaded export's bytes (issue 34: it was refused)."""
+    folder = _folder(tmp_path / "m", _config(tied=False), dtype=torch.bfloat16)
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    state = {k: v.float() if "norm" in k else v for k, v in state.items()}
+    save_file(state, path, metadata={"format": "pt"})
+    assert {v.dtype for k, v in load_file(path).items() if "norm" in k} == {torch.float32}
+    assert load_file(path)["lm_head.weight"].dtype == torch.bfloat16
+    real, light = _real_and_weightless(folder, tmp_path, "text-generation", "portable", True, max_seq_len=16)
+    assert sorted(light) == ["model.pte"] and light == real
