@@ -250,8 +250,8 @@ def test_converted_checkpoint_changed_after_emission_is_reported_at_exit(tmp_pat
             _save(manager, tmp_path / "out")  # the copies hold the values as they were converted
     assert sorted(os.listdir(tmp_path / "out")) == [PTD, "model.pte"]
     assert f"checkpoint file {ckpt}: changed after weights_from opened it" in str(caught.value)
-    assert ("before weights_from exited (its converted copies hold the values from before the change): 4 bound "
-            "key(s) come from it: 'l1.weight'") in str(caught.value)
+    assert ("before weights_from exited (its converted copies and quantized weights hold the values from before "
+            "the change): 4 bound key(s) come from it: 'l1.weight'") in str(caught.value)
 
 
 # ------------------------------------------------------------------ Checkpoint.tensor
