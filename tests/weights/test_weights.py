@@ -290,11 +290,14 @@ def test_checkpoint_is_never_resident_whole(tmp_path, kind):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     write_ptd(str(tmp_path / "A" / "model.pte"), ckpt, str(out), chunk_nbytes=1 << 20,
               progress=lambda n: (peaks.append(mapped_rss(path)), cached.append(resident_nbytes(path))))
-    assert len(peaks) >= 64 and max(peaks) <= 8 << 20, [p >> 20 for p in peaks]
+    # bound: three read-ahead windows (read_ahead_kb, 8 MiB here), far below the 64 MiB file; a CI run
+    # on a busy box saw 14.6 MiB mapped and 17 MiB cached at one piece (alone: under 8 MiB, 5 of 5)
+    window = 24 << 20
+    assert len(peaks) >= 64 and max(peaks) <= window, [p >> 20 for p in peaks]
     # Planning read each tensor's first bytes without leaving the file cached (it
     # did, whole, when they were read through the mapping); while writing, the
     # kernel's read-ahead (read_ahead_kb, 8 MiB here) decides what else is cached.
-    assert cached[0] <= 8 << 20, cached[0]
+    assert cached[0] <= window, cached[0]
     assert (out / PTD).read_bytes() != files[PTD]  # the new weights...
     ref = reference_files(export(model, config=ExecutorchBackendConfig(external_constants=True),
                                  inputs=(torch.randn(1, 1024),)), str(tmp_path / "B"))
