@@ -315,7 +315,8 @@ def _banded(module: Any, weight: Any, config: Any, handler: Any, source: Any, ro
                     raise _NotRowWise
                 files.append(name, part.contiguous())
             del band
-        assert first is not None
+        if first is None:  # no band at all (no rows): quantize the tensor whole
+            raise _NotRowWise
         inner = files.finish()
     cls, _, meta = first
     return cls.__tensor_unflatten__(inner, meta, tuple(weight.shape), weight.stride())
