@@ -104,13 +104,17 @@ class RssSampler:
 
     ``peak``: ``{field: largest value seen}`` for ``fields`` (``VmRSS`` first);
     ``window(record)`` sets ``record["seconds"]`` and ``record["rss_added"]``
-    (largest ``VmRSS`` during the block minus ``VmRSS`` at its start).
+    (largest ``VmRSS`` during the block minus ``VmRSS`` at its start);
+    ``mark(stage)`` starts a named stage: ``stages`` is ``{stage: {field:
+    largest value seen while it was the current one}}``, in the order marked.
     """
 
     def __init__(self, fields: Iterable[str] = ("VmRSS",), interval_s: float = 0.005) -> None:
         self.fields = tuple(fields)
         self.interval_s = interval_s
         self.peak = {f: 0 for f in self.fields}
+        self.stages: dict[str, dict[str, int]] = {}
+        self._stage: dict[str, int] | None = None
         self._window_peak = 0
         self._stop = threading.Event()
         self._sample()
@@ -118,9 +122,20 @@ class RssSampler:
         self._thread.start()
 
     def _sample(self) -> None:
+        stage = self._stage
         for field in self.fields:
-            self.peak[field] = max(self.peak[field], status_kib(field) * 1024)
+            value = status_kib(field) * 1024
+            self.peak[field] = max(self.peak[field], value)
+            if stage is not None:
+                stage[field] = max(stage[field], value)
         self._window_peak = max(self._window_peak, status_kib("VmRSS") * 1024)
+
+    def mark(self, stage: str) -> None:
+        """Begin ``stage`` (the current one ends): later samples count in ``stages[stage]``."""
+        self._sample()  # the last sample of the stage that ends
+        record = self.stages.setdefault(stage, {f: 0 for f in self.fields})
+        self._stage = record
+        self._sample()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

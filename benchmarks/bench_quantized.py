@@ -64,6 +64,11 @@ Targets (issue 33), PASS/FAIL under each table: the streaming route adds at most
 1 GiB, its files' sha256 equal upstream's, it is no slower than upstream (5%
 allowed); with two sizes or more, its peaks are within 128 MiB of each other.
 
+Under each table, one line per ptdstream route: its peak RSS added during each stage
+it announced on stderr (``[2] torch.export 1 (...) ...``; named by the first word:
+``load`` includes the streamed quantization), total and anonymous part (GiB), so
+that the stage deciding the peak is read off the run itself.
+
 Exit status: 0 every route that ran succeeded and every target and check passed, 1 otherwise.
 """
 
@@ -73,6 +78,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,6 +104,14 @@ PIECE_NBYTES = 8 * MiB
 #: issue 33's targets for the streaming route: peak added, and its spread between sizes.
 TARGET_NBYTES = 1 * GiB
 FLAT_NBYTES = 128 * MiB
+#: A stage line of ptdstream's export as it begins (``[3] torch.export 1 (Module) ...``): group 1 its words.
+STAGE_LINE = re.compile(r"^\[\d+(?:/\d+)?\] (.+?) \.\.\.$")
+
+
+def stage_name(words: str) -> str:
+    """A stage's name in the table: its first word (``torch.export 2 (Module)``,
+    ``load /x/y (...)``, ``lower and emit program 'model'``: ``torch.export``, ``load``, ``lower``)."""
+    return words.split()[0]
 
 
 # ---------------------------------------------------------------- the checkpoint
@@ -193,6 +207,26 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+class StageTap:
+    """A text stream in front of ``stream`` that marks ``sampler``'s stage at each stage
+    line ptdstream prints (``[3] torch.export 1 (...) ...``: :class:`ptdstream.progress.Stages`)."""
+
+    def __init__(self, stream, sampler) -> None:
+        self.stream, self.sampler, self._line = stream, sampler, ""
+
+    def write(self, text: str) -> int:
+        self._line += text
+        *lines, self._line = self._line.split("\n")
+        for line in lines:
+            match = STAGE_LINE.match(line)
+            if match:
+                self.sampler.mark(stage_name(match.group(1)))
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def child(args) -> dict:
     """One route, measured from the end of its imports; returns its figures."""
     # The same imports in every route, before the baseline (their cost is not the export's).
@@ -217,6 +251,8 @@ def child(args) -> dict:
            "load_start": loadavg1()}
     reset_peak_rss()
     sampler = RssSampler(("VmRSS", "RssAnon", "RssFile"))
+    sampler.mark("start")
+    real_stderr, sys.stderr = sys.stderr, StageTap(sys.stderr, sampler)
     cpu0, t0 = os.times(), time.perf_counter()
     try:
         if args.route == "upstream":
@@ -234,7 +270,10 @@ def child(args) -> dict:
         res["wall_s"] = time.perf_counter() - t0
         cpu1 = os.times()
         res["cpu_s"] = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+        sys.stderr = real_stderr
         record_peaks(res, sampler.stop())
+        res["stages"] = {name: [peaks["VmRSS"] - res["rss_after_imports"], peaks["RssAnon"] - res["anon_after_imports"]]
+                         for name, peaks in sampler.stages.items()}
         res["load_end"] = loadavg1()
     res["rc"] = rc
     res["files"] = {os.path.relpath(p, out): [os.path.getsize(p), sha256_file(p)] for p in files_under(out)}
@@ -393,6 +432,18 @@ def table(runs: dict, skipped: dict) -> str:
     return "\n".join(lines)
 
 
+def stage_lines(runs: dict) -> list[str]:
+    """Each ptdstream route's peak RSS added per stage (GiB, anonymous part after the slash)."""
+    lines = []
+    for route in ROUTES:
+        stages = runs.get(route, {}).get("stages") or {}
+        named = {k: v for k, v in stages.items() if k != "start"}
+        if named and runs[route].get("rc") == 0:
+            lines.append(f"{route} stages, peak+ / anon+ GiB: " + ", ".join(
+                f"{name} {rss / GiB:.2f}/{anon / GiB:.2f}" for name, (rss, anon) in named.items()))
+    return lines
+
+
 def verdicts(runs: dict) -> list[str]:
     """Issue 33's targets for the streaming route at one size: PASS/FAIL lines."""
     r, up = runs.get("streaming"), runs.get("upstream")
@@ -535,7 +586,7 @@ def main() -> int:
                     for path in files_under(os.path.join(args.out, route)):
                         discard_file(path)
                 print(table(runs, skipped), file=sys.stderr, flush=True)
-            text = "\n".join([label, table(runs, skipped), "", *verdicts(runs)])
+            text = "\n".join([label, table(runs, skipped), *stage_lines(runs), "", *verdicts(runs)])
             entry = {"shape": shape, "model": model, "runs": runs, "skipped": skipped}
             if args.check:
                 ran = [r for r in runs if runs[r].get("rc") == 0]
