@@ -20,6 +20,7 @@ __all__ = [
     "page_out",
     "private_copies",
     "release_mapped",
+    "release_shared_under",
     "resident_nbytes",
     "will_need",
 ]
@@ -213,3 +214,30 @@ def release_mapped(address: int, nbytes: int, bounds: tuple[int, int]) -> bool:
         page_out(address, nbytes, bounds)
         return False
     return bool(_libc.madvise(start, end - start, _MADV_DONTNEED) == 0)
+
+
+def release_shared_under(folder: str) -> int:
+    """Unmap from this process the pages of every shared file mapping (``rw-s``
+    in ``/proc/self/maps``; ``torch.UntypedStorage.from_file(shared=True)``) of
+    a file in ``folder`` (its real path; removed and nameless files included),
+    the page cache keeping them (``MADV_DONTNEED``). A shared mapping has no
+    private copies, so nothing is lost (a write is in the file already) and the
+    next access maps the page again from the cache; private mappings are left
+    alone. No page is read. Returns the bytes of the mappings advised (0 when
+    ``/proc`` cannot be read); errors are ignored (it is advice)."""
+    prefix = os.fsencode(os.path.join(os.path.realpath(folder), ""))
+    advised = 0
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[1][3:4] != b"s" or not fields[5].startswith(prefix):
+            continue
+        start_s, _, stop_s = fields[0].partition(b"-")
+        start, stop = int(start_s, 16), int(stop_s, 16)
+        if _libc.madvise(start, stop - start, _MADV_DONTNEED) == 0:
+            advised += stop - start
+    return advised

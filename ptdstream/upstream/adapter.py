@@ -374,6 +374,15 @@ def export_trace_module():
     return resolve("torch.export._trace")
 
 
+def dynamo_builder_module():
+    """dynamo's tensor wrapping module (``torch/_dynamo/variables/builder.py``): in a
+    strict ``torch.export`` it copies each real tensor it wraps (a parameter
+    included) with its module global ``_clone_input``, looked up when called, into
+    the tracer's real-value cache (read only for values a trace branches on)."""
+    resolve("torch._dynamo.variables.builder", "_clone_input")
+    return resolve("torch._dynamo.variables.builder")
+
+
 def constant_prop_module():
     """executorch's constant propagation module (``exir/passes/constant_prop_pass.py``):
     ``get_propagated_const_tensor_dict`` fills the dict its module global

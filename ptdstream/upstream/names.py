@@ -117,6 +117,10 @@ NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.export._trace", "", "module global '_export' (torch.export.export's, looked up when called) "
                 "shadowed by weightless (meta parameters made storage-less first)"),
     PrivateName("torch.export._trace", "_export", "traces torch.export.export's module (wrapped by weightless)"),
+    PrivateName("torch._dynamo.variables.builder", "",
+                "module global '_clone_input' shadowed by weightless while it exports (quantized weights not cloned)"),
+    PrivateName("torch._dynamo.variables.builder", "_clone_input",
+                "copies each real tensor a strict torch.export traces into its real-value cache"),
     PrivateName("transformers.core_model_loading", "convert_and_load_state_dict_in_model",
                 "from_pretrained's key renaming and fusing, run by weightless on stand-ins (transformers 5.0.0rc1)"),
     PrivateName("transformers.conversion_mapping", "get_model_conversion_mapping",

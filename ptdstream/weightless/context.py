@@ -112,6 +112,7 @@ from ..sources.base import FileIdentity
 from ..sources.checkpoint import open_checkpoint
 from ..sources.checkpoint_base import Checkpoint
 from ..sources.mapped import expecting_files
+from ..system.pagecache import release_shared_under
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
 from .binding import bind_programs, plan_binding, unbound_constants
@@ -119,7 +120,15 @@ from .convert import ConvertDir, RowReader
 from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .errors import QuantizationNeedsValuesError, UnboundConstantError
 from .folding import folded_to_files
-from .lowering import bind_found, binding_at_lowering, contexts_holding, open_contexts, trim_heap
+from .lowering import (
+    bind_found,
+    binding_at_lowering,
+    contexts_holding,
+    fix_heap,
+    open_contexts,
+    release_file_pages,
+    trim_heap,
+)
 from .lowering import opened as opened_in_thread
 from .quantization import quantized_constants, streaming_quantization
 from .storage_less import is_storage_less, storage_less_model
@@ -310,10 +319,24 @@ class WeightsFrom:
         inner = [getattr(weight, n) for n in names]
         add_bound(self._bound, inner)
         for tensor in inner:
-            if tensor.untyped_storage().nbytes():
-                self._quantized[tensor.device.type, tensor.untyped_storage().data_ptr()] = key
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                self._quantized[tensor.device.type, storage.data_ptr()] = key
         if key not in self.quantized_keys:
             self.quantized_keys.append(key)
+
+    def holds_quantized(self, tensor: Any) -> bool:
+        """Whether ``tensor`` (a plain tensor) shares the storage of a quantized
+        tensor :meth:`note_quantized` recorded."""
+        return bool(self._quantized) and self._quantized_key(tensor) is not None
+
+    def release_file_pages(self) -> None:
+        """Unmap from this process the pages read of the files this context wrote
+        to its folder (quantized weights, converted copies, folded constants,
+        XNNPACK's packed weights: shared mappings of nameless files), the page cache
+        keeping them: their RSS goes, their bytes stay
+        (:func:`~ptdstream.system.pagecache.release_shared_under`)."""
+        release_shared_under(self.convert_dir.folder)
 
     def adopt_quantized(self, programs: Mapping[str, Any]) -> None:
         """Each constant of ``programs`` that shares the storage of a tensor
@@ -395,6 +418,7 @@ def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
             weights.check_unchanged(list(dict.fromkeys(weights.bound_keys + weights.quantized_keys)),
                                     "before to_executorch emitted the program (nothing emitted)")
         if open_contexts():
+            release_file_pages()  # those the last partition's packing read
             trim_heap()  # what lowering and the passes freed
         emitted = real(methods, *args, **kwargs)
         for weights in holders:
@@ -422,7 +446,10 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
     default: a new temporary folder, removed at exit.
     Host memory: the checkpoint's metadata and, while saving, the ring; weights
     are read in pieces from the mapping (or the converted copy) and paged out;
-    a DCP tensor is loaded whole while it is converted, one at a time. See the
+    a DCP tensor is loaded whole while it is converted, one at a time. For the
+    rest of the process, glibc gives blocks of 256 KiB and more their own
+    mapping (:func:`ptdstream.system.heap.fix_mmap_threshold`: what tracing
+    frees goes back to the system). See the
     module docstring for the whole route and what it refuses.
 
     Raises:
@@ -435,6 +462,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
             changed since the context opened it (not raised over another error).
     """
     opened = open_checkpoint(os.fspath(checkpoint), format)
+    fix_heap()
     with opened:
         module = adapter.program_module()
         convert = ConvertDir(convert_dir)

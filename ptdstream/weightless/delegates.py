@@ -11,7 +11,9 @@ instead, as executorch's CUDA backend does in its low-memory mode
 (``backends/cuda/cuda_backend.py::copy_exported_program_for_preprocess``); every
 other tensor, and the graph, is copied as upstream does. XNNPACK's
 ``preprocess`` reads weights and builds new tensors for what it transforms; it
-does not write the program's tensors. The patch is scoped through
+does not write the program's tensors; after each ``preprocess`` the pages it
+read of the files the open contexts wrote (quantized weights, folded
+constants) are unmapped from the process. The patches are scoped through
 :mod:`ptdstream.upstream.patching`.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 
 from ..hooks.xnnpack import spilling_converted, xnnpack_constants_by_reference
 from ..upstream.patching import shadowed
+from .lowering import release_file_pages
 from .mapped_copy import mapped_copy
 
 __all__ = ["add_bound", "bound_weights", "is_bound", "sharing_bound_weights"]
@@ -78,14 +81,27 @@ def _sharing_copy(cls, edge_program, compile_specs):
     return copy.deepcopy(edge_program, memo)
 
 
+def _releasing_after(real):
+    @functools.wraps(real)
+    def preprocess(edge_program, compile_specs):
+        try:
+            return real(edge_program, compile_specs)
+        finally:
+            release_file_pages()  # what packing this partition read of the files the contexts wrote
+
+    return preprocess
+
+
 @contextlib.contextmanager
 def sharing_bound_weights(folder: str | None = None) -> Iterator[None]:
     """While active, XNNPACK keeps unchanged weights by reference
     (:func:`ptdstream.hooks.xnnpack.xnnpack_constants_by_reference`), with a
     ``folder``, the converted ones it packs (4-bit weights, their scales) of at
     least 1 MiB in nameless files there, mapped back
-    (:func:`ptdstream.hooks.xnnpack.spilling_converted`), and its per-partition
-    copy shares the bound tensors. Does nothing when executorch's XNNPACK
+    (:func:`ptdstream.hooks.xnnpack.spilling_converted`), its per-partition
+    copy shares the bound tensors, and after each partition's ``preprocess``
+    the pages it read of the open contexts' files are unmapped
+    (:func:`~ptdstream.weightless.lowering.release_file_pages`). Does nothing when executorch's XNNPACK
     backend is not importable."""
     try:
         from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
@@ -98,4 +114,6 @@ def sharing_bound_weights(folder: str | None = None) -> Iterator[None]:
                 patches.enter_context(spilling_converted(functools.partial(_spill_to, folder)))
             patches.enter_context(shadowed(XnnpackBackend, "copy_exported_program_for_preprocess",
                                            classmethod(_sharing_copy)))
+            patches.enter_context(shadowed(XnnpackBackend, "preprocess",
+                                           staticmethod(_releasing_after(XnnpackBackend.preprocess))))
         yield

@@ -29,15 +29,32 @@ the Hugging Face route's keys, transformers' renamed and fused keys), else the
 innermost context that binds by name (every ``weights_from`` the user opens).
 A program whose constants two contexts claim is refused by name.
 
+Quantized weights (:mod:`ptdstream.weightless.quantization`: plain tensors over
+shared mappings of their own files) are traced as storage-less ones are: while
+a ``torch.export`` in an open context runs, dynamo's ``_clone_input`` (which a
+strict export calls to copy every real tensor it wraps into its real-value
+cache, ``torch/_dynamo/variables/builder.py``) returns such a tensor itself,
+so their bytes are never copied to memory; the cache is read only for values a
+trace branches on, and nothing writes it. The pages that tracing, the
+decompositions or XNNPACK's packing read of the files a context wrote to its
+folder (quantized weights, converted copies, folded constants, packed weights:
+shared mappings) are unmapped from the process after each
+``torch.export``, each ``run_decompositions``, each XNNPACK partition's
+``preprocess`` (:mod:`ptdstream.weightless.delegates`) and before emission
+(:func:`release_file_pages`; the page cache keeps them).
+
 The C heap (:func:`trim_heap`, glibc's ``malloc_trim``) is handed back to the
-system before and after each ``run_decompositions`` and before emission:
-tracing and lowering free many blocks of a few MiB that glibc would otherwise
-keep resident until the process ends (at optimum's usual flags, about 30 MiB
-per decoder layer; benchmarks/README.md).
+system after each ``torch.export``, before and after each ``run_decompositions``
+and before emission: tracing and lowering free many blocks of a few MiB that
+glibc would otherwise keep resident until the process ends; and a context
+opening fixes glibc's mmap threshold (:func:`fix_heap`), so that the larger
+blocks never sit in the heap at all (at optimum's usual flags, without it about
+75 MiB per decoder layer stayed; benchmarks/README.md).
 
 Patches (through :mod:`ptdstream.upstream.patching`, restored by the last
 exit): ``torch.export._trace._export`` (registered in
-:mod:`ptdstream.upstream.names`) and ``torch.export.ExportedProgram.run_decompositions``.
+:mod:`ptdstream.upstream.names`), ``torch.export.ExportedProgram.run_decompositions``
+and, while each export runs, ``torch._dynamo.variables.builder._clone_input``.
 They act only in threads with an open context; elsewhere the originals run.
 """
 
@@ -49,15 +66,15 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..system.heap import malloc_trim
+from ..system.heap import fix_mmap_threshold, malloc_trim
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .binding import needing_values
 from .errors import BindingError
 from .storage_less import meta_to_storage_less
 
-__all__ = ["TRIM_HEAP", "bind_found", "binding_at_lowering", "contexts_holding", "open_contexts", "opened",
-           "trim_heap"]
+__all__ = ["TRIM_HEAP", "bind_found", "binding_at_lowering", "contexts_holding", "fix_heap", "open_contexts", "opened",
+           "release_file_pages", "trim_heap"]
 
 _local = threading.local()  # .stack: the WeightsFrom contexts open in this thread, innermost last
 _lock = threading.Lock()
@@ -71,6 +88,37 @@ def trim_heap() -> None:
     """:func:`ptdstream.system.heap.malloc_trim` when :data:`TRIM_HEAP` (the weightless route's steps call it)."""
     if TRIM_HEAP:
         malloc_trim()
+
+
+def fix_heap() -> None:
+    """:func:`ptdstream.system.heap.fix_mmap_threshold` when :data:`TRIM_HEAP` (a context opening calls it)."""
+    if TRIM_HEAP:
+        fix_mmap_threshold()
+
+
+def release_file_pages() -> None:
+    """Each context open in this thread unmaps the pages read of the files it wrote
+    (:meth:`~ptdstream.weightless.WeightsFrom.release_file_pages`)."""
+    for weights in open_contexts():
+        weights.release_file_pages()
+
+
+def _holds_quantized(tensor: Any) -> bool:
+    return any(w.holds_quantized(tensor) for w in open_contexts())
+
+
+def _not_cloning_quantized(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def _clone_input(value: Any, fake_mode: Any) -> Any:
+        import torch
+
+        # plain tensors only: a FakeTensor, FunctionalTensor or subclass has no data pointer to match
+        if type(value) in (torch.Tensor, torch.nn.Parameter) and value.device.type == "cpu" \
+                and not value.is_nested and _holds_quantized(value):
+            return value  # as a storage-less weight is: its file's bytes are never copied to memory
+        return real(value, fake_mode)
+
+    return _clone_input
 
 
 def open_contexts() -> list[Any]:
@@ -153,6 +201,7 @@ def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return real(self, *args, **kwargs)
         finally:
+            release_file_pages()  # those the decompositions read
             trim_heap()  # what the decompositions freed
 
     return run_decompositions
@@ -163,9 +212,17 @@ def _exporting(real: Callable[..., Any]) -> Callable[..., Any]:
     def _export(mod: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
 
-        if open_contexts() and isinstance(mod, torch.nn.Module):
+        if not open_contexts():
+            return real(mod, *args, **kwargs)
+        if isinstance(mod, torch.nn.Module):
             meta_to_storage_less(mod)
-        return real(mod, *args, **kwargs)
+        builder = adapter.dynamo_builder_module()
+        try:
+            with shadowed(builder, "_clone_input", _not_cloning_quantized(builder._clone_input)):
+                return real(mod, *args, **kwargs)
+        finally:
+            release_file_pages()  # those tracing read (a subclass's own clone, say)
+            trim_heap()
 
     return _export
 

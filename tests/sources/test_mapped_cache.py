@@ -115,3 +115,29 @@ def test_a_tensor_written_in_its_private_mapping_is_read_from_memory_not_the_fil
     for piece in ref.source.pieces(BufferRing(8 * MiB, count=3)):
         saved.update(piece)
     assert saved.digest() == expected
+
+
+def test_release_shared_under_unmaps_a_folders_shared_copies_and_keeps_their_bytes_written_ones_included(tmp_path):
+    from ptdstream.system.pagecache import release_shared_under
+    from ptdstream.weightless.mapped_copy import mapped_copy
+
+    (tmp_path / "ours").mkdir()
+    data = torch.randint(-128, 128, (6 * MiB + 123,), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    copy = mapped_copy(data, str(tmp_path / "ours"))
+    other = mapped_copy(data, str(tmp_path))  # a shared mapping of a file in another folder
+    _, checkpoint, _ = _cold_checkpoint(tmp_path / "ours", 2 * MiB)  # a private (copy-on-write) mapping there
+    assert file_mapping(checkpoint.data_ptr(), 2 * MiB) is not None
+    checkpoint[7] = (int(checkpoint[7]) + 1) % 256
+    written = checkpoint.clone()
+    for t in (copy, other):
+        assert int(t.to(torch.int64).sum()) == int(data.to(torch.int64).sum())  # every page read
+    copy[5] = 7  # a shared mapping writes its file: DONTNEED keeps the write
+    assert _mapping_rss(copy.data_ptr()) >= 6 * MiB
+    advised = release_shared_under(str(tmp_path / "ours"))
+    assert advised == copy.untyped_storage().nbytes() + (-copy.untyped_storage().nbytes()) % 4096
+    assert _mapping_rss(copy.data_ptr()) == 0
+    assert _mapping_rss(other.data_ptr()) >= 6 * MiB  # another folder's: left alone
+    assert torch.equal(checkpoint, written)  # a private mapping: left alone, its written page kept
+    want = data.clone()
+    want[5] = 7
+    assert torch.equal(copy, want)  # mapped in again from the page cache

@@ -201,6 +201,59 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
             assert _file_backed(a)
 
 
+def test_a_strict_export_copies_no_quantized_weight_into_dynamos_real_value_cache(tmp_path, monkeypatch):
+    """A strict torch.export (optimum's) copies each real tensor it wraps (torch/_dynamo/variables/builder.py,
+    clone_input): upstream's export copies every quantized tensor; inside weights_from none, the bytes the same,
+    and the pages tracing and packing read of the quantized tensors' files are unmapped again."""
+    import torch._dynamo.variables.builder as builder
+
+    cloned: list[tuple] = []
+    real_clone = builder.clone_input
+    monkeypatch.setattr(builder, "clone_input", lambda x, *a, **k: cloned.append((str(x.dtype), tuple(x.shape)))
+                        or real_clone(x, *a, **k))
+    torch.manual_seed(0)
+    state = state_of(Biased())
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    real = _loaded(Biased, state)
+    _quantize(real)
+    quantized = sorted((str(t.dtype), tuple(t.shape)) for n, t in real.named_parameters() if "parametrizations" in n)
+    want = _xnnpack(torch.export.export(real, TOKENS, strict=True)).buffer
+    assert set(quantized) <= set(cloned)  # upstream: each one copied (at least once)
+
+    cloned.clear()
+    with weights_from(ckpt) as weights:
+        model = weights.model(Biased)
+        _quantize(model)
+        program = torch.export.export(model, TOKENS, strict=True)
+        assert cloned and not [c for c in cloned if c in quantized]  # the cache holds the mapped tensors themselves
+        qdata = model.up.parametrizations.weight.original0
+        assert int(qdata.to(torch.int64).abs().sum()) > 0  # its file's pages mapped in
+        assert _mapping_rss(qdata) > 0
+        manager = _xnnpack(program)
+        assert _mapping_rss(qdata) == 0  # unmapped before emission, after XNNPACK packed it
+        (tmp_path / "out").mkdir()
+        ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
+    with open(tmp_path / "out" / "model.pte", "rb") as f:
+        assert _sha(f.read()) == _sha(want)
+
+
+def _mapping_rss(tensor) -> int:
+    """Bytes of ``tensor``'s file mapping resident in this process (``/proc/self/smaps``)."""
+    from ptdstream.system.pagecache import file_mapping
+
+    mapping = file_mapping(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+    assert mapping is not None
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == mapping.start
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping starts at {mapping.start:#x}")
+
+
 def test_a_checkpoint_changed_after_quantization_is_refused_before_emission(tmp_path):
     torch.manual_seed(0)
     state = state_of(Biased())
