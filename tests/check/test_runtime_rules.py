@@ -66,13 +66,24 @@ def bases(tmp_path_factory):
     return _export_bases(str(tmp_path_factory.mktemp("bases")))
 
 
+REGISTRIES = """
+import json
+from executorch.runtime import Runtime
+rt = Runtime.get()
+backends = rt.backend_registry
+print(json.dumps([sorted(rt.operator_registry.operator_names),
+                  sorted(b for b in backends.registered_backend_names if backends.is_available(b))]))
+"""
+
+
 @pytest.fixture(scope="module")
 def registries(bases):
-    from executorch.runtime import Runtime
-
-    rt = Runtime.get()
-    backends = {b for b in rt.backend_registry.registered_backend_names if rt.backend_registry.is_available(b)}
-    return set(rt.operator_registry.operator_names), backends
+    """The runtime's operators and backends before any kernel library is loaded: read in a new
+    process (this one may have loaded others, as another test file run in it did)."""
+    proc = subprocess.run([sys.executable, "-c", REGISTRIES], capture_output=True, text=True, timeout=SAFETY_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ops, backends = json.loads(proc.stdout.splitlines()[-1])
+    return set(ops), set(backends)
 
 
 def test_the_committed_registry_is_the_installed_runtimes(registries):
