@@ -30,38 +30,31 @@ _M_ARENA_MAX = -8
 
 
 @functools.lru_cache(maxsize=1)
-def _libc_mallopt() -> Any:
-    try:
-        return ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):  # not glibc
-        return None
-
-
-@functools.lru_cache(maxsize=1)
 def fix_mmap_threshold() -> bool:
     """Set glibc's ``M_MMAP_THRESHOLD`` to :data:`MMAP_THRESHOLD_NBYTES` and
     ``M_ARENA_MAX`` to :data:`ARENA_MAX`, for the rest of the process (once: later
     calls return the first one's answer). Blocks already allocated stay where they
     are. ``False`` where the C library has no ``mallopt`` or refused a value
     (nothing else changed)."""
-    mallopt = _libc_mallopt()
+    mallopt = _libc("mallopt")
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_NBYTES)) and bool(mallopt(_M_ARENA_MAX, ARENA_MAX))
 
 
-@functools.lru_cache(maxsize=1)
-def _libc_trim() -> Any:
+@functools.cache
+def _libc(name: str) -> Any:
+    """The C library's function ``name``; None where it has none (not glibc)."""
     try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):  # not glibc: nothing to hand back this way
+        return getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
         return None
 
 
 def malloc_trim() -> bool:
     """glibc's ``malloc_trim(0)``: free heap pages handed back to the system.
     ``False`` where the C library has no ``malloc_trim`` (nothing done)."""
-    trim = _libc_trim()
+    trim = _libc("malloc_trim")
     if trim is None:
         return False
     trim(0)
