@@ -17,15 +17,19 @@
   bound); ``convert``: such a tensor, or any DCP tensor, converted piece by
   piece into a file of the context's folder and mapped back.
 * ``context``: the context manager; the emitter's constants by reference, the
-  generated graph sources released with their code, ``emit_program`` refusing an
-  unbound constant by name, and a checkpoint file changed since the context
-  opened it refused (identities checked at conversion, emission and exit).
+  generated graph sources released with their code, and a checkpoint file
+  changed since the context opened it refused (identities checked at
+  conversion, emission and exit); ``emission``: ``emit_program`` refusing an
+  unbound constant, or one quantized from storage-less weights, by name, and a
+  changed checkpoint file before and after emitting.
 * What an export computes from a weight, one weight at a time, written to a
   nameless temp file and bound like a checkpoint tensor: ``folding``
   (``constant_prop_pass`` on bound programs; ``mapped_copy``, and a large
   transpose written in bands), ``quantization`` (torchao's ``quantize_``: each
   weight read from the checkpoint and quantized by torchao's own handler, its
-  quantized tensors in files, a large one in bands of rows).
+  quantized tensors in files, a large one in bands of rows;
+  ``quantized_storages``: each quantized tensor's storage to its checkpoint
+  key, so that ``unwrap_tensor_subclass``'s plain constants are bound to it).
 * ``delegates``: XNNPACK's constants by reference and its per-partition copy
   sharing the bound tensors.
 * ``to_device`` / ``device_load``: inside the context, executorch's

@@ -87,7 +87,7 @@ the emitter's (see ``constants_by_reference``), XNNPACK's (see
 walk of ``quantize_`` (:mod:`~ptdstream.weightless.quantization`), the CUDA backend's
 (:mod:`~ptdstream.weightless.to_device`, when it is importable) and executorch's
 ``exir/program/_program.py`` module global ``emit_program`` (a check of its
-input first), all scoped through :mod:`ptdstream.upstream.patching`; all but
+input first: :mod:`~ptdstream.weightless.emission`), all scoped through :mod:`ptdstream.upstream.patching`; all but
 the emission check are restored when the last context exits. The emission
 check stays from the first context on, for the process (it refuses only what
 upstream's emitter cannot emit: storage-less constants, by name), so a model
@@ -100,7 +100,6 @@ runs export and lowering (``to_edge``, ``to_executorch``) one thread at a time.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -115,23 +114,16 @@ from ..sources.mapped import expecting_files
 from ..system.pagecache import release_shared_under
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
-from .binding import bind_programs, plan_binding, unbound_constants
+from .binding import bind_programs, plan_binding
 from .convert import ConvertDir, RowReader
 from .delegates import add_bound, bound_weights, sharing_bound_weights
-from .errors import QuantizationNeedsValuesError, UnboundConstantError
+from .emission import checking_emit
 from .folding import folded_to_files
-from .lowering import (
-    bind_found,
-    binding_at_lowering,
-    contexts_holding,
-    fix_heap,
-    open_contexts,
-    release_file_pages,
-    trim_heap,
-)
+from .lowering import binding_at_lowering, fix_heap
 from .lowering import opened as opened_in_thread
-from .quantization import quantized_constants, streaming_quantization
-from .storage_less import is_storage_less, storage_less_model
+from .quantization import streaming_quantization
+from .quantized_storages import QuantizedStorages
+from .storage_less import storage_less_model
 from .to_device import DeviceLoads, loading_bound_to_device
 
 __all__ = ["WeightsFrom", "weights_from"]
@@ -173,8 +165,8 @@ class WeightsFrom:
         self._identities = {f: _identity(f) for f in checkpoint.files()}
         self.bound_keys: list[str] = []  #: checkpoint keys bound, in binding order
         self.converted_keys: list[str] = []  #: those bound to a converted copy
-        self.quantized_keys: list[str] = []  #: checkpoint keys read and quantized by torchao's quantize_
-        self._quantized: dict[tuple[str, int], str] = {}  # (device type, storage address) of a quantized tensor -> key
+        self._quantized = QuantizedStorages()  # the quantized tensors made in the block, by storage
+        self.quantized_keys: list[str] = self._quantized.keys  #: checkpoint keys read and quantized by quantize_
         self._refused: set[str] = set()  # changed files already refused
         #: the bound tensors the CUDA backend loads straight from the checkpoint to the GPU, and its stats
         self.device_loads = DeviceLoads(checkpoint, self._identities)
@@ -313,22 +305,13 @@ class WeightsFrom:
         """``weight`` (a torchao quantized tensor) was made from checkpoint key
         ``key``: a program tensor sharing one of its inner tensors' storages is
         bound to ``key`` (:meth:`adopt_quantized`), the key checked unchanged as
-        bound keys are."""
-        self._kept.append(weight)
-        names, _ = weight.__tensor_flatten__()
-        inner = [getattr(weight, n) for n in names]
-        add_bound(self._bound, inner)
-        for tensor in inner:
-            storage = tensor.untyped_storage()
-            if storage.nbytes():
-                self._quantized[tensor.device.type, storage.data_ptr()] = key
-        if key not in self.quantized_keys:
-            self.quantized_keys.append(key)
+        bound keys are (:class:`~ptdstream.weightless.quantized_storages.QuantizedStorages`)."""
+        add_bound(self._bound, self._quantized.note(key, weight))
 
     def holds_quantized(self, tensor: Any) -> bool:
         """Whether ``tensor`` (a plain tensor) shares the storage of a quantized
         tensor :meth:`note_quantized` recorded."""
-        return bool(self._quantized) and self._quantized_key(tensor) is not None
+        return self._quantized.key_of(tensor) is not None
 
     def release_file_pages(self) -> None:
         """Unmap from this process the pages read of the files this context wrote
@@ -343,32 +326,7 @@ class WeightsFrom:
         :meth:`note_quantized` recorded (``unwrap_tensor_subclass``'s parameters)
         counts as bound to its key: registered as bound (XNNPACK's copy shares
         it) and recorded, so binding takes it as bound and its key as used."""
-        if not self._quantized:
-            return
-        for ep in programs.values():
-            for table in ("state_dict", "constants"):
-                for tensor in getattr(ep, table).values():
-                    if id(tensor) in self._origins or is_storage_less(tensor):
-                        continue
-                    if adapter.is_traceable_wrapper_subclass(tensor):
-                        # kept whole (no unwrap_tensor_subclass: the CUDA backend's int4): bound by its inner tensors
-                        names, _ = tensor.__tensor_flatten__()
-                        found = [self._quantized_key(getattr(tensor, n)) for n in names]
-                        keys = {k for k in found if k is not None}
-                        if len(keys) == 1:
-                            self._origins[id(tensor)] = keys.pop()
-                        continue
-                    key = self._quantized_key(tensor)
-                    if key is not None:
-                        add_bound(self._bound, [tensor])
-                        self._origins[id(tensor)] = key
-
-    def _quantized_key(self, tensor: Any) -> str | None:
-        """The key :meth:`note_quantized` recorded for ``tensor``'s storage, if any."""
-        if adapter.is_traceable_wrapper_subclass(tensor):
-            return None
-        storage = tensor.untyped_storage()
-        return self._quantized.get((tensor.device.type, storage.data_ptr())) if storage.nbytes() else None
+        add_bound(self._bound, self._quantized.adopt(programs, self._origins))
 
     def owns(self, tensor: Any) -> bool:
         """Whether :meth:`record` named ``tensor``'s key (or this context bound it)."""
@@ -393,41 +351,6 @@ class WeightsFrom:
 
         self._check_open("export")
         return self.bind(torch.export.export(model, args, **kwargs))
-
-
-def _checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
-    """``emit_program`` that first refuses storage-less constants, and quantized
-    ones made from storage-less weights, by name, and a checkpoint file changed
-    since it was opened: of the contexts open in this thread and of those open in
-    any thread that bound a tensor of the program, checked before and after the
-    emission (which reads the bound tensors: upstream's copy in a thread outside
-    the context, the digests by reference inside it)."""
-
-    @functools.wraps(real)
-    def emit_program(methods, *args, **kwargs):
-        programs = methods if isinstance(methods, Mapping) else {"forward": methods}
-        bind_found(programs)  # storage-less constants lowering did not see (none in the usual route)
-        quantized = quantized_constants(programs)
-        if quantized:
-            raise QuantizationNeedsValuesError(quantized, "to_executorch")
-        left = unbound_constants(programs)
-        if left:
-            raise UnboundConstantError(left, "to_executorch")
-        holders = list(dict.fromkeys([*open_contexts(), *contexts_holding(programs)]))
-        for weights in holders:
-            weights.check_unchanged(list(dict.fromkeys(weights.bound_keys + weights.quantized_keys)),
-                                    "before to_executorch emitted the program (nothing emitted)")
-        if open_contexts():
-            release_file_pages()  # those the last partition's packing read
-            trim_heap()  # what lowering and the passes freed
-        emitted = real(methods, *args, **kwargs)
-        for weights in holders:
-            weights.check_unchanged(list(dict.fromkeys(weights.bound_keys + weights.quantized_keys)),
-                                    "while to_executorch emitted the program (its result "
-                                    "dropped, nothing written)")
-        return emitted
-
-    return emit_program
 
 
 @contextlib.contextmanager
@@ -468,7 +391,7 @@ def weights_from(checkpoint: str | os.PathLike[str], key_map: Mapping[str, str] 
         convert = ConvertDir(convert_dir)
         weights: WeightsFrom | None = None
         try:
-            _emission_checked.open(lambda: shadowed(module, "emit_program", _checking_emit(module.emit_program)))
+            _emission_checked.open(lambda: shadowed(module, "emit_program", checking_emit(module.emit_program)))
             weights = WeightsFrom(opened, key_map, allow_extra, convert)
             with opened_in_thread(weights), expecting_files(weights._identities.items()), binding_at_lowering(), \
                     bound_weights(weights._bound), constants_by_reference(), sharing_bound_weights(convert.folder), \
