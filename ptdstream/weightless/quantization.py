@@ -32,14 +32,15 @@ model whose targeted weights are storage-less, it:
 3. a weight larger than :data:`LARGE_NBYTES` (in the model's dtype) under a
    config whose scales are per row or per group of a row
    (``Int8DynamicActivationIntxWeightConfig``, ``IntxWeightOnlyConfig``:
-   torchao's ``IntxUnpackedToInt8Tensor``) is quantized in bands of rows of
+   torchao's ``IntxUnpackedToInt8Tensor``) with the ``affine`` algorithm is
+   quantized in bands of rows of
    about :data:`BAND_NBYTES`, each band's inner tensors appended to the files:
    the same bytes as the whole tensor quantized at once (rows are quantized
    independently; ``tests/weightless/test_quantized.py`` checks it with NaN
    and Inf rows; under the ``affine`` algorithm a NaN weight's NaN scale may
    take other NaN bits, as torch's vectorized and scalar loops give them).
-   Other configs (the CUDA backend's int4 tile-packed) quantize one whole
-   tensor at a time.
+   Other configs (``hqq_scale_only``, whose early stop is taken over the whole
+   tensor; the CUDA backend's int4 tile-packed) quantize one whole tensor at a time.
 
 The quantized tensors are plain file-backed tensors: ``unwrap_tensor_subclass``
 (optimum runs it) parametrizes them as usual, ``torch.export`` shares them, and
@@ -97,8 +98,17 @@ COVERED = (
     "Int4WeightOnlyConfig (the CUDA backend's int4: tile_packed_to_4d, hqq or tinygemm)",
 )
 
-#: The configs whose quantized rows depend on their own row only (banded past LARGE_NBYTES).
+#: The configs whose scales are per row or per group of a row (banded past LARGE_NBYTES under ``affine``).
 _ROW_WISE = ("Int8DynamicActivationIntxWeightConfig", "IntxWeightOnlyConfig")
+
+
+def _row_local(config: Any) -> bool:
+    """Whether each quantized row of ``config`` depends on its own row only: a row-wise
+    config under the ``affine`` algorithm. ``hqq_scale_only`` is not: torchao stops
+    its iterations when the largest change of any scale in the whole tensor is
+    small (``quant_primitives.py``, ``_choose_qparams_and_quantize_scale_only_hqq``,
+    ``early_stop_tol``), so a band can stop at another iteration than the tensor."""
+    return type(config).__name__ in _ROW_WISE and _named(config.intx_choose_qparams_algorithm, "affine")
 
 
 def _named(value: Any, *names: str) -> bool:
@@ -233,8 +243,7 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
     rows = weight.shape[0] if weight.dim() else 1
     row_nbytes = weight[0].numel() * weight.element_size() if weight.dim() else weight.element_size()
     on_cpu = device is None or torch.device(device).type == "cpu"
-    banded = (on_cpu and type(config).__name__ in _ROW_WISE and weight.dim() >= 2
-              and rows * row_nbytes > LARGE_NBYTES)
+    banded = (on_cpu and _row_local(config) and weight.dim() >= 2 and rows * row_nbytes > LARGE_NBYTES)
     weights.check_unchanged([key], f"before key {key!r} was quantized")
     extra_repr = module.__dict__.get("extra_repr")
     with weights.reading(key, weight.dtype) as source:
