@@ -41,18 +41,17 @@ def checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
         left = unbound_constants(programs)
         if left:
             raise UnboundConstantError(left, "to_executorch")
-        holders = list(dict.fromkeys([*open_contexts(), *contexts_holding(programs)]))
-        for weights in holders:
-            weights.check_unchanged(list(dict.fromkeys(weights.bound_keys + weights.quantized_keys)),
-                                    "before to_executorch emitted the program (nothing emitted)")
+        holders = {weights: list(dict.fromkeys(weights.bound_keys + weights.quantized_keys))
+                   for weights in [*open_contexts(), *contexts_holding(programs)]}
+        for weights, keys in holders.items():
+            weights.check_unchanged(keys, "before to_executorch emitted the program (nothing emitted)")
         if open_contexts():
             release_file_pages()  # those the last partition's packing read
             trim_heap()  # what lowering and the passes freed
         emitted = real(methods, *args, **kwargs)
-        for weights in holders:
-            weights.check_unchanged(list(dict.fromkeys(weights.bound_keys + weights.quantized_keys)),
-                                    "while to_executorch emitted the program (its result "
-                                    "dropped, nothing written)")
+        for weights, keys in holders.items():
+            weights.check_unchanged(keys, "while to_executorch emitted the program (its result dropped, "
+                                          "nothing written)")
         return emitted
 
     return emit_program

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..upstream import adapter
-from .storage_less import is_storage_less
+from .storage_less import inner_tensors, is_storage_less
 
 __all__ = ["QuantizedStorages"]
 
@@ -30,16 +30,12 @@ class QuantizedStorages:
         self._by_storage: dict[tuple[str, int], str] = {}
         self._kept: list[Any] = []
 
-    def __bool__(self) -> bool:
-        return bool(self._by_storage)
-
     def note(self, key: str, weight: Any) -> list[Any]:
         """Record ``weight`` (a torchao quantized tensor subclass) as made from
         checkpoint key ``key``; returns its inner tensors (the caller registers
         them as bound, for XNNPACK's copy)."""
         self._kept.append(weight)
-        names, _ = weight.__tensor_flatten__()
-        inner = [getattr(weight, n) for n in names]
+        inner = inner_tensors(weight)
         for tensor in inner:
             storage = tensor.untyped_storage()
             if storage.nbytes():
@@ -72,8 +68,7 @@ class QuantizedStorages:
                     if id(tensor) in origins or is_storage_less(tensor):
                         continue
                     if adapter.is_traceable_wrapper_subclass(tensor):
-                        names, _ = tensor.__tensor_flatten__()
-                        keys = {k for k in (self.key_of(getattr(tensor, n)) for n in names) if k is not None}
+                        keys = {k for k in map(self.key_of, inner_tensors(tensor)) if k is not None}
                         if len(keys) == 1:
                             origins[id(tensor)] = keys.pop()
                         continue

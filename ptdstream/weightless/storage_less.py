@@ -32,7 +32,8 @@ from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .errors import MetaBufferError
 
-__all__ = ["derived_from_storage_less", "is_storage_less", "meta_to_storage_less", "storage_less", "storage_less_model"]
+__all__ = ["derived_from_storage_less", "inner_tensors", "is_storage_less", "meta_to_storage_less", "storage_less",
+           "storage_less_model"]
 
 _local = threading.local()  # the fake mode of the thread building a model
 
@@ -51,9 +52,14 @@ def derived_from_storage_less(tensor: Any) -> bool:
     inner tensor of which is storage-less, at any depth."""
     if not adapter.is_traceable_wrapper_subclass(tensor):
         return False
+    return any(is_storage_less(t) or derived_from_storage_less(t) for t in inner_tensors(tensor))
+
+
+def inner_tensors(tensor: Any) -> list[Any]:
+    """The inner tensors of tensor subclass ``tensor`` (a torchao quantized tensor:
+    ``qdata``, ``scale``, ``zero_point``), in ``__tensor_flatten__``'s order."""
     names, _ = tensor.__tensor_flatten__()
-    inner = [getattr(tensor, n) for n in names]
-    return any(is_storage_less(t) or derived_from_storage_less(t) for t in inner)
+    return [getattr(tensor, n) for n in names]
 
 
 def _mode() -> Any:

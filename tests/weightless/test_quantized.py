@@ -186,7 +186,7 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
         model = weights.model(model)
         quantize_(model, config)
         got, want = model.lin.weight, real.lin.weight
-        affine = "affine" in name or name == "8w" and "hqq" not in str(config.intx_choose_qparams_algorithm).lower()
+        affine = "affine" in str(config.intx_choose_qparams_algorithm).lower()
         assert calls == ([7] * 8 + [5] if affine else [61])  # nine bands of rows, or the tensor whole
         assert type(got) is type(want) and got.__tensor_flatten__()[1] == want.__tensor_flatten__()[1]
         for inner in want.__tensor_flatten__()[0]:
