@@ -131,6 +131,8 @@ def save(
     Raises:
         ValueError, LayoutError: bad path, tag or parameters (nothing written).
         ArgumentTypeError: a ``progress`` outside the contract (nothing written).
+        OverwriteError: a file to write (the .pte, a .ptd, the manifest) is a
+            checkpoint an open ``weights_from`` reads (nothing written).
         IntegrityError: a source changed or vanished (nothing published).
         OSError: a write, fsync or rename failed (nothing published).
     """
@@ -155,7 +157,8 @@ def save(
     return _write_and_report(SaveReport, plan, start, plan_seconds, progress,
                              f"saving {len(plan.files)} file(s) of {os.path.basename(path)}",
                              chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes, direct=direct,
-                             extra_files=extra_files, manifest_path=manifest_path)
+                             extra_files=extra_files, also_targets=[manifest_path] if manifest_path else [],
+                             manifest_path=manifest_path)
 
 
 def write_data_files(
@@ -189,7 +192,7 @@ def write_data_files(
     Raises:
         LayoutError: a tag that would leave ``folder``.
         ArgumentTypeError: a ``progress`` outside the contract (nothing written).
-        IntegrityError, OSError: as :func:`save` (nothing published).
+        OverwriteError, IntegrityError, OSError: as :func:`save` (nothing published).
     """
     from .format.plan import SavePlan
     from .format.ptd import plan_data_files
@@ -209,7 +212,7 @@ def write_data_files(
 
 
 def _write_and_report(report_type, plan, start, plan_seconds, progress, description, *, chunk_nbytes,
-                      window_nbytes, direct, extra_files=None, **fields):
+                      window_nbytes, direct, extra_files=None, also_targets=(), **fields):
     """Write ``plan`` (progress as :func:`progress_callback` takes it, ``description``
     on its bar) and return ``report_type`` (a :class:`SaveReport`) of it, timed from
     ``start`` (``time.perf_counter()``); ``fields``: the report's extra fields."""
@@ -219,7 +222,8 @@ def _write_and_report(report_type, plan, start, plan_seconds, progress, descript
     with contextlib.ExitStack() as stack:
         callback = progress_callback(stack, progress, plan.nbytes, description)
         reports = write_save_plan(plan, chunk_nbytes=chunk_nbytes, window_nbytes=window_nbytes,
-                                  progress=callback, direct=direct, extra_files=extra_files)
+                                  progress=callback, direct=direct, extra_files=extra_files,
+                                  also_targets=also_targets)
     seconds = time.perf_counter() - start
     nbytes = sum(r.nbytes for r in reports)
     return report_type(files=tuple(reports), nbytes=nbytes, seconds=seconds,

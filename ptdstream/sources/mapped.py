@@ -18,7 +18,7 @@ from .tensor import TensorSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MappedTensorSource", "expecting_files", "opened_identity"]
+__all__ = ["MappedTensorSource", "expected_paths", "expecting_files", "opened_identity"]
 
 _lock = threading.Lock()
 #: (real path, inode) -> the identities :func:`expecting_files` registered for that file, latest last
@@ -53,6 +53,13 @@ def opened_identity(mapping: FileMapping) -> FileIdentity | None:
     with _lock:
         held = _expected.get((mapping.path, mapping.inode))
         return held[-1] if held else None
+
+
+def expected_paths() -> list[str]:
+    """The real paths of the files :func:`expecting_files` holds registered now
+    (a ``weights_from`` checkpoint's): files a save must not write over."""
+    with _lock:
+        return sorted({path for path, _inode in _expected})
 
 
 class MappedTensorSource(TensorSource):

@@ -9,7 +9,7 @@ the folder holds the whole old set or, once recovered, the whole new one (see
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
@@ -20,7 +20,7 @@ from .publish import folder_locks, prepare_folders, publish_set
 from .sink import ChunkedFileSink
 from .writer import write_plan
 
-__all__ = ["FileReport", "write_save_plan"]
+__all__ = ["FileReport", "refuse_reading_targets", "write_save_plan"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,25 @@ class FileReport:
         return "pte" if self.role is FileRole.PROGRAM else "ptd"
 
 
+def refuse_reading_targets(plan: SavePlan, also_targets: Sequence[str] = ()) -> None:
+    """Refuse a set whose targets (its files' paths and ``also_targets``) include a
+    checkpoint an open ``weights_from`` reads
+    (:func:`~ptdstream.sources.mapped.expected_paths`), whatever the spelling (a
+    symlink, a hard link): publishing over it would replace the user's checkpoint
+    (the bound tensors would still be read from the open inode, but the
+    checkpoint would be gone). A file source that is its own output is replaced,
+    as upstream's ``write_to_file`` replaces a file its program was read from:
+    the bytes read are in the new file.
+
+    Raises:
+        OverwriteError: naming the target and the checkpoint; nothing written.
+    """
+    from ..sources.mapped import expected_paths
+    from ..system.files import refuse_overwrite
+
+    refuse_overwrite(expected_paths(), [planned.path for planned in plan.files] + list(also_targets), force=True)
+
+
 def write_save_plan(
     plan: SavePlan,
     *,
@@ -49,6 +68,7 @@ def write_save_plan(
     sink_factory: Callable[[str], ChunkedFileSink] | None = None,
     direct: bool = False,
     extra_files: Callable[[list[ChunkedFileSink]], list[ChunkedFileSink]] | None = None,
+    also_targets: Sequence[str] = (),
 ) -> list[FileReport]:
     """Write every file of ``plan`` to temp files, sync them all, then publish.
 
@@ -71,14 +91,19 @@ def write_save_plan(
             synced sinks (a manifest of the set, read back from the temp files)
             that are published in the same set, after the plan's files (it must
             abort its own sinks if it fails).
+        also_targets: the paths ``extra_files`` will publish (checked with the
+            plan's own, before anything is written).
 
     Returns:
         One :class:`FileReport` per file, in publish order.
 
     Raises:
+        OverwriteError: a file to write is a checkpoint an open ``weights_from``
+            reads (:func:`refuse_reading_targets`; nothing written).
         IntegrityError: a source changed or vanished (nothing published).
         OSError: a write, fsync or rename failed (nothing published).
     """
+    refuse_reading_targets(plan, also_targets)
     ring = BufferRing(chunk_nbytes, count=2)
     make = sink_factory or (
         lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct, clean_folder=False)

@@ -341,3 +341,36 @@ def test_constant_prop_before_binding_is_refused_by_name_and_after_binding_match
         f"missing: '_prop_tensor_constant1' needs checkpoint key '_prop_tensor_constant1', {folded}",
     ]
     assert read_folder(str(tmp_path / "weightless")) == read_folder(str(tmp_path / "real"))
+
+
+@pytest.mark.parametrize("target", ["model.pte", PTD, "model.manifest", "link.pte"])
+def test_a_save_over_the_open_checkpoint_is_refused_and_the_checkpoint_kept(tmp_path, target):
+    """The checkpoint named as a file of the set (or a symlink to it as the .pte):
+    publishing would replace the user's checkpoint. Refused before anything is
+    written; the checkpoint's bytes are unchanged."""
+    from ptdstream.errors import OverwriteError
+
+    real = _seeded(Mlp)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    ckpt = folder / ("model.safetensors" if target == "link.pte" else target)
+    if target == "link.pte":
+        import safetensors.torch as st
+
+        st.save_file(state_of(real), ckpt)
+    else:  # a name that is not .safetensors: read as torch.save's zip
+        torch.save(state_of(real), ckpt)
+    if target == "link.pte":
+        os.symlink(ckpt.name, folder / target)
+    before = ckpt.read_bytes()
+    pte = folder / ("link.pte" if target == "link.pte" else "model.pte")
+    with weights_from(str(ckpt)) as weights:
+        manager = _lower(weights.export(weights.model(Mlp), example_inputs(real)))
+        with pytest.raises(OverwriteError) as caught:
+            ptdstream.save(manager, str(pte), manifest=True)
+    written = str(folder / target)
+    spelled = f" (as {os.path.realpath(ckpt)})" if target == "link.pte" else ""
+    assert str(caught.value) == (f"output {written} is also an input{spelled}: writing it "
+                                 "would destroy the input; choose another output path"), str(caught.value)
+    assert ckpt.read_bytes() == before
+    assert sorted(os.listdir(folder)) == sorted({ckpt.name, target})
