@@ -75,7 +75,7 @@ _LAZY = {
     "DistributedWriteError": "distributed.errors", "DistributedIntegrityError": "distributed.errors",
     "BindingError": "weightless.errors", "MetaBufferError": "weightless.errors",
     "NeedsWeightValuesError": "weightless.errors", "QuantizationNeedsValuesError": "weightless.errors",
-    "UnboundConstantError": "weightless.errors",
+    "QuantizationShapeError": "weightless.errors", "UnboundConstantError": "weightless.errors",
 }
 
 
@@ -126,6 +126,7 @@ __all__ = [
     "PtdstreamError",
     "PteOptions",
     "QuantizationNeedsValuesError",
+    "QuantizationShapeError",
     "RecoveryError",
     "SavePlan",
     "SaveReport",

@@ -47,11 +47,12 @@ from .errors import (
     MetaBufferError,
     NeedsWeightValuesError,
     QuantizationNeedsValuesError,
+    QuantizationShapeError,
     UnboundConstantError,
 )
 from .hf import model_from_config, pretrained_without_weights
 from .storage_less import is_storage_less, storage_less_model
 
 __all__ = ["BindingError", "MetaBufferError", "NeedsWeightValuesError", "QuantizationNeedsValuesError",
-           "UnboundConstantError", "WeightsFrom", "is_storage_less", "model_from_config", "pretrained_without_weights",
+           "QuantizationShapeError", "UnboundConstantError", "WeightsFrom", "is_storage_less", "model_from_config", "pretrained_without_weights",
            "storage_less_model", "weights_from"]

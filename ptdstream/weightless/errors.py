@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..errors import CheckpointMismatchError, PtdstreamError
 
 __all__ = ["BindingError", "MetaBufferError", "NeedsWeightValuesError", "QuantizationNeedsValuesError",
-           "UnboundConstantError"]
+           "QuantizationShapeError", "UnboundConstantError"]
 
 #: What to do, in a :class:`QuantizationNeedsValuesError` message of weights no context can read.
 QUANTIZATION_ADVICE = ("quantization needs the weights' values: call torchao's quantize_ inside the weights_from "
@@ -71,6 +71,20 @@ class QuantizationNeedsValuesError(PtdstreamError, ValueError):
         self.reason = reason
         super().__init__(f"{where}: {len(names)} storage-less weight(s) would be quantized: {', '.join(names)}; "
                          + (f"{reason}: {UNCOVERED_ADVICE}" if reason else QUANTIZATION_ADVICE))
+
+
+class QuantizationShapeError(PtdstreamError, ValueError):
+    """Weights a config cannot quantize: a group size that does not divide the last
+    dimension (torchao's ``choose_qparams_affine`` would fail on it with a bare
+    ``AssertionError``). ``problems`` names each weight, its checkpoint key and
+    file, and the sizes; raised before any of the call's weights is read, the
+    model unchanged."""
+
+    def __init__(self, where: str, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(f"{where}: {len(problems)} weight(s) cannot be quantized with this config (nothing read):\n"
+                         + "\n".join(f"  {p}" for p in problems)
+                         + "\nchoose a group size that divides them, or leave them out with filter_fn")
 
 
 class NeedsWeightValuesError(PtdstreamError, ValueError):

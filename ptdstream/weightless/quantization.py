@@ -58,8 +58,10 @@ and quantized (``"cuda"``: the CUDA backend's int4; its quantized tensors stay
 there, nothing written to files); the storage-less model is not moved.
 
 Outside a context (or in another thread), a storage-less target is refused by
-name; a ``FqnToConfig`` (which ``quantize_`` applies without the walk) is not
-covered; a quantized constant made from storage-less weights anyway
+name; a ``FqnToConfig`` (which ``quantize_`` applies without the walk, through
+``_fqn_to_config_handler``, shadowed by :func:`refusing_storage_less`) is refused
+by name; a ``PerGroup`` size that does not divide a weight is named before
+anything is read (:class:`~ptdstream.weightless.QuantizationShapeError`); a quantized constant made from storage-less weights anyway
 (``quantize_`` imported before the context opened) is refused by
 :meth:`~ptdstream.weightless.WeightsFrom.bind` and before emission
 (:func:`derived_from_storage_less`).
@@ -76,13 +78,13 @@ from typing import Any
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .convert import convertible
-from .errors import BindingError, QuantizationNeedsValuesError
+from .errors import BindingError, QuantizationNeedsValuesError, QuantizationShapeError
 from .lowering import open_contexts, trim_heap
 from .mapped_copy import RowFiles, mapped_copy
 from .storage_less import derived_from_storage_less, is_storage_less
 
-__all__ = ["BAND_NBYTES", "COVERED", "LARGE_NBYTES", "quantized_constants", "streaming_quantization",
-           "streaming_walk", "uncovered_reason"]
+__all__ = ["BAND_NBYTES", "COVERED", "LARGE_NBYTES", "quantized_constants", "refusing_storage_less",
+           "streaming_quantization", "streaming_walk", "uncovered_reason"]
 
 #: A weight larger than this (bytes in the model's dtype) is quantized in bands of rows, where the config allows.
 LARGE_NBYTES = 64 << 20
@@ -209,6 +211,7 @@ class _Plan:
         self.config = config
         self.entries: dict[int, tuple[str, Any, str, Any]] = {}  # id(module) -> (fqn, context, key, weight)
         problems: dict[Any, list[str]] = {}
+        misfits: list[str] = []
         for fqn, module, weight in targets:
             name = f"{fqn}.weight" if fqn else "weight"
             weights, key = _key_of(contexts, weight, name)
@@ -227,8 +230,25 @@ class _Plan:
                     f"shape: {where}: the checkpoint holds {list(entry.shape)}, the model {list(weight.shape)}")
             else:
                 self.entries[id(module)] = (fqn, weights, key, weight)
+                group = _group_size(config)
+                if group and weight.dim() and weight.shape[-1] % group:
+                    misfits.append(f"{where} {str(weight.dtype).replace('torch.', '')}{list(weight.shape)}: group "
+                                   f"size {group} does not divide its last dimension ({weight.shape[-1]})")
         for weights, found in problems.items():
             raise BindingError(weights.checkpoint.path, found)
+        if misfits:
+            raise QuantizationShapeError(f"torchao quantize_ ({type(config).__name__})", misfits)
+
+
+def _group_size(config: Any) -> int | None:
+    """The group size a row-wise config quantizes with (PerGroup; None for PerAxis and
+    other configs: ``Int4WeightOnlyConfig`` leaves a weight it does not divide as it
+    is, ``_int4_weight_only_quantize_tensor``)."""
+    name = type(config).__name__
+    if name not in _ROW_WISE:
+        return None
+    granularity = config.weight_granularity if name == "Int8DynamicActivationIntxWeightConfig" else config.granularity
+    return getattr(granularity, "group_size", None) if type(granularity).__name__ == "PerGroup" else None
 
 
 class _NotRowWise(Exception):
@@ -390,6 +410,34 @@ def streaming_quantization() -> Iterator[None]:
     except ImportError:
         yield
         return
-    with shadowed(api, "_replace_with_custom_fn_if_matches_filter",
-                  streaming_walk(api._replace_with_custom_fn_if_matches_filter)):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(shadowed(api, "_replace_with_custom_fn_if_matches_filter",
+                                     streaming_walk(api._replace_with_custom_fn_if_matches_filter)))
+        if hasattr(api, "_fqn_to_config_handler"):
+            stack.enter_context(shadowed(api, "_fqn_to_config_handler",
+                                         refusing_storage_less(api._fqn_to_config_handler)))
         yield
+
+
+def refusing_storage_less(real: Callable[..., Any]) -> Callable[..., Any]:
+    """torchao's ``_fqn_to_config_handler`` (what ``quantize_`` applies to each module
+    a ``FqnToConfig`` picks, without the walk) refusing a module with storage-less
+    parameters by name, before anything is read; any other module runs as upstream's.
+
+    Raises:
+        QuantizationNeedsValuesError: the module's storage-less parameters, with
+            the reason (``FqnToConfig`` is not covered: one ``quantize_`` call per
+            config, with a ``filter_fn``, is).
+    """
+
+    @functools.wraps(real)
+    def _fqn_to_config_handler(module, fqn, config, *args, **kwargs):
+        names = sorted(_describe(f"{fqn}.{name}" if fqn else name, p)
+                       for name, p in module.named_parameters() if is_storage_less(p))
+        if names:
+            raise QuantizationNeedsValuesError(
+                names, "torchao quantize_ (FqnToConfig)",
+                "FqnToConfig is not covered (call quantize_ once per config, with a filter_fn)")
+        return real(module, fqn, config, *args, **kwargs)
+
+    return _fqn_to_config_handler

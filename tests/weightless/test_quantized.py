@@ -278,23 +278,49 @@ def test_a_checkpoint_changed_after_quantization_is_refused_before_emission(tmp_
                 _xnnpack(program)
 
 
-def test_a_weight_the_group_size_does_not_divide_fails_as_upstream_and_a_missing_key_is_named(tmp_path):
+def test_a_weight_the_group_size_does_not_divide_is_named_before_anything_is_read_and_a_missing_key_too(tmp_path):
+    from ptdstream.weightless import QuantizationShapeError
+
     config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
-    ckpt = save_checkpoint("safetensors", {"0.weight": torch.randn(8, 48)}, tmp_path / "ckpt")
-    with pytest.raises(AssertionError) as upstream:
-        quantize_(torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False)), config)
+    ckpt = save_checkpoint("safetensors", {"0.weight": torch.randn(8, 48), "1.weight": torch.randn(8, 64)},
+                           tmp_path / "ckpt")
+    with pytest.raises(AssertionError, match="48 to be divisible by block_size at 1 dimension: 32"):
+        quantize_(torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False)), config)  # upstream: a bare assert
     with weights_from(ckpt) as weights:
-        model = weights.model(lambda: torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False)))
-        with pytest.raises(AssertionError) as ours:
+        model = weights.model(lambda: torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False),
+                                                          torch.nn.Linear(64, 8, bias=False)))
+        with pytest.raises(QuantizationShapeError) as misfit:
             quantize_(model, config)
-        assert str(ours.value) == str(upstream.value)
+        assert is_storage_less(model[0].weight) and is_storage_less(model[1].weight)  # the fitting one unread too
         other = weights.model(lambda: torch.nn.Sequential(torch.nn.Linear(48, 8, bias=False),
+                                                          torch.nn.Linear(64, 8, bias=False),
                                                           torch.nn.Linear(64, 8, bias=False)))
         with pytest.raises(BindingError) as missing:
-            quantize_(other, config, filter_fn=lambda m, fqn: fqn == "1")
-        assert is_storage_less(other[1].weight)
-    assert missing.value.problems == ["missing: '1.weight' (quantized by quantize_) needs checkpoint key '1.weight', "
+            quantize_(other, config, filter_fn=lambda m, fqn: fqn == "2")
+        assert is_storage_less(other[2].weight)
+    assert misfit.value.problems == [f"'0.weight' <- key '0.weight' ({ckpt}) float32[8, 48]: group size 32 does not "
+                                     "divide its last dimension (48)"]
+    assert str(misfit.value).startswith("torchao quantize_ (Int8DynamicActivationIntxWeightConfig): 1 weight(s) "
+                                        "cannot be quantized with this config (nothing read):\n  '0.weight'")
+    assert missing.value.problems == ["missing: '2.weight' (quantized by quantize_) needs checkpoint key '2.weight', "
                                       "which the checkpoint does not hold"]
+
+
+def test_fqn_to_config_on_storage_less_weights_is_refused_by_name_before_anything_is_read(tmp_path):
+    from torchao.quantization import FqnToConfig
+
+    from ptdstream.weightless import QuantizationNeedsValuesError
+
+    ckpt = save_checkpoint("safetensors", {"0.weight": torch.randn(8, 64)}, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        model = weights.model(lambda: torch.nn.Sequential(torch.nn.Linear(64, 8, bias=False)))
+        with pytest.raises(QuantizationNeedsValuesError) as caught:
+            quantize_(model, FqnToConfig({"0": LINEAR_8DA4W}), filter_fn=None)
+        assert is_storage_less(model[0].weight)
+    assert caught.value.names == ["'0.weight' (torch.float32 [8, 64])"]
+    assert str(caught.value).startswith("torchao quantize_ (FqnToConfig): 1 storage-less weight(s) would be "
+                                        "quantized: '0.weight' (torch.float32 [8, 64]); FqnToConfig is not covered "
+                                        "(call quantize_ once per config, with a filter_fn): ")
 
 
 @pytest.mark.parametrize("kind", ["dcp", "hf-sharded"])
