@@ -54,5 +54,5 @@ from .hf import model_from_config, pretrained_without_weights
 from .storage_less import is_storage_less, storage_less_model
 
 __all__ = ["BindingError", "MetaBufferError", "NeedsWeightValuesError", "QuantizationNeedsValuesError",
-           "QuantizationShapeError", "UnboundConstantError", "WeightsFrom", "is_storage_less", "model_from_config", "pretrained_without_weights",
-           "storage_less_model", "weights_from"]
+           "QuantizationShapeError", "UnboundConstantError", "WeightsFrom", "is_storage_less", "model_from_config",
+           "pretrained_without_weights", "storage_less_model", "weights_from"]
