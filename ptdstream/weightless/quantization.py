@@ -62,7 +62,8 @@ name; a ``FqnToConfig`` (which ``quantize_`` applies without the walk, through
 ``_fqn_to_config_handler``, shadowed by :func:`refusing_storage_less`) is refused
 by name; a ``PerGroup`` size that does not divide a weight is named before
 anything is read (:class:`~ptdstream.weightless.QuantizationShapeError`); a
-quantized constant made from storage-less weights anyway (``quantize_`` imported before the context opened) is refused by
+quantized constant made from storage-less weights anyway (``quantize_``
+imported before the context opened) is refused by
 :meth:`~ptdstream.weightless.WeightsFrom.bind` and before emission
 (:func:`derived_from_storage_less`).
 """
