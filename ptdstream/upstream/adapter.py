@@ -53,6 +53,7 @@ __all__ = [
     "recorded_backend_config",
     "reference_cords",
     "set_cached_sha256",
+    "storage_use_count",
     "tensor_spec_fqn",
     "tensor_spec_storage",
     "xnnpack_node_visitor_module",
@@ -381,6 +382,12 @@ def dynamo_builder_module():
     the tracer's real-value cache (read only for values a trace branches on)."""
     resolve("torch._dynamo.variables.builder", "_clone_input")
     return resolve("torch._dynamo.variables.builder")
+
+
+def storage_use_count(storage: Any) -> int:
+    """How many references hold ``storage`` (a ``torch.UntypedStorage``; the
+    wrapper passed counts one): each tensor over it, each storage wrapper."""
+    return int(resolve("torch._C", "_storage_Use_Count")(storage._cdata))
 
 
 def constant_prop_module():

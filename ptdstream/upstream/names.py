@@ -121,6 +121,9 @@ NAMES: tuple[PrivateName, ...] = (
                 "module global '_clone_input' shadowed by weightless while it exports (quantized weights not cloned)"),
     PrivateName("torch._dynamo.variables.builder", "_clone_input",
                 "copies each real tensor a strict torch.export traces into its real-value cache"),
+    PrivateName("torch._C", "_storage_Use_Count",
+                "how many tensors share a storage: weightless moves a large buffer to a file only when it "
+                "re-points every one of them"),
     PrivateName("transformers.core_model_loading", "convert_and_load_state_dict_in_model",
                 "from_pretrained's key renaming and fusing, run by weightless on stand-ins (transformers 5.0.0rc1)"),
     PrivateName("transformers.conversion_mapping", "get_model_conversion_mapping",

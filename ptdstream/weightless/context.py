@@ -115,6 +115,7 @@ from ..system.pagecache import release_shared_under
 from ..upstream import adapter
 from ..upstream.patching import Scope, shadowed
 from .binding import bind_programs, plan_binding
+from .buffers import move_large_buffers
 from .convert import ConvertDir, RowReader
 from .delegates import add_bound, bound_weights, sharing_bound_weights
 from .emission import checking_emit
@@ -177,6 +178,7 @@ class WeightsFrom:
         self._kept: list[Any] = []  # the recorded tensors, alive so their ids stay theirs
         self._tensors: dict[str, Any] = {}  # checkpoint key -> its bound tensor (mapped, or a converted copy)
         self._made: dict[tuple[str, bool], Any] = {}  # (key, requires_grad) -> the Parameter bound
+        self._moved: dict[int, Any] = {}  # address -> a buffer storage moved to a file (weightless.buffers)
 
     def _files_of(self, key: str) -> list[str]:
         parts = self.checkpoint.derived.get(key)
@@ -308,9 +310,17 @@ class WeightsFrom:
         bound keys are (:class:`~ptdstream.weightless.quantized_storages.QuantizedStorages`)."""
         add_bound(self._bound, self._quantized.note(key, weight))
 
-    def holds_quantized(self, tensor: Any) -> bool:
-        """Whether ``tensor`` (a plain tensor) shares the storage of a quantized
-        tensor :meth:`note_quantized` recorded."""
+    def move_large_buffers(self, module: Any) -> None:
+        """Move ``module``'s large buffers (the static KV cache) to files of this
+        context's folder, in place (:func:`~ptdstream.weightless.buffers.move_large_buffers`)."""
+        for storage in move_large_buffers(module, self.convert_dir.folder):
+            self._moved[storage.data_ptr()] = storage
+
+    def holds_file_tensor(self, tensor: Any) -> bool:
+        """Whether plain tensor ``tensor`` lies in a file this context wrote: a
+        quantized tensor's (:meth:`note_quantized`) or a moved buffer's storage."""
+        if tensor.untyped_storage().data_ptr() in self._moved:
+            return True
         return self._quantized.key_of(tensor) is not None
 
     def release_file_pages(self) -> None:

@@ -29,8 +29,11 @@ the Hugging Face route's keys, transformers' renamed and fused keys), else the
 innermost context that binds by name (every ``weights_from`` the user opens).
 A program whose constants two contexts claim is refused by name.
 
-Quantized weights (:mod:`ptdstream.weightless.quantization`: plain tensors over
-shared mappings of their own files) are traced as storage-less ones are: while
+Before each such export, the module's large buffers (the static KV cache) are
+moved to files of the innermost context's folder in place
+(:mod:`ptdstream.weightless.buffers`). They and the quantized weights
+(:mod:`ptdstream.weightless.quantization`: plain tensors over shared mappings
+of their own files) are traced as storage-less ones are: while
 a ``torch.export`` in an open context runs, dynamo's ``_clone_input`` (which a
 strict export calls to copy every real tensor it wraps into its real-value
 cache, ``torch/_dynamo/variables/builder.py``) returns such a tensor itself,
@@ -103,18 +106,18 @@ def release_file_pages() -> None:
         weights.release_file_pages()
 
 
-def _holds_quantized(tensor: Any) -> bool:
-    return any(w.holds_quantized(tensor) for w in open_contexts())
+def _holds_file_tensor(tensor: Any) -> bool:
+    return any(w.holds_file_tensor(tensor) for w in open_contexts())
 
 
-def _not_cloning_quantized(real: Callable[..., Any]) -> Callable[..., Any]:
+def _not_cloning_file_tensors(real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
     def _clone_input(value: Any, fake_mode: Any) -> Any:
         import torch
 
         # plain tensors only: a FakeTensor, FunctionalTensor or subclass has no data pointer to match
         if type(value) in (torch.Tensor, torch.nn.Parameter) and value.device.type == "cpu" \
-                and not value.is_nested and _holds_quantized(value):
+                and not value.is_nested and _holds_file_tensor(value):
             return value  # as a storage-less weight is: its file's bytes are never copied to memory
         return real(value, fake_mode)
 
@@ -216,9 +219,10 @@ def _exporting(real: Callable[..., Any]) -> Callable[..., Any]:
             return real(mod, *args, **kwargs)
         if isinstance(mod, torch.nn.Module):
             meta_to_storage_less(mod)
+            open_contexts()[-1].move_large_buffers(mod)
         builder = adapter.dynamo_builder_module()
         try:
-            with shadowed(builder, "_clone_input", _not_cloning_quantized(builder._clone_input)):
+            with shadowed(builder, "_clone_input", _not_cloning_file_tensors(builder._clone_input)):
                 return real(mod, *args, **kwargs)
         finally:
             release_file_pages()  # those tracing read (a subclass's own clone, say)
