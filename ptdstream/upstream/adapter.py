@@ -41,7 +41,9 @@ __all__ = [
     "file_backed_path",
     "flat_tensor_to_flatbuffer",
     "flatbuffer_to_program",
+    "hqq_scale_only_function",
     "init_file_backed",
+    "intx_unpacked_module",
     "manager_class",
     "manager_parts",
     "model_conversion_mapping",
@@ -382,6 +384,26 @@ def dynamo_builder_module():
     the tracer's real-value cache (read only for values a trace branches on)."""
     resolve("torch._dynamo.variables.builder", "_clone_input")
     return resolve("torch._dynamo.variables.builder")
+
+
+def intx_unpacked_module() -> Any:
+    """torchao's ``IntxUnpackedToInt8Tensor`` module
+    (``torchao/quantization/quantize_/workflows/intx/intx_unpacked_to_int8_tensor.py``):
+    ``from_hp`` calls its module global ``_choose_qparams_and_quantize_scale_only_hqq``
+    (looked up when called) under the ``hqq_scale_only`` algorithm.
+
+    Raises:
+        ImportError: torchao is not installed.
+    """
+    name = "torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor"
+    resolve(name, "_choose_qparams_and_quantize_scale_only_hqq")
+    return resolve(name)
+
+
+def hqq_scale_only_function() -> Any:
+    """torchao's HQQ scale-only (``quant_primitives.py``): its ``iters`` and
+    ``early_stop_tol`` defaults are the ones ``from_hp`` runs with."""
+    return resolve("torchao.quantization.quant_primitives", "_choose_qparams_and_quantize_scale_only_hqq")
 
 
 def storage_use_count(storage: Any) -> int:

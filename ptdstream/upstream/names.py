@@ -121,6 +121,14 @@ NAMES: tuple[PrivateName, ...] = (
                 "module global '_clone_input' shadowed by weightless while it exports (quantized weights not cloned)"),
     PrivateName("torch._dynamo.variables.builder", "_clone_input",
                 "copies each real tensor a strict torch.export traces into its real-value cache"),
+    PrivateName("torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor", "",
+                "module global '_choose_qparams_and_quantize_scale_only_hqq' shadowed by weightless "
+                "(a large weight's HQQ in bands: the whole tensor's stop found first)"),
+    PrivateName("torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor",
+                "_choose_qparams_and_quantize_scale_only_hqq",
+                "the HQQ scale-only function IntxUnpackedToInt8Tensor.from_hp calls (wrapped by weightless)"),
+    PrivateName("torchao.quantization.quant_primitives", "_choose_qparams_and_quantize_scale_only_hqq",
+                "torchao's HQQ scale-only (its iters and early_stop_tol defaults read by weightless)"),
     PrivateName("torch._C", "_storage_Use_Count",
                 "how many tensors share a storage: weightless moves a large buffer to a file only when it "
                 "re-points every one of them"),

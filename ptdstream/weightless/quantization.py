@@ -32,15 +32,16 @@ model whose targeted weights are storage-less, it:
 3. a weight larger than :data:`LARGE_NBYTES` (in the model's dtype) under a
    config whose scales are per row or per group of a row
    (``Int8DynamicActivationIntxWeightConfig``, ``IntxWeightOnlyConfig``:
-   torchao's ``IntxUnpackedToInt8Tensor``) with the ``affine`` algorithm is
-   quantized in bands of rows of
+   torchao's ``IntxUnpackedToInt8Tensor``) is quantized in bands of rows of
    about :data:`BAND_NBYTES`, each band's inner tensors appended to the files:
    the same bytes as the whole tensor quantized at once (rows are quantized
-   independently; ``tests/weightless/test_quantized.py`` checks it with NaN
-   and Inf rows; under the ``affine`` algorithm a NaN weight's NaN scale may
+   independently; under the ``affine`` algorithm a NaN weight's NaN scale may
    take other NaN bits, as torch's vectorized and scalar loops give them).
-   Other configs (``hqq_scale_only``, whose early stop is taken over the whole
-   tensor; the CUDA backend's int4 tile-packed) quantize one whole tensor at a time.
+   Under ``hqq_scale_only``, whose early stop is taken over the whole tensor,
+   a first pass over the bands finds the iteration the whole tensor stops at
+   and the second runs torchao's function for exactly that many
+   (:mod:`ptdstream.weightless.hqq_bands`). The CUDA backend's int4
+   tile-packed quantizes one whole tensor at a time.
 
 The quantized tensors are plain file-backed tensors: ``unwrap_tensor_subclass``
 (optimum runs it) parametrizes them as usual, ``torch.export`` shares them, and
@@ -80,6 +81,7 @@ from ..upstream import adapter
 from ..upstream.patching import shadowed
 from .convert import convertible
 from .errors import BindingError, QuantizationNeedsValuesError, QuantizationShapeError
+from .hqq_bands import fixed_iterations, recording_changes, routing_hqq
 from .lowering import open_contexts, trim_heap
 from .mapped_copy import RowFiles, mapped_copy
 from .storage_less import derived_from_storage_less, is_storage_less
@@ -101,8 +103,10 @@ COVERED = (
     "Int4WeightOnlyConfig (the CUDA backend's int4: tile_packed_to_4d, hqq or tinygemm)",
 )
 
-#: The configs whose scales are per row or per group of a row (banded past LARGE_NBYTES under ``affine``).
+#: The configs whose scales are per row or per group of a row (banded past LARGE_NBYTES).
 _ROW_WISE = ("Int8DynamicActivationIntxWeightConfig", "IntxWeightOnlyConfig")
+#: Whether this torchao's HQQ scale-only can be routed (:func:`streaming_quantization` found its module global).
+_HQQ_BANDS = False
 
 
 def _row_local(config: Any) -> bool:
@@ -110,8 +114,16 @@ def _row_local(config: Any) -> bool:
     config under the ``affine`` algorithm. ``hqq_scale_only`` is not: torchao stops
     its iterations when the largest change of any scale in the whole tensor is
     small (``quant_primitives.py``, ``_choose_qparams_and_quantize_scale_only_hqq``,
-    ``early_stop_tol``), so a band can stop at another iteration than the tensor."""
+    ``early_stop_tol``), so a band alone can stop at another iteration than the
+    tensor (:func:`_hqq` bands it in two passes)."""
     return type(config).__name__ in _ROW_WISE and _named(config.intx_choose_qparams_algorithm, "affine")
+
+
+def _hqq(config: Any) -> bool:
+    """Whether ``config`` is a row-wise config under ``hqq_scale_only`` (banded with
+    the whole tensor's stop iteration found first: :mod:`ptdstream.weightless.hqq_bands`)."""
+    return (_HQQ_BANDS and type(config).__name__ in _ROW_WISE
+            and _named(config.intx_choose_qparams_algorithm, "hqq_scale_only"))
 
 
 def _named(value: Any, *names: str) -> bool:
@@ -264,7 +276,8 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
     rows = weight.shape[0] if weight.dim() else 1
     row_nbytes = weight[0].numel() * weight.element_size() if weight.dim() else weight.element_size()
     on_cpu = device is None or torch.device(device).type == "cpu"
-    banded = (on_cpu and _row_local(config) and weight.dim() >= 2 and rows * row_nbytes > LARGE_NBYTES)
+    banded = (on_cpu and (_row_local(config) or _hqq(config)) and weight.dim() >= 2
+              and rows * row_nbytes > LARGE_NBYTES)
     weights.check_unchanged([key], f"before key {key!r} was quantized")
     extra_repr = module.__dict__.get("extra_repr")
     with weights.reading(key, weight.dtype) as source:
@@ -312,6 +325,31 @@ def _kept(quantized: Any, folder: str) -> Any:
     return type(quantized).__tensor_unflatten__(inner, meta, quantized.shape, quantized.stride())
 
 
+def _hqq_stop(module: Any, weight: Any, config: Any, handler: Any, source: Any, rows: int, step: int,
+              extra_repr: Any) -> int:
+    """The iteration the whole weight's HQQ scale-only stops at, from one pass over
+    its bands through torchao's handler (:func:`~ptdstream.weightless.hqq_bands.recording_changes`).
+
+    Raises:
+        _NotRowWise: torchao did not call its HQQ function once per band as expected.
+    """
+    import torch
+
+    bands = 0
+    with recording_changes() as changes:
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            _restore_extra_repr(module, extra_repr)
+            module.weight = torch.nn.Parameter(source.read(r0, r1, None), requires_grad=weight.requires_grad)
+            handler(module, config)
+            module.weight = None  # the band and its stand-in quantization go now
+            bands += 1
+    _restore_extra_repr(module, extra_repr)
+    if bands == 0 or changes.bands != bands:
+        raise _NotRowWise
+    return changes.stop()
+
+
 def _banded(module: Any, weight: Any, config: Any, handler: Any, source: Any, rows: int, step: int, folder: str,
             extra_repr: Any) -> Any:
     """The quantized weight, made band by band (rows ``[r, r + step)``) by torchao's
@@ -323,7 +361,10 @@ def _banded(module: Any, weight: Any, config: Any, handler: Any, source: Any, ro
     import torch
 
     first: tuple[Any, list[str], Any] | None = None
-    with RowFiles(folder) as files:
+    fixed: Any = contextlib.nullcontext()
+    if _hqq(config):
+        fixed = fixed_iterations(_hqq_stop(module, weight, config, handler, source, rows, step, extra_repr))
+    with RowFiles(folder) as files, fixed:
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             _restore_extra_repr(module, extra_repr)  # torchao wraps it once per call: once in all, as upstream
@@ -414,6 +455,12 @@ def streaming_quantization() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(shadowed(api, "_replace_with_custom_fn_if_matches_filter",
                                      streaming_walk(api._replace_with_custom_fn_if_matches_filter)))
+        global _HQQ_BANDS
+        try:
+            stack.enter_context(routing_hqq())
+            _HQQ_BANDS = True
+        except (ImportError, AttributeError, KeyError):  # another torchao: such weights are quantized whole
+            _HQQ_BANDS = False
         if hasattr(api, "_fqn_to_config_handler"):
             stack.enter_context(shadowed(api, "_fqn_to_config_handler",
                                          refusing_storage_less(api._fqn_to_config_handler)))

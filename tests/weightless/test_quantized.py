@@ -159,9 +159,10 @@ def test_tied_embedding_is_quantized_twice_in_upstreams_order(tmp_path):
 
 @pytest.mark.parametrize("name", list(ROW_WISE))
 def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes(tmp_path, monkeypatch, name):
-    """Under ``affine`` rows are quantized independently (per-row and per-group scales): bands of 7
-    rows give the bytes of the tensor quantized whole, NaN and Inf rows included. ``hqq_scale_only``
-    stops its iterations on the largest change over the whole tensor, so it is quantized whole."""
+    """Rows are quantized independently (per-row and per-group scales): bands of 7 rows give the
+    bytes of the tensor quantized whole, NaN and Inf rows included. ``hqq_scale_only`` stops its
+    iterations on the largest change over the whole tensor: a first pass over the bands finds that
+    iteration, the second quantizes each band with it (a NaN keeps the whole tensor iterating)."""
     config = ROW_WISE[name]
     torch.manual_seed(1)
     weight = torch.randn(61, 256)
@@ -187,7 +188,7 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
         quantize_(model, config)
         got, want = model.lin.weight, real.lin.weight
         affine = "affine" in str(config.intx_choose_qparams_algorithm).lower()
-        assert calls == ([7] * 8 + [5] if affine else [61])  # nine bands of rows, or the tensor whole
+        assert calls == [7] * 8 + [5] if affine else ([7] * 8 + [5]) * 2  # nine bands of rows (HQQ: twice)
         assert type(got) is type(want) and got.__tensor_flatten__()[1] == want.__tensor_flatten__()[1]
         for inner in want.__tensor_flatten__()[0]:
             a, b = getattr(got, inner), getattr(want, inner)
@@ -201,6 +202,87 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
             if name != "8da4w-affine-g128":
                 assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
             assert _file_backed(a)
+
+
+def _hqq_weight(name):
+    """8-bit per-row (8da8w, 8w): a weight on which a band of 7 rows quantized alone stops earlier than
+    the whole tensor (which runs every iteration); 4-bit groups of 32: the whole tensor stops early."""
+    torch.manual_seed(1 if name != "4w-g32" else 0)
+    return torch.randn(2048, 512)[:128].clone() if name != "4w-g32" else torch.randn(2048, 256)[:256].clone()
+
+
+@pytest.mark.parametrize("name", ["8da8w", "8w", "4w-g32"])
+def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_stop_elsewhere(
+        tmp_path, monkeypatch, name):
+    """HQQ scale-only in bands of 7 rows inside weights_from: every inner tensor is the whole
+    tensor's, byte for byte, both where a band quantized alone by torchao gives other bytes (its own
+    early stop) and where the whole tensor stops before torchao's last iteration."""
+    from ptdstream.weightless import hqq_bands
+
+    config = ROW_WISE[name]
+    weight = _hqq_weight(name)
+    rows, cols = weight.shape
+    linear = name != "8w"
+
+    def module(values):
+        m = torch.nn.Sequential()
+        m.lin = torch.nn.Linear(cols, len(values), bias=False) if linear else torch.nn.Embedding(len(values), cols)
+        m.lin.weight = torch.nn.Parameter(values.clone())
+        return m
+
+    kind = torch.nn.Linear if linear else torch.nn.Embedding
+
+    def chosen(m, fqn):
+        return isinstance(m, kind)
+    real = module(weight)
+    quantize_(real, config, chosen)
+    want = real.lin.weight
+    alone = []
+    for r0 in range(0, rows, 7):  # upstream's own handler on each band by itself
+        band = module(weight[r0:r0 + 7])
+        quantize_(band, config, chosen)
+        alone.append(torch.equal(band.lin.weight.qdata, want.qdata[r0:r0 + 7])
+                     and torch.equal(band.lin.weight.scale, want.scale[r0:r0 + 7]))
+
+    stops = []
+    real_stop = quantization._hqq_stop
+    monkeypatch.setattr(quantization, "_hqq_stop", lambda *a: stops.append(real_stop(*a)) or stops[-1])
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * cols * 4)
+    ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        with torch.device("meta"):
+            stand_in = module(torch.empty(rows, cols))
+        model = weights.model(stand_in)
+        quantize_(model, config, chosen)
+        got = model.lin.weight
+        for inner in want.__tensor_flatten__()[0]:
+            a, b = getattr(got, inner), getattr(want, inner)
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), inner
+            assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
+            assert _file_backed(a)
+    iters = hqq_bands._defaults()[0]
+    if name == "4w-g32":
+        assert len(stops) == 1 and stops[0] < iters  # the whole tensor stopped early
+    else:
+        assert not all(alone) and stops == [iters]  # a band alone stops early; the tensor never does
+
+
+def test_the_whole_tensors_stop_is_the_first_iteration_every_band_is_below_the_tolerance_and_nan_never_is():
+    from ptdstream.weightless.hqq_bands import Changes
+
+    def t(values):
+        return [torch.tensor(v, dtype=torch.float32) for v in values]
+
+    changes = Changes(iters=4, tol=1e-5)
+    changes.add(t([1e-3, 0.0, 0.0, 0.0]))
+    changes.add(t([1e-3, 2e-5, 9e-6, 0.0]))
+    assert changes.stop() == 3 and changes.bands == 2
+    changes.add(t([1e-3, 0.0, float("nan"), 0.0]))
+    assert changes.stop() == 4
+    never = Changes(iters=3, tol=1e-5)
+    never.add(t([float("nan")] * 3))
+    assert never.stop() == 3
 
 
 def test_a_strict_export_copies_no_quantized_weight_into_dynamos_real_value_cache(tmp_path, monkeypatch):
