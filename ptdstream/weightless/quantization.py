@@ -217,6 +217,25 @@ def _key_of(contexts: list[Any], weight: Any, fqn: str) -> tuple[Any, str | None
     return by_name, key if key in by_name.checkpoint.entries else None
 
 
+def _record_tied(model: Any, contexts: list[Any]) -> None:
+    """A storage-less parameter ``model`` holds under several names (a tied
+    embedding and head) of which exactly one is a checkpoint key: recorded under
+    that key by the context that binds by name, so that the head still finds it
+    once quantizing the embedding has untied them (the checkpoint keeps one key
+    of a tied pair, as ``save_pretrained`` does)."""
+    aliases: dict[int, tuple[Any, list[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if is_storage_less(param):
+            aliases.setdefault(id(param), (param, []))[1].append(name)
+    by_name = next((w for w in reversed(contexts) if w.by_name), contexts[-1])
+    for param, names in aliases.values():
+        if len(names) < 2 or any(w.owns(param) for w in contexts):
+            continue
+        keys = {by_name.key_map.get(n, n) for n in names} & set(by_name.checkpoint.entries)
+        if len(keys) == 1:
+            by_name.record(param, keys.pop())
+
+
 class _Plan:
     """The weights one ``quantize_`` call streams: each module's context, key and weight."""
 
@@ -419,6 +438,7 @@ def streaming_walk(real: Callable[..., Any]) -> Callable[..., Any]:
         reason = uncovered_reason(config)
         if reason is not None:
             raise QuantizationNeedsValuesError(names, where, reason)
+        _record_tied(model, contexts)
         plan = _Plan(config, targets, contexts)
         done: list[str] = []
 
