@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import PtdstreamError
-from .routes import QUANTIZE_OPTIONS, quantization_refusal
+from .routes import QUANTIZE_OPTIONS, quantization_refusal, safetensors_refusal
 
 __all__ = ["FORCE_FLAGS", "HELP", "HELP_WITHOUT_COMMAND", "OPTIMUM_RECIPES", "QUIET_FLAGS", "WEIGHTLESS_FLAG", "main",
            "usage_error"]
@@ -37,6 +37,11 @@ OPTIMUM_RECIPES = ("coreml_fp16", "coreml_fp16_cpu", "coreml_fp16_gpu", "coreml_
                    "coreml_fp32_cpu", "coreml_fp32_gpu", "coreml_fp32_ne", "cuda", "cuda-windows", "metal",
                    "portable", "xnnpack")
 
+#: optimum-cli's integer options of ``export executorch`` (its parser's ``type=int``), each
+#: with an example value: checked before optimum is imported.
+INTEGER_OPTIONS = {"max_seq_len": 2048, "qlinear_group_size": 32, "qlinear_encoder_group_size": 32,
+                   "qembedding_group_size": 32, "qembedding_encoder_group_size": 32}
+
 #: What :func:`main` prints for ``--help`` without a command (optimum is not imported).
 HELP_WITHOUT_COMMAND = """
 The options of the export itself are optimum-cli's:
@@ -52,7 +57,8 @@ ptdstream's options and checks (made before optimum, torch or transformers is im
   {WEIGHTLESS_FLAG}          build the model from DIR/config.json with no weight loaded; each program
                         is bound to DIR's safetensors shards, which the save streams (the same
                         bytes as a loaded export; --qlinear 8da4w/8da8w/4w/8w and --qembedding
-                        8w/4w quantize each weight as it is read)
+                        8w/4w quantize each weight as it is read); a DIR without safetensors
+                        (pytorch_model.bin only) is refused
   -f, --force           replace the .pte/.ptd files of an earlier export in OUT; without it an
                         OUT that holds any .pte or .ptd file is refused (the export writes
                         model.pte and a .ptd per tag, named only once it has run)
@@ -64,6 +70,8 @@ ptdstream's options and checks (made before optimum, torch or transformers is im
                         Whisper folder needs its own (fill-mask, image-classification, ...)
   -o/--output_dir OUT   a folder (created if missing); not one holding .pte/.ptd files, without -f
   --recipe RECIPE       one of {", ".join(OPTIMUM_RECIPES)}
+  --max_seq_len N, --qlinear_group_size N, ...
+                        optimum's integer options: positive integers
 
 optimum-cli's own help follows.
 """
@@ -78,6 +86,8 @@ def _given(args: Sequence[str]) -> dict[str, str | None]:
     options.add_argument("-m", "--model")
     options.add_argument("-o", "--output_dir")
     options.add_argument("--recipe")
+    for name in INTEGER_OPTIONS:
+        options.add_argument(f"--{name}")
     for name in QUANTIZE_OPTIONS:
         options.add_argument(f"--{name}")
     try:
@@ -115,7 +125,18 @@ def usage_error(args: Sequence[str], force: bool = False) -> str | None:
     recipe = given.get("recipe")
     if recipe is not None and recipe not in OPTIMUM_RECIPES:
         return f"--recipe {recipe}: not an optimum-executorch recipe; use one of {', '.join(OPTIMUM_RECIPES)}"
+    for name in INTEGER_OPTIONS:
+        value = given.get(name)
+        if value is not None and not _positive_integer(value):
+            return f"--{name} {value}: not a positive integer (e.g. --{name} {INTEGER_OPTIONS[name]})"
     return _output_error(given.get("output_dir"), force)
+
+
+def _positive_integer(value: str) -> bool:
+    try:
+        return int(value) > 0
+    except ValueError:
+        return False
 
 
 def _output_error(out: str | None, force: bool) -> str | None:
@@ -178,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             given = _given(args)
             refusal = quantization_refusal(given.get("model") or "ptdstream.hf", given, "--{} {!r}",
                                            WEIGHTLESS_FLAG, f"export without {WEIGHTLESS_FLAG}")
+            model = given.get("model")
+            if refusal is None and model:
+                refusal = safetensors_refusal(model, WEIGHTLESS_FLAG, f"export without {WEIGHTLESS_FLAG}")
             if refusal is not None:
                 print(f"ptdstream.hf: error: {refusal}", file=sys.stderr)
                 return 1

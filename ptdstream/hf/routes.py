@@ -11,7 +11,10 @@ route does not cover.
 
 from __future__ import annotations
 
-__all__ = ["QUANTIZE_OPTIONS", "WEIGHTLESS_QUANTIZATION", "export", "quantization_refusal", "refuse_quantization"]
+import os
+
+__all__ = ["QUANTIZE_OPTIONS", "WEIGHTLESS_QUANTIZATION", "export", "quantization_refusal", "refuse_quantization",
+           "safetensors_refusal"]
 
 _LINEAR = ("8da4w", "8da8w", "4w", "8w")
 #: optimum's task options that quantize the eager model (torchao), each with the values
@@ -54,6 +57,11 @@ def export(model_dir: str, output_dir: str, task: str = "text-generation", recip
     from ..weightless.hf import pretrained_without_weights
 
     refuse_quantization(model_dir, options, "{}={!r}", "weightless=True", "export with weightless=False")
+    refusal = safetensors_refusal(model_dir, "weightless=True", "export with weightless=False")
+    if refusal is not None:
+        from ..weightless.errors import NeedsWeightValuesError
+
+        raise NeedsWeightValuesError(refusal)
     with pretrained_without_weights():
         return run_main_export(model_dir, output_dir, task, recipe, by_reference=by_reference, **options)
 
@@ -83,3 +91,22 @@ def refuse_quantization(where: str, options: dict, spelling: str, flag: str, ins
         from ..weightless.errors import NeedsWeightValuesError
 
         raise NeedsWeightValuesError(message)
+
+
+def safetensors_refusal(model_dir: str, flag: str, instead: str) -> str | None:
+    """The message refusing a local folder ``model_dir`` that holds no safetensors
+    checkpoint (no ``*.safetensors``, no ``model.safetensors.index.json``: a
+    ``pytorch_model.bin`` folder, whose pickles the weightless route never reads),
+    naming what it holds instead; None otherwise (not a folder: optimum reports it).
+    Imports nothing: the command line answers before torch loads."""
+    if not os.path.isdir(model_dir):
+        return None
+    with os.scandir(model_dir) as entries:
+        names = sorted(e.name for e in entries)
+    if any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        return None
+    weights = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")) or n == "pytorch_model.bin.index.json"]
+    held = f"it holds {', '.join(weights[:3])}{' and more' if len(weights) > 3 else ''} (pickles, not read)" \
+        if weights else "it holds no weights file"
+    return (f"{model_dir}: {flag} reads safetensors shards and the folder has none; {held}: save the model with "
+            f"save_pretrained(safe_serialization=True), or {instead}")

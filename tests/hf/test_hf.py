@@ -227,6 +227,10 @@ def test_hf_main_refuses_a_bad_model_folder_or_recipe_before_torch_is_imported(t
          "xnnpack"),
         (head, "ptdstream.hf: error: -m/--model DIR is required: the local Hugging Face model folder "
          "(with config.json) to export"),
+        ([*head, "-m", "my-llama", "--max_seq_len", "abc"], "ptdstream.hf: error: --max_seq_len abc: not a "
+         "positive integer (e.g. --max_seq_len 2048)"),
+        ([*head, "-m", "my-llama", "--qlinear_group_size=0"], "ptdstream.hf: error: --qlinear_group_size 0: not a "
+         "positive integer (e.g. --qlinear_group_size 32)"),
     ]
     for argv, message in cases:
         proc, cpu, modules, errors = _hf_cli(*argv, cwd=tmp_path)
@@ -252,7 +256,28 @@ def test_hf_main_weightless_refuses_an_uncovered_quantization_before_torch_and_p
 
     covered = {"qlinear": "8da4w,8da8w", "qembedding": "8w", "qlinear_packing_format": "tile_packed_to_4d"}
     assert quantization_refusal("m", covered, "--{} {!r}", "--weightless", "x") is None
+    (tmp_path / "my-llama" / "pytorch_model.bin").write_bytes(b"not read")
+    proc, cpu, modules, errors = _hf_cli(*head, "--qlinear", "8da4w", cwd=tmp_path)
+    assert (proc.returncode, proc.stdout, errors) == (1, "", [
+        "ptdstream.hf: error: my-llama: --weightless reads safetensors shards and the folder has none; it holds "
+        "pytorch_model.bin (pickles, not read): save the model with save_pretrained(safe_serialization=True), or "
+        "export without --weightless"])
+    assert cpu < 1.5 and "torch" not in modules and "optimum" not in modules
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my-llama"]
+
+
+def test_hf_export_weightless_refuses_a_folder_without_safetensors_before_optimum_runs(tmp_path):
+    import ptdstream.hf
+    from ptdstream.weightless import NeedsWeightValuesError
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(NeedsWeightValuesError) as caught:
+        ptdstream.hf.export(str(tmp_path / "m"), str(tmp_path / "out"), weightless=True)
+    assert str(caught.value) == (f"{tmp_path / 'm'}: weightless=True reads safetensors shards and the folder has "
+                                 "none; it holds no weights file: save the model with "
+                                 "save_pretrained(safe_serialization=True), or export with weightless=False")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_hf_recipe_names_are_optimums():
@@ -292,6 +317,6 @@ def test_hf_help_without_a_command_imports_neither_optimum_nor_torch():
     import ptdstream.hf.cli
 
     head = ptdstream.hf.cli.HELP.removesuffix("optimum-cli's own help follows.\n")
-    assert head.endswith("portable, xnnpack\n\n")
+    assert head.endswith("optimum's integer options: positive integers\n\n")
     assert proc.stdout == head + ptdstream.hf.cli.HELP_WITHOUT_COMMAND.lstrip("\n") + "0 []\n", proc.stdout
     assert "python -m ptdstream.hf export executorch --help" in proc.stdout
