@@ -79,6 +79,13 @@ def _changes_of(hp: Any, block_size: Any, qmin: int, qmax: int, iters: int) -> t
     shape of ``hp``) and scales (``hp``'s dtype), for torchao's caller to wrap."""
     import torch
 
+    with torch.no_grad():  # a Parameter's band: no graph (each change would keep every iteration's tensors)
+        return _changes_without_grad(hp.detach(), block_size, qmin, qmax, iters)
+
+
+def _changes_without_grad(hp: Any, block_size: Any, qmin: int, qmax: int, iters: int) -> tuple[list[Any], Any, Any]:
+    import torch
+
     eps = torch.finfo(torch.float32).eps
     rows, cols = hp.shape
     group = int(block_size[1])

@@ -344,6 +344,18 @@ def _kept(quantized: Any, folder: str) -> Any:
     return type(quantized).__tensor_unflatten__(inner, meta, quantized.shape, quantized.stride())
 
 
+def _bands(rows: int, step: int) -> list[tuple[int, int]]:
+    """Rows ``[r0, r1)`` of each band: ``step`` rows, none of one row alone (the
+    last one row joins the band before it). A band of one row whose scale group is
+    the whole row makes each reduction a single output, which torch splits across
+    threads and so sums in another order than in the whole tensor (HQQ's sums)."""
+    step = max(2, step)
+    bands = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    if len(bands) > 1 and bands[-1][1] - bands[-1][0] == 1:
+        bands[-2:] = [(bands[-2][0], rows)]
+    return bands
+
+
 def _hqq_stop(module: Any, weight: Any, config: Any, handler: Any, source: Any, rows: int, step: int,
               extra_repr: Any) -> int:
     """The iteration the whole weight's HQQ scale-only stops at, from one pass over
@@ -356,8 +368,7 @@ def _hqq_stop(module: Any, weight: Any, config: Any, handler: Any, source: Any, 
 
     bands = 0
     with recording_changes() as changes:
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
+        for r0, r1 in _bands(rows, step):
             _restore_extra_repr(module, extra_repr)
             module.weight = torch.nn.Parameter(source.read(r0, r1, None), requires_grad=weight.requires_grad)
             handler(module, config)
@@ -384,8 +395,7 @@ def _banded(module: Any, weight: Any, config: Any, handler: Any, source: Any, ro
     if _hqq(config):
         fixed = fixed_iterations(_hqq_stop(module, weight, config, handler, source, rows, step, extra_repr))
     with RowFiles(folder) as files, fixed:
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
+        for r0, r1 in _bands(rows, step):
             _restore_extra_repr(module, extra_repr)  # torchao wraps it once per call: once in all, as upstream
             module.weight = torch.nn.Parameter(source.read(r0, r1, None), requires_grad=weight.requires_grad)
             handler(module, config)

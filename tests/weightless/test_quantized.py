@@ -270,6 +270,50 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
         assert not all(alone) and stops == [iters]  # a band alone stops early; the tensor never does
 
 
+def test_no_band_is_one_row_alone_whose_whole_row_scale_torch_would_sum_across_threads(tmp_path, monkeypatch):
+    """15 rows of 40000 (one scale a row, 8w): bands of 7 would leave one row alone, whose sums torch
+    splits across threads (one output) in another order than the whole tensor's; it joins the band
+    before it, and the bytes are the whole tensor's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(2)  # a last row whose sums torch orders otherwise when it is alone
+        weight = torch.randn(15, 40000)
+        real = torch.nn.Sequential()
+        real.lin = torch.nn.Embedding(15, 40000)
+        real.lin.weight = torch.nn.Parameter(weight.clone())
+        embeddings = lambda m, fqn: isinstance(m, torch.nn.Embedding)  # noqa: E731
+        quantize_(real, EMBEDDING_8W, embeddings)
+        monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+        monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * 40000 * 4)
+        ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
+        with weights_from(ckpt) as weights:
+            model = torch.nn.Sequential()
+            with torch.device("meta"):
+                model.lin = torch.nn.Embedding(15, 40000)
+            model = weights.model(model)
+            quantize_(model, EMBEDDING_8W, embeddings)
+            for inner in ("qdata", "scale", "zero_point"):
+                a, b = getattr(model.lin.weight, inner), getattr(real.lin.weight, inner)
+                assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
+    finally:
+        torch.set_num_threads(threads)
+    assert quantization._bands(15, 7) == [(0, 7), (7, 15)]
+    assert quantization._bands(14, 7) == [(0, 7), (7, 14)]
+    assert quantization._bands(5, 1) == [(0, 2), (2, 5)]
+
+
+def test_the_first_pass_keeps_no_graph_of_a_parameters_band():
+    """The changes of a band that requires grad hold no autograd graph (it would keep every
+    iteration's band-sized tensors: 40 bands' worth)."""
+    from ptdstream.weightless.hqq_bands import _changes_of
+
+    band = torch.nn.Parameter(torch.randn(8, 64))
+    changes, qdata, scale = _changes_of(band, [1, 32], -8, 7, 20)
+    assert len(changes) == 20 and not any(c.requires_grad for c in changes)
+    assert not scale.requires_grad and qdata.dtype == torch.int32 and tuple(scale.shape) == (8, 2)
+
+
 def test_the_whole_tensors_stop_is_the_first_iteration_every_band_is_below_the_tolerance_and_nan_never_is():
     from ptdstream.weightless.hqq_bands import Changes
 
