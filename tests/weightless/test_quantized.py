@@ -282,7 +282,9 @@ def test_no_band_is_one_row_alone_whose_whole_row_scale_torch_would_sum_across_t
         real = torch.nn.Sequential()
         real.lin = torch.nn.Embedding(15, 40000)
         real.lin.weight = torch.nn.Parameter(weight.clone())
-        embeddings = lambda m, fqn: isinstance(m, torch.nn.Embedding)  # noqa: E731
+        def embeddings(m, fqn):
+            return isinstance(m, torch.nn.Embedding)
+
         quantize_(real, EMBEDDING_8W, embeddings)
         monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
         monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * 40000 * 4)
