@@ -18,7 +18,7 @@ from .tensor import TensorSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MappedTensorSource", "expected_paths", "expecting_files", "opened_identity"]
+__all__ = ["MappedTensorSource", "expected_files", "expecting_files", "opened_identity"]
 
 _lock = threading.Lock()
 #: (real path, inode) -> the identities :func:`expecting_files` registered for that file, latest last
@@ -55,11 +55,12 @@ def opened_identity(mapping: FileMapping) -> FileIdentity | None:
         return held[-1] if held else None
 
 
-def expected_paths() -> list[str]:
-    """The real paths of the files :func:`expecting_files` holds registered now
-    (a ``weights_from`` checkpoint's): files a save must not write over."""
+def expected_files() -> dict[tuple[int, int], str]:
+    """The files :func:`expecting_files` holds registered now (a ``weights_from``
+    checkpoint's): ``(device, inode)`` -> the real path it was opened by. Files no
+    writer may replace or remove (:mod:`ptdstream.write.open_inputs`)."""
     with _lock:
-        return sorted({path for path, _inode in _expected})
+        return {(held[-1].device, inode): path for (path, inode), held in _expected.items()}
 
 
 class MappedTensorSource(TensorSource):

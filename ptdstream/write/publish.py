@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from . import journal, tempfiles
 from .folder import prepare_folder, resolve_target
+from .open_inputs import refuse_open_checkpoints
 from .sink import ChunkedFileSink
 
 __all__ = ["folder_locks", "publish_set", "remove_stale_temp_files"]
@@ -51,8 +52,15 @@ def prepare_folders(targets: Iterable[str]) -> list[str]:
     created: :func:`ptdstream.write.folder.prepare_folder` for the folder of
     each file a target's publication renames over (a symlink's target's folder).
     Then make the sinks with ``ChunkedFileSink(..., clean_folder=False)``.
-    Returns the folders, in first-seen order."""
-    folders = _folders(resolve_target(os.path.abspath(os.fspath(t))) for t in targets)
+    Returns the folders, in first-seen order.
+
+    Raises:
+        OverwriteError: a target is a checkpoint an open ``weights_from`` reads
+            (:func:`~ptdstream.write.open_inputs.refuse_open_checkpoints`), before
+            any folder step."""
+    targets = [os.fspath(t) for t in targets]
+    refuse_open_checkpoints(targets)
+    folders = _folders(resolve_target(os.path.abspath(t)) for t in targets)
     for folder in folders:
         prepare_folder(folder)
     return folders

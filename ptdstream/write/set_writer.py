@@ -16,11 +16,12 @@ from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..format.plan import FileRole, SavePlan
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint
+from .open_inputs import refuse_open_checkpoints
 from .publish import folder_locks, prepare_folders, publish_set
 from .sink import ChunkedFileSink
 from .writer import write_plan
 
-__all__ = ["FileReport", "refuse_reading_targets", "write_save_plan"]
+__all__ = ["FileReport", "write_save_plan"]
 
 
 @dataclass(frozen=True)
@@ -38,25 +39,6 @@ class FileReport:
     def kind(self) -> str:
         """``"pte"`` or ``"ptd"``."""
         return "pte" if self.role is FileRole.PROGRAM else "ptd"
-
-
-def refuse_reading_targets(plan: SavePlan, also_targets: Sequence[str] = ()) -> None:
-    """Refuse a set whose targets (its files' paths and ``also_targets``) include a
-    checkpoint an open ``weights_from`` reads
-    (:func:`~ptdstream.sources.mapped.expected_paths`), whatever the spelling (a
-    symlink, a hard link): publishing over it would replace the user's checkpoint
-    (the bound tensors would still be read from the open inode, but the
-    checkpoint would be gone). A file source that is its own output is replaced,
-    as upstream's ``write_to_file`` replaces a file its program was read from:
-    the bytes read are in the new file.
-
-    Raises:
-        OverwriteError: naming the target and the checkpoint; nothing written.
-    """
-    from ..sources.mapped import expected_paths
-    from ..system.files import refuse_overwrite
-
-    refuse_overwrite(expected_paths(), [planned.path for planned in plan.files] + list(also_targets), force=True)
 
 
 def write_save_plan(
@@ -99,11 +81,12 @@ def write_save_plan(
 
     Raises:
         OverwriteError: a file to write is a checkpoint an open ``weights_from``
-            reads (:func:`refuse_reading_targets`; nothing written).
+            reads (:func:`~ptdstream.write.open_inputs.refuse_open_checkpoints`;
+            nothing written).
         IntegrityError: a source changed or vanished (nothing published).
         OSError: a write, fsync or rename failed (nothing published).
     """
-    refuse_reading_targets(plan, also_targets)
+    refuse_open_checkpoints([planned.path for planned in plan.files] + list(also_targets))
     ring = BufferRing(chunk_nbytes, count=2)
     make = sink_factory or (
         lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct, clean_folder=False)

@@ -50,6 +50,7 @@ from ..timeline import stage_timeline
 from . import tempfiles
 from .direct_io import DEFAULT_DIRECT_DEPTH, DirectBlockWriter
 from .folder import prepare_folder, resolve_target
+from .open_inputs import refuse_open_checkpoints
 from .sink_protocol import SinkState, write_zeros
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ class ChunkedFileSink:
         self._fd: int | None = None
         self._lock_fd: int | None = None
         folder = os.path.dirname(self.publish_path)
+        refuse_open_checkpoints([self.target])
         if os.path.isdir(self.publish_path):
             # Found now, not at the rename after every byte was written (and after
             # the files published before this one were renamed).

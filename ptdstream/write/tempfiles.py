@@ -148,8 +148,10 @@ def remove_if_unlocked(path: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             return False  # a live writer holds it
-        if not _names(path, fd):
-            return False
+        from .open_inputs import is_open_checkpoint
+
+        if not _names(path, fd) or is_open_checkpoint(path):
+            return False  # replaced meanwhile, or a checkpoint weights_from reads that only looks like one
         return fsops.unlink(path)
     finally:
         os.close(fd)

@@ -97,6 +97,7 @@ def test_weights_with_force_gets_past_the_checks(tmp_path):
 def _hf(tmp_path, *argv):
     (tmp_path / "my-llama").mkdir(exist_ok=True)
     (tmp_path / "my-llama" / "config.json").write_text("{}")
+    (tmp_path / "my-llama" / "model.safetensors").write_bytes(b"")  # --weightless answers a folder without any
     return run_without(tmp_path, ["-m", "ptdstream.hf", "export", "executorch", "-m", "my-llama", "--task",
                                   "text-generation", "--recipe", "xnnpack", *argv], cwd=tmp_path)
 

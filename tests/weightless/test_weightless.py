@@ -369,8 +369,36 @@ def test_a_save_over_the_open_checkpoint_is_refused_and_the_checkpoint_kept(tmp_
         with pytest.raises(OverwriteError) as caught:
             ptdstream.save(manager, str(pte), manifest=True)
     written = str(folder / target)
-    spelled = f" (as {os.path.realpath(ckpt)})" if target == "link.pte" else ""
-    assert str(caught.value) == (f"output {written} is also an input{spelled}: writing it "
-                                 "would destroy the input; choose another output path"), str(caught.value)
+    spelled = f" ({os.path.realpath(ckpt)})" if target == "link.pte" else ""
+    assert str(caught.value) == (f"output {written} is a checkpoint file an open weights_from reads{spelled}: "
+                                 "writing it would destroy the checkpoint; choose another output path"), caught.value
     assert ckpt.read_bytes() == before
     assert sorted(os.listdir(folder)) == sorted({ckpt.name, target})
+
+
+def test_a_checkpoint_renamed_to_the_output_or_named_like_a_stale_temp_file_is_kept(tmp_path):
+    """Known by device and inode, not by name: a checkpoint renamed to model.pte after it was opened
+    is refused as the output; one named like a killed writer's temp file is not removed as one."""
+    from ptdstream.errors import OverwriteError
+
+    real = _seeded(Mlp)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    ckpt = folder / "model.safetensors"
+    import safetensors.torch as st
+
+    st.save_file(state_of(real), ckpt)
+    before = ckpt.read_bytes()
+    with weights_from(str(ckpt)) as weights:
+        manager = _lower(weights.export(weights.model(Mlp), example_inputs(real)))
+        os.rename(ckpt, folder / "model.pte")
+        with pytest.raises(OverwriteError, match=r"^output .*/out/model\.pte is a checkpoint file an open "
+                                                 r"weights_from reads \(.*/out/model\.safetensors\)"):
+            ptdstream.save(manager, str(folder / "model.pte"))
+        assert (folder / "model.pte").read_bytes() == before
+        stale = folder / ".model.pte.ptdstream-1-deadbeef.tmp"  # a temp file's name, unlocked
+        os.rename(folder / "model.pte", stale)
+        (tmp_path / "elsewhere").mkdir()
+        ptdstream.save(manager, str(folder / "m2.pte"))
+    assert stale.read_bytes() == before
+    assert sorted(os.listdir(folder)) == sorted([stale.name, "m2.pte", PTD])
