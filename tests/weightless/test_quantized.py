@@ -492,3 +492,24 @@ def test_an_explicit_bind_takes_a_quantized_weight_kept_whole_as_bound_to_its_ke
         assert type(kept) is type(model[0].weight) and weights.quantized_keys == ["0.weight"]
         assert weights.bind(program) is program
         assert weights.owns(kept)
+
+
+def test_quantize_twice_fails_inside_the_block_as_upstream_does(tmp_path):
+    """A second quantize_ of the same linears meets torchao's quantized tensor, not a storage-less
+    weight: torchao's own error, word for word, as on loaded weights (nothing read twice)."""
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+    torch.manual_seed(0)
+    weight = torch.randn(16, 64)
+    ckpt = save_checkpoint("safetensors", {"0.weight": weight}, tmp_path / "ckpt")
+    real = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False))
+    real[0].weight = torch.nn.Parameter(weight.clone())
+    quantize_(real, config)
+    with pytest.raises(NotImplementedError) as upstream:
+        quantize_(real, config)
+    with weights_from(ckpt) as weights:
+        model = weights.model(lambda: torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False)))
+        quantize_(model, config)
+        with pytest.raises(NotImplementedError) as ours:
+            quantize_(model, config)
+        assert weights.quantized_keys == ["0.weight"]
+    assert str(ours.value) == str(upstream.value)
