@@ -79,11 +79,12 @@ from typing import Any
 
 from ..upstream import adapter
 from ..upstream.patching import shadowed
+from .banded import quantize_in_bands
 from .convert import convertible
 from .errors import BindingError, QuantizationNeedsValuesError, QuantizationShapeError
-from .hqq_bands import fixed_iterations, recording_changes, routing_hqq
+from .hqq_bands import routing_hqq
 from .lowering import open_contexts, trim_heap
-from .mapped_copy import RowFiles, mapped_copy
+from .mapped_copy import mapped_copy
 from .storage_less import derived_from_storage_less, is_storage_less
 
 __all__ = ["BAND_NBYTES", "COVERED", "LARGE_NBYTES", "quantized_constants", "refusing_storage_less",
@@ -283,10 +284,6 @@ def _group_size(config: Any) -> int | None:
     return getattr(granularity, "group_size", None) if type(granularity).__name__ == "PerGroup" else None
 
 
-class _NotRowWise(Exception):
-    """torchao's bands did not come out one row of inner tensors per row: quantize the tensor whole."""
-
-
 def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, config: Any, device: Any) -> None:
     """Quantize ``module.weight`` (storage-less ``weight``) from checkpoint key ``key`` with torchao's handler."""
     import torch
@@ -302,12 +299,9 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
     with weights.reading(key, weight.dtype) as source:
         quantized = None
         if banded:
-            try:
-                quantized = _banded(module, weight, config, handler, source, rows,
-                                    max(1, BAND_NBYTES // max(row_nbytes, 1)), weights.convert_dir.folder,
-                                    extra_repr)
-            except _NotRowWise:
-                _restore_extra_repr(module, extra_repr)
+            quantized = quantize_in_bands(module, weight, config, handler, source,
+                                          max(1, BAND_NBYTES // max(row_nbytes, 1)), weights.convert_dir.folder,
+                                          extra_repr, _hqq(config))
         if quantized is None:
             module.weight = torch.nn.Parameter(source.read(0, rows, device), requires_grad=weight.requires_grad)
             handler(module, config)
@@ -325,14 +319,6 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
     trim_heap()  # the full-precision weight and torchao's intermediates, freed by now
 
 
-def _restore_extra_repr(module: Any, extra_repr: Any) -> None:
-    """``module``'s ``extra_repr`` as it was before torchao's handler wrapped it."""
-    if extra_repr is None:
-        module.__dict__.pop("extra_repr", None)
-    else:
-        module.extra_repr = extra_repr
-
-
 def _kept(quantized: Any, folder: str) -> Any:
     """``quantized`` with each CPU inner tensor moved to a nameless file in ``folder``."""
     names, meta = quantized.__tensor_flatten__()
@@ -342,84 +328,6 @@ def _kept(quantized: Any, folder: str) -> Any:
         cpu = not adapter.is_traceable_wrapper_subclass(tensor) and tensor.device.type == "cpu"
         inner[name] = mapped_copy(tensor, folder) if cpu and tensor.untyped_storage().nbytes() else tensor
     return type(quantized).__tensor_unflatten__(inner, meta, quantized.shape, quantized.stride())
-
-
-def _bands(rows: int, step: int) -> list[tuple[int, int]]:
-    """Rows ``[r0, r1)`` of each band: ``step`` rows, none of one row alone (the
-    last one row joins the band before it). A band of one row whose scale group is
-    the whole row makes each reduction a single output, which torch splits across
-    threads and so sums in another order than in the whole tensor (HQQ's sums)."""
-    step = max(2, step)
-    bands = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
-    if len(bands) > 1 and bands[-1][1] - bands[-1][0] == 1:
-        bands[-2:] = [(bands[-2][0], rows)]
-    return bands
-
-
-def _hqq_stop(module: Any, weight: Any, config: Any, handler: Any, source: Any, rows: int, step: int,
-              extra_repr: Any) -> int:
-    """The iteration the whole weight's HQQ scale-only stops at, from one pass over
-    its bands through torchao's handler (:func:`~ptdstream.weightless.hqq_bands.recording_changes`).
-
-    Raises:
-        _NotRowWise: torchao did not call its HQQ function once per band as expected.
-    """
-    import torch
-
-    bands = 0
-    with recording_changes() as changes:
-        for r0, r1 in _bands(rows, step):
-            _restore_extra_repr(module, extra_repr)
-            module.weight = torch.nn.Parameter(source.read(r0, r1, None), requires_grad=weight.requires_grad)
-            handler(module, config)
-            module.weight = None  # the band and its stand-in quantization go now
-            bands += 1
-    _restore_extra_repr(module, extra_repr)
-    if bands == 0 or changes.bands != bands:
-        raise _NotRowWise
-    return changes.stop()
-
-
-def _banded(module: Any, weight: Any, config: Any, handler: Any, source: Any, rows: int, step: int, folder: str,
-            extra_repr: Any) -> Any:
-    """The quantized weight, made band by band (rows ``[r, r + step)``) by torchao's
-    handler on ``module``, each band's inner tensors appended to files in ``folder``.
-
-    Raises:
-        _NotRowWise: a band's inner tensors are not one row per row of the weight.
-    """
-    import torch
-
-    first: tuple[Any, list[str], Any] | None = None
-    fixed: Any = contextlib.nullcontext()
-    if _hqq(config):
-        fixed = fixed_iterations(_hqq_stop(module, weight, config, handler, source, rows, step, extra_repr))
-    with RowFiles(folder) as files, fixed:
-        for r0, r1 in _bands(rows, step):
-            _restore_extra_repr(module, extra_repr)  # torchao wraps it once per call: once in all, as upstream
-            module.weight = torch.nn.Parameter(source.read(r0, r1, None), requires_grad=weight.requires_grad)
-            handler(module, config)
-            band = module.weight
-            module.weight = None  # the band's full-precision values go now
-            if not adapter.is_traceable_wrapper_subclass(band):
-                raise _NotRowWise
-            names, meta = band.__tensor_flatten__()
-            if first is None:
-                first = (type(band), list(names), meta)
-            if (type(band), list(names), meta) != first:
-                raise _NotRowWise
-            for name in names:
-                part = getattr(band, name)
-                if (adapter.is_traceable_wrapper_subclass(part) or part.dim() == 0
-                        or part.shape[0] != r1 - r0):
-                    raise _NotRowWise
-                files.append(name, part.contiguous())
-            del band
-        if first is None:  # no band at all (no rows): quantize the tensor whole
-            raise _NotRowWise
-        inner = files.finish()
-    cls, _, meta = first
-    return cls.__tensor_unflatten__(inner, meta, tuple(weight.shape), weight.stride())
 
 
 _walking = threading.local()  # .active: this thread is inside a streaming walk (torchao's recursion)

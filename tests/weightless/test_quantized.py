@@ -23,7 +23,7 @@ from torchao.utils import unwrap_tensor_subclass
 
 import ptdstream
 from ptdstream.errors import IntegrityError
-from ptdstream.weightless import BindingError, is_storage_less, quantization, weights_from
+from ptdstream.weightless import BindingError, banded, is_storage_less, quantization, weights_from
 
 warnings.filterwarnings("ignore")
 
@@ -247,8 +247,8 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
                      and torch.equal(band.lin.weight.scale, want.scale[r0:r0 + 7]))
 
     stops = []
-    real_stop = quantization._hqq_stop
-    monkeypatch.setattr(quantization, "_hqq_stop", lambda *a: stops.append(real_stop(*a)) or stops[-1])
+    real_stop = banded.hqq_stop
+    monkeypatch.setattr(banded, "hqq_stop", lambda *a: stops.append(real_stop(*a)) or stops[-1])
     monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
     monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * cols * 4)
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
@@ -300,9 +300,9 @@ def test_no_band_is_one_row_alone_whose_whole_row_scale_torch_would_sum_across_t
                 assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
     finally:
         torch.set_num_threads(threads)
-    assert quantization._bands(15, 7) == [(0, 7), (7, 15)]
-    assert quantization._bands(14, 7) == [(0, 7), (7, 14)]
-    assert quantization._bands(5, 1) == [(0, 2), (2, 5)]
+    assert banded.bands(15, 7) == [(0, 7), (7, 15)]
+    assert banded.bands(14, 7) == [(0, 7), (7, 14)]
+    assert banded.bands(5, 1) == [(0, 2), (2, 5)]
 
 
 def test_the_first_pass_keeps_no_graph_of_a_parameters_band():
