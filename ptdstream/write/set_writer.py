@@ -16,7 +16,6 @@ from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..format.plan import FileRole, SavePlan
 from ..sources.base import BufferRing
 from ..sources.fingerprint import Fingerprint
-from .open_inputs import refuse_open_checkpoints
 from .publish import folder_locks, prepare_folders, publish_set
 from .sink import ChunkedFileSink
 from .writer import write_plan
@@ -73,8 +72,8 @@ def write_save_plan(
             synced sinks (a manifest of the set, read back from the temp files)
             that are published in the same set, after the plan's files (it must
             abort its own sinks if it fails).
-        also_targets: the paths ``extra_files`` will publish (checked with the
-            plan's own, before anything is written).
+        also_targets: the paths ``extra_files`` will publish (their folders
+            prepared and checked with the plan's own, before anything is written).
 
     Returns:
         One :class:`FileReport` per file, in publish order.
@@ -86,14 +85,13 @@ def write_save_plan(
         IntegrityError: a source changed or vanished (nothing published).
         OSError: a write, fsync or rename failed (nothing published).
     """
-    refuse_open_checkpoints([planned.path for planned in plan.files] + list(also_targets))
     ring = BufferRing(chunk_nbytes, count=2)
     make = sink_factory or (
         lambda p: ChunkedFileSink(p, window_nbytes=window_nbytes, direct=direct, clean_folder=False)
     )
     sinks: list[ChunkedFileSink] = []
     reports: list[FileReport] = []
-    prepare_folders(planned.path for planned in plan.files)
+    prepare_folders([planned.path for planned in plan.files] + list(also_targets))  # refuses open checkpoints
     try:
         for planned in plan.files:
             sink = make(planned.path)
