@@ -1,7 +1,8 @@
 """The hooks: ptdstream inside upstream's export, the mechanisms the ways in share.
 
 ``interop`` (``FileBackedData`` over any source), ``emitter`` (constants by
-reference), ``xnnpack`` (XNNPACK's constants by reference), ``reachability`` (the
+reference), ``xnnpack`` (XNNPACK's constants by reference), ``xnnpack_qc4w`` (its 4-bit
+packing of a large weight in bands, into a file), ``reachability`` (the
 partitioners' closure sets as bitsets), ``blobs`` (delegate blobs that stay in
 files), ``fx_sources`` (generated graph sources freed with their code),
 ``install`` (the drop-in for executorch's save methods) and ``cuda/`` (the CUDA

@@ -59,7 +59,7 @@ from .emitter import reference
 from .interop import EMITTER_HASHLIB
 from .reachability import compact_dependency_viewers
 
-__all__ = ["SPILL_MIN_NBYTES", "spilling_converted", "xnnpack_constants_by_reference"]
+__all__ = ["SPILL_MIN_NBYTES", "reference_converted", "spilling_converted", "xnnpack_constants_by_reference"]
 
 #: A converted constant at least this large goes to the spill of :func:`spilling_converted`, when one is open.
 SPILL_MIN_NBYTES = 1 << 20
@@ -84,6 +84,7 @@ def _tracking(real):
         if _active():
             _last.tensor = tensor
             _last.reference = None
+            _last.converted = None
         return tensor
 
     return get_param_tensor
@@ -115,11 +116,27 @@ def _node_visitor_bytes(*args, **kwargs):
             ref = reference(storage)
             _last.reference = (tensor, ref)
             return ref
+    converted = getattr(_last, "converted", None)
+    if (converted is not None and len(args) == 1 and not kwargs and isinstance(args[0], ctypes.Array)
+            and _active()):
+        storage = converted[0].untyped_storage()
+        if ctypes.addressof(args[0]) == storage.data_ptr() and ctypes.sizeof(args[0]) == storage.nbytes():
+            if converted[1] is None:
+                converted[1] = reference(storage)
+            return converted[1]  # both calls (the hash, the NamedDataStore's copy): one reference
     spill = _spill.get()
     if (spill is not None and len(args) == 1 and not kwargs and isinstance(args[0], ctypes.Array)
             and ctypes.sizeof(args[0]) >= SPILL_MIN_NBYTES and _active()):
         return _spilled(args[0], spill)
     return builtins.bytes(*args, **kwargs)
+
+
+def reference_converted(tensor: Any) -> None:
+    """Make XNNPACK's next ``bytes()`` calls of ``tensor``'s whole storage (a
+    converted constant already in a file, such as a 4-bit weight packed by
+    :mod:`ptdstream.hooks.xnnpack_qc4w`) return one reference to it, in this
+    thread, inside :func:`xnnpack_constants_by_reference`: neither copied nor spilled."""
+    _last.converted = [tensor, None]
 
 
 def _spilled(view: ctypes.Array, spill: Callable[[memoryview], Any]) -> Any:
@@ -189,6 +206,7 @@ def xnnpack_constants_by_reference() -> Iterator[None]:
         _open.discard(context_id)
         _last.tensor = None
         _last.reference = None
+        _last.converted = None
         try:
             _entered.reset(token)
         except ValueError:

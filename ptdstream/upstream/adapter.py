@@ -59,6 +59,7 @@ __all__ = [
     "tensor_spec_fqn",
     "tensor_spec_storage",
     "xnnpack_node_visitor_module",
+    "xnnpack_qc4w_packer",
 ]
 
 _CORD = "executorch.exir._serialize._cord"
@@ -262,6 +263,14 @@ def xnnpack_node_visitor_module():
     """XNNPACK's node visitor module (``backends/xnnpack/operators/node_visitor.py``):
     ``NodeVisitor.get_serialized_buffer_index`` copies each constant with ``bytes``."""
     return resolve("executorch.backends.xnnpack.operators.node_visitor")
+
+
+def xnnpack_qc4w_packer() -> tuple[Any, Any]:
+    """``(NodeVisitor, its convert_to_qc4w function)``: XNNPACK's packing of a 4-bit
+    weight (``backends/xnnpack/operators/node_visitor.py``, a staticmethod), whole."""
+    visitor = resolve("executorch.backends.xnnpack.operators.node_visitor", "NodeVisitor")
+    resolve("executorch.backends.xnnpack.operators.node_visitor", "NodeVisitor.convert_to_qc4w")
+    return visitor, vars(visitor)["convert_to_qc4w"].__func__
 
 
 def fx_graph_module_module():

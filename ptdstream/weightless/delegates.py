@@ -27,9 +27,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..hooks.xnnpack import spilling_converted, xnnpack_constants_by_reference
+from ..hooks.xnnpack_qc4w import packing_qc4w_in_bands
 from ..upstream.patching import shadowed
 from .lowering import release_file_pages
-from .mapped_copy import mapped_copy
+from .mapped_copy import RowFiles, mapped_copy
 
 __all__ = ["add_bound", "bound_weights", "is_bound", "sharing_bound_weights"]
 
@@ -98,7 +99,9 @@ def sharing_bound_weights(folder: str | None = None) -> Iterator[None]:
     (:func:`ptdstream.hooks.xnnpack.xnnpack_constants_by_reference`), with a
     ``folder``, the converted ones it packs (4-bit weights, their scales) of at
     least 1 MiB in nameless files there, mapped back
-    (:func:`ptdstream.hooks.xnnpack.spilling_converted`), its per-partition
+    (:func:`ptdstream.hooks.xnnpack.spilling_converted`; a large 4-bit weight
+    packed band by band straight into such a file:
+    :func:`ptdstream.hooks.xnnpack_qc4w.packing_qc4w_in_bands`), its per-partition
     copy shares the bound tensors, and after each partition's ``preprocess``
     the pages it read of the open contexts' files are unmapped
     (:func:`~ptdstream.weightless.lowering.release_file_pages`). Does nothing when executorch's XNNPACK
@@ -112,6 +115,7 @@ def sharing_bound_weights(folder: str | None = None) -> Iterator[None]:
             patches.enter_context(xnnpack_constants_by_reference())
             if folder is not None:
                 patches.enter_context(spilling_converted(functools.partial(_spill_to, folder)))
+                patches.enter_context(packing_qc4w_in_bands(functools.partial(RowFiles, folder)))
             patches.enter_context(shadowed(XnnpackBackend, "copy_exported_program_for_preprocess",
                                            classmethod(_sharing_copy)))
             patches.enter_context(shadowed(XnnpackBackend, "preprocess",

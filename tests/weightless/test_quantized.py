@@ -124,6 +124,41 @@ def test_quantized_module_with_biases_is_executorchs_bytes(tmp_path, monkeypatch
         assert _sha(f.read()) == _sha(want)
 
 
+def test_xnnpack_packs_the_4bit_weights_band_by_band_into_files_with_upstreams_bytes(tmp_path, monkeypatch):
+    """Every 4-bit weight packed in bands of 3 rows (its size threshold lowered for the
+    test) straight into a nameless file, referenced by the NamedDataStore, never
+    spilled (copied) again: the program's sha256 is upstream's."""
+    from ptdstream.hooks import xnnpack, xnnpack_qc4w
+
+    packed, spilled = [], []
+    real_pack, real_spilled = xnnpack_qc4w.pack_qc4w_in_bands, xnnpack._spilled
+    monkeypatch.setattr(xnnpack_qc4w, "BANDED_MIN_NBYTES", 1)
+    monkeypatch.setattr(xnnpack_qc4w, "BAND_NBYTES", 3 * 128)
+    monkeypatch.setattr(xnnpack_qc4w, "pack_qc4w_in_bands",
+                        lambda inp, sink, *a: packed.append(tuple(inp.shape)) or real_pack(inp, sink, *a))
+    monkeypatch.setattr(xnnpack, "SPILL_MIN_NBYTES", 1)
+    monkeypatch.setattr(xnnpack, "_spilled", lambda view, f: spilled.append(len(view)) or real_spilled(view, f))
+    torch.manual_seed(0)
+    state = {k: v.to(torch.bfloat16) for k, v in state_of(Biased()).items()}
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    real = _loaded(Biased, state)
+    _quantize(real)
+    want = _xnnpack(torch.export.export(real, TOKENS)).buffer
+
+    with weights_from(ckpt) as weights:
+        with torch.device("meta"):
+            model = Biased().eval()
+        model = weights.model(model)
+        _quantize(model)
+        manager = _xnnpack(torch.export.export(model, TOKENS))
+        (tmp_path / "out").mkdir()
+        ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
+    assert sorted(packed) == [(32, 128), (128, 64)]  # down, up: int8 values, one per 4-bit weight
+    assert 128 * 64 // 2 not in spilled and 32 * 128 // 2 not in spilled  # their scales are spilled, not they
+    with open(tmp_path / "out" / "model.pte", "rb") as f:
+        assert _sha(f.read()) == _sha(want)
+
+
 def _file_backed(tensor) -> bool:
     from ptdstream.system.pagecache import file_mapping
 
