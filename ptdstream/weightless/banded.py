@@ -6,8 +6,9 @@ tensors (``qdata``, ``scale``, ``zero_point``: one row per row of the weight) to
 nameless files (:class:`~ptdstream.weightless.mapped_copy.RowFiles`) and frees
 the band before reading the next one; the result is the tensor type torchao
 made, over those files. Under ``hqq_scale_only`` a first pass over the bands
-finds the iteration the whole tensor stops at and the second runs exactly that
-many (:mod:`ptdstream.weightless.hqq_bands`). Anything else than one row of
+finds the iteration the whole tensor stops at; where that is torchao's last one
+its bands are the tensor's, else a second pass runs exactly that many
+(:mod:`ptdstream.weightless.hqq_bands`). Anything else than one row of
 inner tensors per row gives None (the caller quantizes the tensor whole).
 """
 
@@ -17,10 +18,10 @@ import contextlib
 from typing import Any
 
 from ..upstream import adapter
-from .hqq_bands import fixed_iterations, recording_changes
+from .hqq_bands import Changes, fixed_iterations, recording_changes
 from .mapped_copy import RowFiles
 
-__all__ = ["bands", "hqq_stop", "quantize_in_bands", "restore_extra_repr"]
+__all__ = ["bands", "hqq_first_pass", "quantize_in_bands", "restore_extra_repr"]
 
 
 class _NotRowWise(Exception):
@@ -61,21 +62,52 @@ def _quantized_band(module: Any, weight: Any, config: Any, handler: Any, source:
     return band
 
 
-def hqq_stop(module: Any, weight: Any, config: Any, handler: Any, source: Any, step: int, extra_repr: Any) -> int:
-    """The iteration the whole weight's HQQ scale-only stops at, from one pass over
-    its bands through torchao's handler (:func:`~ptdstream.weightless.hqq_bands.recording_changes`).
+def hqq_first_pass(module: Any, weight: Any, config: Any, handler: Any, source: Any, step: int, extra_repr: Any,
+                   files: RowFiles) -> tuple[Changes, tuple[Any, list[str], Any]]:
+    """One pass over ``weight``'s bands through torchao's handler recording each
+    iteration's changes (:func:`~ptdstream.weightless.hqq_bands.recording_changes`),
+    each band's values (all of torchao's iterations) appended to ``files``: the
+    changes (their :meth:`~ptdstream.weightless.hqq_bands.Changes.stop` is the
+    whole tensor's; where :meth:`~ptdstream.weightless.hqq_bands.Changes.complete`,
+    ``files`` hold its bytes) and the first band's tensor type, inner names and metadata.
 
     Raises:
-        _NotRowWise: torchao did not call its HQQ function once per band as expected.
+        _NotRowWise: torchao did not call its HQQ function once per band as expected,
+            or a band's inner tensors are not one row per row.
     """
     planned = bands(weight.shape[0], step)
+    first = None
     with recording_changes() as changes:
         for r0, r1 in planned:
-            _quantized_band(module, weight, config, handler, source, r0, r1, extra_repr)  # a stand-in: dropped
-    restore_extra_repr(module, extra_repr)
-    if not planned or changes.bands != len(planned):
+            first = _append_band(files, _quantized_band(module, weight, config, handler, source, r0, r1, extra_repr),
+                                 first, r0, r1)
+    if first is None or changes.bands != len(planned):
         raise _NotRowWise
-    return changes.stop()
+    return changes, first
+
+
+def _append_band(files: RowFiles, band: Any, first: tuple[Any, list[str], Any] | None, r0: int,
+                 r1: int) -> tuple[Any, list[str], Any]:
+    """Append the inner tensors of ``band`` (rows ``[r0, r1)``, torchao's tensor) to
+    ``files``; returns the first band's type, inner names and metadata (this one's
+    when ``first`` is None).
+
+    Raises:
+        _NotRowWise: not a tensor subclass, another type or metadata than the first
+            band's, or an inner tensor that is not one row per row of the weight.
+    """
+    if not adapter.is_traceable_wrapper_subclass(band):
+        raise _NotRowWise
+    names, meta = band.__tensor_flatten__()
+    mine = (type(band), list(names), meta)
+    if first is not None and mine != first:
+        raise _NotRowWise
+    for name in names:
+        part = getattr(band, name)
+        if adapter.is_traceable_wrapper_subclass(part) or part.dim() == 0 or part.shape[0] != r1 - r0:
+            raise _NotRowWise
+        files.append(name, part.contiguous())
+    return first or mine
 
 
 def quantize_in_bands(module: Any, weight: Any, config: Any, handler: Any, source: Any, step: int, folder: str,
@@ -83,9 +115,10 @@ def quantize_in_bands(module: Any, weight: Any, config: Any, handler: Any, sourc
     """The quantized ``weight`` (storage-less, its rows in ``source``: a
     :class:`~ptdstream.weightless.convert.RowReader`), made band by band of about
     ``step`` rows by torchao's ``handler`` on ``module``, each band's inner tensors
-    appended to files in ``folder``; ``hqq``: the config is HQQ scale-only (two
-    passes). None (``module``'s ``extra_repr`` restored, the files dropped) when a
-    band's inner tensors are not one row per row of the weight."""
+    appended to files in ``folder``; ``hqq``: the config is HQQ scale-only (a first
+    pass, and a second one where the whole tensor stops early). None (``module``'s
+    ``extra_repr`` restored, the files dropped) when a band's inner tensors are not
+    one row per row of the weight."""
     try:
         return _in_bands(module, weight, config, handler, source, step, folder, extra_repr, hqq)
     except _NotRowWise:
@@ -98,26 +131,20 @@ def _in_bands(module: Any, weight: Any, config: Any, handler: Any, source: Any, 
     first: tuple[Any, list[str], Any] | None = None
     fixed: Any = contextlib.nullcontext()
     if hqq:
-        fixed = fixed_iterations(hqq_stop(module, weight, config, handler, source, step, extra_repr))
+        with RowFiles(folder) as files:
+            changes, first = hqq_first_pass(module, weight, config, handler, source, step, extra_repr, files)
+            if changes.complete():  # the first pass's bands are the tensor's bytes
+                return _unflattened(first, files.finish(), weight)
+        fixed, first = fixed_iterations(changes.stop()), None
     with RowFiles(folder) as files, fixed:
         for r0, r1 in bands(weight.shape[0], step):
-            band = _quantized_band(module, weight, config, handler, source, r0, r1, extra_repr)
-            if not adapter.is_traceable_wrapper_subclass(band):
-                raise _NotRowWise
-            names, meta = band.__tensor_flatten__()
-            if first is None:
-                first = (type(band), list(names), meta)
-            if (type(band), list(names), meta) != first:
-                raise _NotRowWise
-            for name in names:
-                part = getattr(band, name)
-                if (adapter.is_traceable_wrapper_subclass(part) or part.dim() == 0
-                        or part.shape[0] != r1 - r0):
-                    raise _NotRowWise
-                files.append(name, part.contiguous())
-            del band
+            first = _append_band(files, _quantized_band(module, weight, config, handler, source, r0, r1,
+                                                        extra_repr), first, r0, r1)
         if first is None:  # no band at all (no rows): quantize the tensor whole
             raise _NotRowWise
-        inner = files.finish()
+        return _unflattened(first, files.finish(), weight)
+
+
+def _unflattened(first: tuple[Any, list[str], Any], inner: dict[str, Any], weight: Any) -> Any:
     cls, _, meta = first
     return cls.__tensor_unflatten__(inner, meta, tuple(weight.shape), weight.stride())

@@ -20,6 +20,15 @@ the whole tensor stops at, found by a first pass:
 2. :func:`fixed_iterations`: each band quantized by torchao's own function
    with ``iters`` that iteration and no early stop: its bytes.
 
+The first pass's own quantized values are those of all ``iters`` iterations,
+computed as torchao computes them (the same operations on the same band);
+the first band's are compared byte for byte with torchao's own function run
+for ``iters`` iterations (:attr:`Changes.checked`; once per process for each
+integer range, group size, dtype and ``iters``). Where the whole tensor runs
+every iteration (no early stop: random weights, and in practice most large
+ones) and that check held, the first pass's bands are the tensor's bytes and
+the second pass is skipped (:meth:`Changes.complete`).
+
 Both act only in the thread that asked (torchao's function stays its own
 elsewhere), through one module global: ``_choose_qparams_and_quantize_scale_only_hqq``
 as ``intx_unpacked_to_int8_tensor.py`` looks it up
@@ -41,6 +50,10 @@ from ..upstream.patching import shadowed
 __all__ = ["Changes", "fixed_iterations", "recording_changes", "routing_hqq"]
 
 _local = threading.local()  # .mode: None, ("record", Changes) or ("fixed", iterations)
+_lock = threading.Lock()
+#: (qmin, qmax, group size, dtype, iters) -> whether the first pass's values were torchao's own, checked
+#: once per process and kind of weight (the same operations: the answer is the code's, not a weight's)
+_checked: dict[tuple[Any, ...], bool] = {}
 
 
 class Changes:
@@ -53,6 +66,9 @@ class Changes:
         self.tol = tol
         self.largest: list[Any] | None = None
         self.bands = 0  #: bands recorded
+        #: whether the first band's values (all ``iters`` iterations, computed here) were torchao's
+        #: own, byte for byte (None before the first band)
+        self.checked: bool | None = None
 
     def add(self, band: list[Any]) -> None:
         """Merge one band's changes (one per iteration): NaN wins, as ``torch.max`` over the tensor."""
@@ -70,6 +86,23 @@ class Changes:
             if bool(change < self.tol):  # a float32 tensor against a Python float, as torchao compares
                 return i + 1
         return self.iters
+
+    def complete(self) -> bool:
+        """Whether the values recorded with the changes are the whole tensor's: it runs
+        every iteration, and the first band's values were torchao's own."""
+        return self.checked is True and self.stop() == self.iters
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    """Whether two tensors have the same dtype, shape and bytes (NaNs compared by their bits)."""
+    import torch
+
+    if (a.dtype, a.shape) != (b.dtype, b.shape):
+        return False
+    flat_a, flat_b = a.detach().contiguous().view(-1), b.detach().contiguous().view(-1)
+    if flat_a.element_size() > 1:
+        flat_a, flat_b = flat_a.view(torch.uint8), flat_b.view(torch.uint8)
+    return torch.equal(flat_a, flat_b)
 
 
 def _changes_of(hp: Any, block_size: Any, qmin: int, qmax: int, iters: int) -> tuple[list[Any], Any, Any]:
@@ -114,6 +147,16 @@ def _routed(real: Callable[..., Any]) -> Callable[..., Any]:
         if kind == "fixed":
             return real(hp_tensor, block_size, qmin, qmax, iters=value, early_stop_tol=float("-inf"))
         band, qdata, scale = _changes_of(hp_tensor, block_size, qmin, qmax, value.iters)
+        if value.checked is None:  # the first band: the values computed here against torchao's own
+            key = (qmin, qmax, int(block_size[1]), hp_tensor.dtype, value.iters)
+            with _lock:
+                value.checked = _checked.get(key)
+            if value.checked is None:
+                own_qdata, own_scale = real(hp_tensor, block_size, qmin, qmax, iters=value.iters,
+                                            early_stop_tol=float("-inf"))
+                value.checked = _same_bytes(qdata, own_qdata) and _same_bytes(scale, own_scale)
+                with _lock:
+                    _checked[key] = value.checked
         value.add(band)
         return qdata, scale
 
@@ -140,7 +183,8 @@ def _defaults() -> tuple[int, float]:
 def recording_changes() -> Iterator[Changes]:
     """In this thread, torchao's HQQ scale-only calls record their changes into
     the :class:`Changes` yielded (step 1 of the module docstring); the quantized
-    tensors they return are not the tensor's (discard them)."""
+    tensors they return are those of all ``iters`` iterations: the tensor's only
+    where :meth:`Changes.complete` (else discard them)."""
     changes = Changes(*_defaults())
     _local.mode = ("record", changes)
     try:

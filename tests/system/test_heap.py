@@ -34,3 +34,38 @@ def test_a_fixed_threshold_maps_each_large_block_even_after_a_larger_one_was_fre
     run = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=SAFETY_S)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", "True", "0", "4"]
+
+
+REUSE = r"""
+import ctypes, mmap
+from ptdstream.system.heap import MMAP_THRESHOLD_NBYTES, fix_mmap_threshold, reusing_heap_blocks
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def own_mapping(p):  # a mapped chunk: its header fills the first 16 bytes of a page
+    return p % mmap.PAGESIZE == 16
+def blocks(n):
+    got = [libc.malloc(n) for _ in range(3)]
+    for p in got:
+        libc.free(p)
+    return sum(map(own_mapping, got))
+with reusing_heap_blocks():  # before the threshold is fixed: glibc's own policy, left alone
+    early = blocks(8 << 20)
+fix_mmap_threshold()
+with reusing_heap_blocks():
+    with reusing_heap_blocks():
+        inside = [blocks(8 << 20), blocks(31 << 20), blocks(40 << 20)]
+    still = blocks(8 << 20)
+after = blocks(8 << 20)
+print(early, inside, still, after)
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="not glibc: no mallopt")
+def test_inside_reusing_heap_blocks_blocks_under_32_mib_come_from_the_heap_and_the_fixed_threshold_comes_back():
+    run = subprocess.run([sys.executable, "-c", REUSE], capture_output=True, text=True, timeout=SAFETY_S)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # glibc's own: an 8 MiB block is mapped (its starting threshold is 128 KiB); inside: heap blocks
+    # under 32 MiB, a 40 MiB one mapped; the outer context still active; after: mapped again
+    assert run.stdout.split("\n")[0] == "3 [0, 0, 3] 0 3"

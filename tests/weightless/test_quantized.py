@@ -199,7 +199,8 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
     """Rows are quantized independently (per-row and per-group scales): bands of 7 rows give the
     bytes of the tensor quantized whole, NaN and Inf rows included. ``hqq_scale_only`` stops its
     iterations on the largest change over the whole tensor: a first pass over the bands finds that
-    iteration, the second quantizes each band with it (a NaN keeps the whole tensor iterating)."""
+    iteration; a NaN keeps the whole tensor iterating to torchao's last, so the first pass's bands
+    are the tensor's and no second pass runs."""
     config = ROW_WISE[name]
     torch.manual_seed(1)
     weight = torch.randn(61, 256)
@@ -224,8 +225,7 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
         model = weights.model(model)
         quantize_(model, config)
         got, want = model.lin.weight, real.lin.weight
-        affine = "affine" in str(config.intx_choose_qparams_algorithm).lower()
-        assert calls == [7] * 8 + [5] if affine else ([7] * 8 + [5]) * 2  # nine bands of rows (HQQ: twice)
+        assert calls == [7] * 8 + [5]  # nine bands of rows, once (HQQ too: the NaN runs every iteration)
         assert type(got) is type(want) and got.__tensor_flatten__()[1] == want.__tensor_flatten__()[1]
         for inner in want.__tensor_flatten__()[0]:
             a, b = getattr(got, inner), getattr(want, inner)
@@ -282,8 +282,14 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
                      and torch.equal(band.lin.weight.scale, want.scale[r0:r0 + 7]))
 
     stops = []
-    real_stop = banded.hqq_stop
-    monkeypatch.setattr(banded, "hqq_stop", lambda *a: stops.append(real_stop(*a)) or stops[-1])
+    real_first = banded.hqq_first_pass
+
+    def first_pass(*a):
+        changes, first = real_first(*a)
+        stops.append((changes.stop(), changes.checked, changes.complete()))
+        return changes, first
+
+    monkeypatch.setattr(banded, "hqq_first_pass", first_pass)
     monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
     monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * cols * 4)
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
@@ -299,10 +305,99 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
             assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
             assert _file_backed(a)
     iters = hqq_bands._defaults()[0]
-    if name == "4w-g32":
-        assert len(stops) == 1 and stops[0] < iters  # the whole tensor stopped early
-    else:
-        assert not all(alone) and stops == [iters]  # a band alone stops early; the tensor never does
+    if name == "4w-g32":  # the whole tensor stopped early: a second pass ran at that iteration
+        assert len(stops) == 1 and stops[0][0] < iters and stops[0][1:] == (True, False)
+    else:  # a band alone stops early; the tensor never does: the first pass's bands are its bytes
+        assert not all(alone) and stops == [(iters, True, True)]
+
+
+def test_a_first_pass_whose_values_are_not_torchaos_own_is_not_kept(tmp_path, monkeypatch):
+    """The first band's values computed by the first pass are compared with torchao's own
+    function: where they differ (here made to, as a torchao with another loop would), the
+    second pass runs and the bytes are still torchao's, though the tensor runs every iteration."""
+    from ptdstream.weightless import hqq_bands
+
+    weight = _hqq_weight("8da8w")
+    real = torch.nn.Sequential()
+    real.lin = torch.nn.Linear(512, 128, bias=False)
+    real.lin.weight = torch.nn.Parameter(weight.clone())
+    quantize_(real, ROW_WISE["8da8w"])
+    real_changes = hqq_bands._changes_of
+
+    def other_loop(*a):
+        changes, qdata, scale = real_changes(*a)
+        return changes, qdata, scale * 1.5
+
+    monkeypatch.setattr(hqq_bands, "_changes_of", other_loop)
+    monkeypatch.setattr(hqq_bands, "_checked", {})  # not checked yet in this process
+    stops, calls = [], []
+    real_first = banded.hqq_first_pass
+    monkeypatch.setattr(banded, "hqq_first_pass",
+                        lambda *a: (lambda r: stops.append((r[0].stop(), r[0].checked)) or r)(real_first(*a)))
+    real_handler = quantization.adapter.quantize_handler
+    monkeypatch.setattr(quantization.adapter, "quantize_handler",
+                        lambda c: lambda m, cfg: calls.append(m.weight.shape[0]) or real_handler(c)(m, cfg))
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
+    ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        model = torch.nn.Sequential()
+        with torch.device("meta"):
+            model.lin = torch.nn.Linear(512, 128, bias=False)
+        model = weights.model(model)
+        quantize_(model, ROW_WISE["8da8w"])
+        for inner in ("qdata", "scale", "zero_point"):
+            a, b = getattr(model.lin.weight, inner), getattr(real.lin.weight, inner)
+            assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
+    assert stops == [(hqq_bands._defaults()[0], False)]
+    assert calls == [32] * 4 * 2  # four bands, twice
+
+
+def test_the_first_pass_is_checked_against_torchaos_own_function_once_per_kind_of_weight(tmp_path, monkeypatch):
+    """Two large 8da8w weights of one kind and a third of another group size, quantized inside
+    weights_from: torchao's own function runs on one band for each kind (the check), not for each
+    weight, and every weight's bytes are torchao's."""
+    from ptdstream.upstream import adapter
+    from ptdstream.weightless import hqq_bands
+
+    module = adapter.intx_unpacked_module()
+    real_hqq = module._choose_qparams_and_quantize_scale_only_hqq
+    checks = []
+
+    def counted(hp, block_size, qmin, qmax, **kwargs):
+        if kwargs.get("early_stop_tol") == float("-inf") and kwargs.get("iters") == 20:
+            checks.append((tuple(hp.shape), int(block_size[1])))
+        return real_hqq(hp, block_size, qmin, qmax, **kwargs)
+
+    monkeypatch.setattr(module, "_choose_qparams_and_quantize_scale_only_hqq", counted)
+    monkeypatch.setattr(hqq_bands, "_checked", {})
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 16 * 512 * 4)
+    torch.manual_seed(3)
+    state = {"a.weight": torch.randn(48, 512), "b.weight": torch.randn(48, 512), "c.weight": torch.randn(48, 256)}
+    config = ROW_WISE["8da8w"]
+
+    def build():
+        m = torch.nn.Sequential()
+        m.a, m.b, m.c = (torch.nn.Linear(512, 48, bias=False), torch.nn.Linear(512, 48, bias=False),
+                         torch.nn.Linear(256, 48, bias=False))
+        return m
+
+    real = build()
+    real.load_state_dict(state)
+    quantize_(real, config)
+    checks.clear()
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        with torch.device("meta"):
+            model = build()
+        model = weights.model(model)
+        quantize_(model, config)
+        for name in ("a", "b", "c"):
+            for inner in ("qdata", "scale"):
+                x, y = getattr(getattr(model, name).weight, inner), getattr(getattr(real, name).weight, inner)
+                assert x.contiguous().view(torch.uint8).equal(y.contiguous().view(torch.uint8)), (name, inner)
+    assert checks == [((16, 512), 512), ((32, 256), 256)]  # a's first band, c's first band; not b's
 
 
 def test_no_band_is_one_row_alone_whose_whole_row_scale_torch_would_sum_across_threads(tmp_path, monkeypatch):
@@ -366,6 +461,9 @@ def test_the_whole_tensors_stop_is_the_first_iteration_every_band_is_below_the_t
     never = Changes(iters=3, tol=1e-5)
     never.add(t([float("nan")] * 3))
     assert never.stop() == 3
+    assert not never.complete()  # not checked against torchao's own values
+    never.checked = True
+    assert never.complete() and not changes.complete()
 
 
 def test_a_strict_export_copies_no_quantized_weight_into_dynamos_real_value_cache(tmp_path, monkeypatch):
