@@ -8,8 +8,8 @@ counted): the weight (``--rows`` x ``--cols``, bf16 in a safetensors file, read 
 float32 as ``from_pretrained(dtype=float32)`` does) is quantized with
 ``--config`` (``8w``: ``IntxWeightOnlyConfig`` int8 ``PerAxis(0)``, an embedding;
 ``8da4w``: ``Int8DynamicActivationIntxWeightConfig`` int4 ``PerGroup(32)``, a
-linear). Rows: peak RSS added over the imports (``VmHWM`` reset first), wall
-seconds, and the sha256 of the quantized tensors (qdata, scale, zero point),
+linear). Rows: peak RSS added over the imports (``VmHWM`` reset first) and wall
+seconds, both up to the end of ``quantize_``, and the sha256 of the quantized tensors (qdata, scale, zero point),
 which must be equal. ``raw``: the float32 weight's own size, for scale; ``x first``:
 wall seconds over the first route's. Routes (``--routes``): ``loaded``,
 ``weights_from``, and ``two_passes`` (``weights_from`` with the second pass forced,
@@ -45,8 +45,6 @@ def _status(field: str) -> int:
 
 
 def _child(route: str, path: str, rows: int, cols: int, config_name: str) -> dict:
-    import hashlib
-
     import torch
     from torchao.quantization import quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
@@ -83,10 +81,8 @@ def _child(route: str, path: str, rows: int, cols: int, config_name: str) -> dic
             model = build()
         model.load_state_dict({"w.weight": st.load_file(path)["w.weight"].to(torch.float32)}, assign=True)
         quantize_(model, config, chosen)
-        weight = model.w.weight
-        digest = hashlib.sha256()
-        for name in weight.__tensor_flatten__()[0]:
-            digest.update(getattr(weight, name).contiguous().view(torch.uint8).numpy().tobytes())
+        seconds, peak = time.perf_counter() - start, _status("VmHWM") - base
+        digest = _digest(model.w.weight)
     else:
         if route == "two_passes":  # as before the first pass's bands were kept: always a second pass
             from ptdstream.weightless import hqq_bands
@@ -96,12 +92,23 @@ def _child(route: str, path: str, rows: int, cols: int, config_name: str) -> dic
             with torch.device("meta"):
                 model = weights.model(build())
             quantize_(model, config, chosen)
-            weight = model.w.weight
-            digest = hashlib.sha256()
-            for name in weight.__tensor_flatten__()[0]:
-                digest.update(getattr(weight, name).contiguous().view(torch.uint8).numpy().tobytes())
-    seconds = time.perf_counter() - start
-    return {"peak": _status("VmHWM") - base, "seconds": seconds, "sha256": digest.hexdigest()}
+            seconds, peak = time.perf_counter() - start, _status("VmHWM") - base
+            digest = _digest(model.w.weight)
+    return {"peak": peak, "seconds": seconds, "sha256": digest}
+
+
+def _digest(weight) -> str:
+    """sha256 of a quantized weight's inner tensors, read in 8 MiB pieces (after the peak is read)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name in weight.__tensor_flatten__()[0]:
+        flat = getattr(weight, name).contiguous().view(-1).view(torch.uint8)
+        for i in range(0, flat.numel(), 8 << 20):
+            digest.update(flat[i:i + (8 << 20)].numpy().tobytes())
+    return digest.hexdigest()
 
 
 def main() -> int:

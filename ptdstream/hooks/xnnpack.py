@@ -61,8 +61,9 @@ from .reachability import compact_dependency_viewers
 
 __all__ = ["SPILL_MIN_NBYTES", "reference_converted", "spilling_converted", "xnnpack_constants_by_reference"]
 
-#: A converted constant at least this large goes to the spill of :func:`spilling_converted`, when one is open.
-SPILL_MIN_NBYTES = 1 << 20
+#: A converted constant at least this large goes to the spill of :func:`spilling_converted`, when one is open
+#: (smaller ones cost a mapping more than they hold; a layer's 4-bit scales are tens to hundreds of KiB each).
+SPILL_MIN_NBYTES = 64 << 10
 _spill: contextvars.ContextVar = contextvars.ContextVar("ptdstream_xnnpack_spill", default=None)
 
 _entered: contextvars.ContextVar = contextvars.ContextVar("ptdstream_xnnpack_by_reference", default=())

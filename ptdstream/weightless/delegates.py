@@ -98,7 +98,7 @@ def sharing_bound_weights(folder: str | None = None) -> Iterator[None]:
     """While active, XNNPACK keeps unchanged weights by reference
     (:func:`ptdstream.hooks.xnnpack.xnnpack_constants_by_reference`), with a
     ``folder``, the converted ones it packs (4-bit weights, their scales) of at
-    least 1 MiB in nameless files there, mapped back
+    least 64 KiB in nameless files there, mapped back
     (:func:`ptdstream.hooks.xnnpack.spilling_converted`; a large 4-bit weight
     packed band by band straight into such a file:
     :func:`ptdstream.hooks.xnnpack_qc4w.packing_qc4w_in_bands`), its per-partition
