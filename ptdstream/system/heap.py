@@ -36,7 +36,10 @@ MMAP_THRESHOLD_NBYTES = 256 << 10
 ARENA_MAX = 2
 #: inside :func:`reusing_heap_blocks`, blocks under this size come from the heap (glibc's largest threshold)
 REUSED_MAX_NBYTES = 32 << 20
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+#: glibc's default M_TRIM_THRESHOLD: a free top of the heap larger than this goes back to the system at once
+TRIM_THRESHOLD_NBYTES = 128 << 10
+_M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _lock = threading.Lock()
 _state: dict[str, Any] = {"fixed": False, "reusing": 0}
@@ -60,16 +63,19 @@ def fix_mmap_threshold() -> bool:
 
 @contextlib.contextmanager
 def reusing_heap_blocks() -> Iterator[None]:
-    """While active (in any thread: the threshold is the process's), blocks under
-    :data:`REUSED_MAX_NBYTES` come from the heap, where freed ones are reused; when
-    the last one exits, the threshold :func:`fix_mmap_threshold` set is back and the
-    heap is trimmed (:func:`malloc_trim`). Nests. Does nothing before
+    """While active (in any thread: the thresholds are the process's), blocks under
+    :data:`REUSED_MAX_NBYTES` come from the heap, where freed ones are reused (glibc's
+    ``M_TRIM_THRESHOLD`` raised too: fixing the mmap threshold left it at 128 KiB, so
+    a block freed at the top of the heap went back to the system at once and the
+    next one was faulted in afresh); when the last one exits, the thresholds
+    :func:`fix_mmap_threshold` left are back and the heap is trimmed (:func:`malloc_trim`). Nests. Does nothing before
     :func:`fix_mmap_threshold` ran (glibc then moves its own threshold)."""
     mallopt = _libc("mallopt")
     with _lock:
         _state["reusing"] += 1
         if _state["reusing"] == 1 and _state["fixed"] and mallopt is not None:
             mallopt(_M_MMAP_THRESHOLD, REUSED_MAX_NBYTES)
+            mallopt(_M_TRIM_THRESHOLD, 2 * REUSED_MAX_NBYTES)  # a freed top block stays to be reused
     try:
         yield
     finally:
@@ -78,6 +84,7 @@ def reusing_heap_blocks() -> Iterator[None]:
             last = _state["reusing"] == 0 and _state["fixed"] and mallopt is not None
             if last:
                 mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_NBYTES)
+                mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_NBYTES)
         if last:
             malloc_trim()
 

@@ -61,6 +61,25 @@ after = blocks(8 << 20)
 print(early, inside, still, after)
 """
 
+FAULTS = r"""
+import ctypes, mmap, resource
+from ptdstream.system.heap import fix_mmap_threshold, reusing_heap_blocks
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def faults(n, rounds):  # minor page faults of `rounds` blocks of n bytes, each touched whole, then freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        p = libc.malloc(n)
+        ctypes.memset(p, 1, n)
+        libc.free(p)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+fix_mmap_threshold()  # first thing, as a weights_from context does: glibc has moved no threshold yet
+with reusing_heap_blocks():
+    print(faults(8 << 20, 4), (8 << 20) // mmap.PAGESIZE)
+"""
+
 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="not glibc: no mallopt")
 def test_inside_reusing_heap_blocks_blocks_under_32_mib_come_from_the_heap_and_the_fixed_threshold_comes_back():
@@ -69,3 +88,15 @@ def test_inside_reusing_heap_blocks_blocks_under_32_mib_come_from_the_heap_and_t
     # glibc's own: an 8 MiB block is mapped (its starting threshold is 128 KiB); inside: heap blocks
     # under 32 MiB, a 40 MiB one mapped; the outer context still active; after: mapped again
     assert run.stdout.split("\n")[0] == "3 [0, 0, 3] 0 3"
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="not glibc: no mallopt")
+def test_inside_reusing_heap_blocks_a_block_freed_at_the_top_of_the_heap_is_reused_not_faulted_in_again():
+    """Four blocks of 8 MiB, each touched whole and freed: the first is faulted in, the others
+    reuse its pages. Before, a block freed at the top of the heap went back to the system at once
+    (glibc's trim threshold stayed at 128 KiB once the mmap threshold was fixed): four times the
+    faults (found by the breaker)."""
+    run = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, timeout=SAFETY_S)
+    assert run.returncode == 0, run.stderr[-2000:]
+    reused, one_block = map(int, run.stdout.split())
+    assert reused < 2 * one_block, (reused, one_block)
