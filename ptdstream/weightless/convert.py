@@ -53,7 +53,7 @@ from ..system.writeback import WritebackWindows
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CONVERTIBLE", "ConvertDir", "RowReader", "convertible"]
+__all__ = ["CONVERTIBLE", "FAULT_AROUND_NBYTES", "ConvertDir", "RowReader", "convertible"]
 
 #: The dtypes converted to one another (by name: torch is imported lazily).
 CONVERTIBLE = ("float32", "float16", "bfloat16")
@@ -241,6 +241,11 @@ class ConvertDir:
             self._own = False
 
 
+#: How far past a tensor's ends its reads may have mapped pages: the kernel maps a window around a
+#: faulting page (``fault_around_bytes``) or a whole large folio of the page cache (2 MiB on x86-64).
+FAULT_AROUND_NBYTES = 2 << 20
+
+
 class RowReader:
     """Rows of a checkpoint tensor (memory-mapped, or a converted copy) read into
     new tensors of ``dtype``, the pages of each band handed back once read.
@@ -283,5 +288,16 @@ class RowReader:
         return out
 
     def close(self) -> None:
-        """Drop the tensor (a converted copy's mapping goes with it); idempotent."""
+        """Hand back the pages the reads mapped around the tensor (a page fault maps a
+        window around its page, up to :data:`FAULT_AROUND_NBYTES` past either end: the
+        neighbours' pages, which no band of this tensor releases), then drop the
+        tensor (a converted copy's mapping goes with it); idempotent."""
+        from ..system.pagecache import release_mapped
+
+        tensor = self.tensor
+        if tensor is not None and self._mapping is not None and tensor.numel():
+            extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+            start = tensor.data_ptr() - FAULT_AROUND_NBYTES
+            release_mapped(start, extent * tensor.element_size() + 2 * FAULT_AROUND_NBYTES,
+                           (self._mapping.start, self._mapping.stop))
         self.tensor = None

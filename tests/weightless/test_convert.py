@@ -272,3 +272,43 @@ def test_checkpoint_tensor_is_the_mapped_view_and_names_an_unknown_key(tmp_path)
     with open_checkpoint(dcp, "dcp") as opened:
         with pytest.raises(FormatError, match=r"key 'l1.weight': a dcp checkpoint is loaded, not memory-mapped"):
             opened.tensor("l1.weight")
+
+
+def test_rows_read_for_quantization_leave_no_page_of_the_checkpoint_mapped(tmp_path):
+    """Each 2-D tensor of a checkpoint read in bands of 64 KiB (weights.reading, as quantization
+    reads them), bf16 to float32: after each reader closes, none of the checkpoint's pages are
+    mapped into the process. Before, the window a page fault maps around its page (into the
+    neighbouring tensors, which no band of this one releases) stayed: 59 MiB after the 58
+    weights of an 8B-shaped model of 8 layers."""
+    from ptdstream.system.pagecache import file_mapping
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(rows, 1536).to(torch.bfloat16) for i, rows in enumerate((700, 33, 1400, 5))}
+    state["norm"] = torch.ones(1536, dtype=torch.bfloat16)
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        first = weights.checkpoint.tensor("w0")
+        mapping = file_mapping(first.data_ptr(), first.numel() * first.element_size())
+        assert mapping is not None
+        after = []
+        for key in ("w0", "w1", "w2", "w3"):
+            with weights.reading(key, torch.float32) as source:
+                rows = state[key].shape[0]
+                for r0 in range(0, rows, 10):
+                    assert torch.equal(source.read(r0, min(rows, r0 + 10)), state[key][r0:r0 + 10].float())
+            after.append(_mapped_kib(mapping.start))
+    assert after == [0, 0, 0, 0]
+
+
+def _mapped_kib(address: int) -> int:
+    """KiB of the mapping at ``address`` resident in this process (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, stop = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < stop
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping at the address")
