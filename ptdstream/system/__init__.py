@@ -17,7 +17,9 @@
   open on an input; ``-`` compares stdin's file), ``refuse_stdin_output`` (standard
   input open on an output), ``files_of`` (a folder input's files), the
   case-sensitivity probe.
-* ``heap``: ``malloc_trim``, the C heap's free pages handed back to the system.
+* ``heap``: ``malloc_trim``, the C heap's free pages handed back to the system;
+  ``reusing_heap_blocks`` (a quantization's temporaries reused from the heap,
+  glibc's mmap and trim thresholds raised and then restored).
 * ``fsops``: every publishing rename, link, unlink and fsync, behind one hook
   that tests use to kill a process at each of them.
 * ``marks``: the random mark (an extended attribute) ptdstream puts on each temp
