@@ -18,7 +18,7 @@ from .tensor import TensorSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MappedTensorSource", "expected_files", "expecting_files", "opened_identity"]
+__all__ = ["MappedTensorSource", "changed_in_place", "expected_files", "expecting_files", "opened_identity"]
 
 _lock = threading.Lock()
 #: (real path, inode) -> the identities :func:`expecting_files` registered for that file, latest last
@@ -61,6 +61,26 @@ def expected_files() -> dict[tuple[int, int], str]:
     writer may replace or remove (:mod:`ptdstream.write.open_inputs`)."""
     with _lock:
         return {(held[-1].device, inode): path for (path, inode), held in _expected.items()}
+
+
+def changed_in_place() -> list[tuple[str, FileIdentity, FileIdentity]]:
+    """The files :func:`expecting_files` holds registered whose path still names the
+    inode registered but whose identity differs (written to in place since it was
+    opened: what :class:`MappedTensorSource` refuses at a read): ``(real path,
+    identity then, identity now)``. A file replaced (another inode) or removed is not
+    listed: its mappings keep the old inode's bytes."""
+    with _lock:
+        held = [(path, inode, idents[-1]) for (path, inode), idents in _expected.items()]
+    changed = []
+    for path, inode, then in held:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        now = FileIdentity.of(st)
+        if st.st_ino == inode and now != then:
+            changed.append((path, then, now))
+    return changed
 
 
 class MappedTensorSource(TensorSource):

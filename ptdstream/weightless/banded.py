@@ -9,7 +9,9 @@ made, over those files. Under ``hqq_scale_only`` a first pass over the bands
 finds the iteration the whole tensor stops at; where that is torchao's last one
 its bands are the tensor's, else a second pass runs exactly that many
 (:mod:`ptdstream.weightless.hqq_bands`). Anything else than one row of
-inner tensors per row gives None (the caller quantizes the tensor whole).
+inner tensors per row, or a NaN in a band under the ``affine`` algorithm (torch's
+min/max give a NaN scale other bits in a band), gives None (the caller quantizes
+the tensor whole).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ __all__ = ["bands", "hqq_first_pass", "quantize_in_bands", "restore_extra_repr"]
 
 class _NotRowWise(Exception):
     """torchao's bands did not come out one row of inner tensors per row: quantize the tensor whole."""
+
+
+class _NaNUnderAffine(_NotRowWise):
+    """A band holds a NaN under the ``affine`` algorithm: quantize the tensor whole. torch's
+    min/max reductions give a NaN scale other sign and payload bits in a band than in the
+    whole tensor (their loop over the rows depends on the row count), so only the whole
+    tensor gives upstream's bytes."""
 
 
 def restore_extra_repr(module: Any, extra_repr: Any) -> None:
@@ -49,13 +58,20 @@ def bands(rows: int, step: int) -> list[tuple[int, int]]:
 
 
 def _quantized_band(module: Any, weight: Any, config: Any, handler: Any, source: Any, r0: int, r1: int,
-                    extra_repr: Any) -> Any:
+                    extra_repr: Any, nan_whole: bool = False) -> Any:
     """Rows ``[r0, r1)`` of ``source`` quantized by ``handler`` on ``module`` (its
-    weight left None: the band's full-precision values go with the return)."""
+    weight left None: the band's full-precision values go with the return).
+
+    Raises:
+        _NaNUnderAffine: ``nan_whole`` and the band holds a NaN.
+    """
     import torch
 
+    values = source.read(r0, r1, None)
+    if nan_whole and bool(torch.isnan(values).any()):
+        raise _NaNUnderAffine
     restore_extra_repr(module, extra_repr)  # torchao wraps it once per call: once in all, as upstream
-    module.weight = torch.nn.Parameter(source.read(r0, r1, None), requires_grad=weight.requires_grad)
+    module.weight = torch.nn.Parameter(values, requires_grad=weight.requires_grad)
     handler(module, config)
     band = module.weight
     module.weight = None
@@ -118,7 +134,8 @@ def quantize_in_bands(module: Any, weight: Any, config: Any, handler: Any, sourc
     appended to files in ``folder``; ``hqq``: the config is HQQ scale-only (a first
     pass, and a second one where the whole tensor stops early). None (``module``'s
     ``extra_repr`` restored, the files dropped) when a band's inner tensors are not
-    one row per row of the weight."""
+    one row per row of the weight, or a band holds a NaN under the ``affine``
+    algorithm (its NaN scale's bits are the whole tensor's only: :class:`_NaNUnderAffine`)."""
     try:
         return _in_bands(module, weight, config, handler, source, step, folder, extra_repr, hqq)
     except _NotRowWise:
@@ -139,7 +156,7 @@ def _in_bands(module: Any, weight: Any, config: Any, handler: Any, source: Any, 
     with RowFiles(folder) as files, fixed:
         for r0, r1 in bands(weight.shape[0], step):
             first = _append_band(files, _quantized_band(module, weight, config, handler, source, r0, r1,
-                                                        extra_repr), first, r0, r1)
+                                                        extra_repr, nan_whole=not hqq), first, r0, r1)
         if first is None:  # no band at all (no rows): quantize the tensor whole
             raise _NotRowWise
         return _unflattened(first, files.finish(), weight)

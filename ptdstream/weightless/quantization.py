@@ -35,8 +35,8 @@ model whose targeted weights are storage-less, it:
    torchao's ``IntxUnpackedToInt8Tensor``) is quantized in bands of rows of
    about :data:`BAND_NBYTES`, each band's inner tensors appended to the files:
    the same bytes as the whole tensor quantized at once (rows are quantized
-   independently; under the ``affine`` algorithm a NaN weight's NaN scale may
-   take other NaN bits, as torch's vectorized and scalar loops give them).
+   independently; under the ``affine`` algorithm a weight with a NaN is
+   quantized whole: torch's min/max give a NaN scale other bits in a band).
    Under ``hqq_scale_only``, whose early stop is taken over the whole tensor,
    a first pass over the bands finds the iteration the whole tensor stops at;
    its bands are the tensor's where that is torchao's last iteration, else a

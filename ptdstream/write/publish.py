@@ -57,7 +57,9 @@ def prepare_folders(targets: Iterable[str]) -> list[str]:
     Raises:
         OverwriteError: a target is a checkpoint an open ``weights_from`` reads
             (:func:`~ptdstream.write.open_inputs.refuse_open_checkpoints`), before
-            any folder step."""
+            any folder step.
+        IntegrityError: such a checkpoint was written to in place since it was
+            opened (the same check), before any folder step."""
     targets = [os.fspath(t) for t in targets]
     refuse_open_checkpoints(targets)
     folders = _folders(resolve_target(os.path.abspath(t)) for t in targets)

@@ -197,15 +197,18 @@ def test_tied_embedding_is_quantized_twice_in_upstreams_order(tmp_path, key_map)
 @pytest.mark.parametrize("name", list(ROW_WISE))
 def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes(tmp_path, monkeypatch, name):
     """Rows are quantized independently (per-row and per-group scales): bands of 7 rows give the
-    bytes of the tensor quantized whole, NaN and Inf rows included. ``hqq_scale_only`` stops its
+    bytes of the tensor quantized whole, Inf rows included (a NaN too under HQQ; under ``affine`` a NaN
+    takes the weight whole: the next test). ``hqq_scale_only`` stops its
     iterations on the largest change over the whole tensor: a first pass over the bands finds that
     iteration; a NaN keeps the whole tensor iterating to torchao's last, so the first pass's bands
     are the tensor's and no second pass runs."""
     config = ROW_WISE[name]
+    hqq = quantization._hqq(config)
     torch.manual_seed(1)
     weight = torch.randn(61, 256)
-    weight[3, 5], weight[10, :] = float("nan"), float("inf")
-    weight[20, 7] = -float("inf")
+    weight[10, :], weight[20, 7] = float("inf"), -float("inf")
+    if hqq:  # under affine a NaN takes the tensor whole: the next test
+        weight[3, 5] = float("nan")
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
     real = torch.nn.Sequential()
     real.lin = torch.nn.Linear(256, 61, bias=False)
@@ -230,15 +233,48 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
         for inner in want.__tensor_flatten__()[0]:
             a, b = getattr(got, inner), getattr(want, inner)
             assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
-            nan = b.isnan() if b.is_floating_point() else torch.zeros_like(b, dtype=torch.bool)
-            assert a.isnan().equal(nan) if b.is_floating_point() else True, inner
-            # a NaN's payload bits (sign, mantissa) follow torch's vectorized or scalar loop, which
-            # depends on the tensor's size, as for converted weights (docs/guarantees.md): NaN only
-            assert a[~nan].view(torch.uint8 if a.element_size() == 1 else torch.int32).equal(
-                b[~nan].view(torch.uint8 if b.element_size() == 1 else torch.int32)), inner
-            if name != "8da4w-affine-g128":
-                assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
+            assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
             assert _file_backed(a)
+
+
+@pytest.mark.parametrize("name", ["8da8w-affine", "8w-affine-g32"])
+def test_a_nan_under_affine_takes_the_weight_whole_with_upstreams_nan_bits(tmp_path, monkeypatch, name):
+    """Under ``affine`` torch's min/max give a NaN scale other sign and payload bits in a band of
+    2730 rows than in the whole 6000 (0x7fc00000 against 0xffffffff, the adversary's case): a band
+    holding a NaN sends the weight to one whole-tensor call, whose bytes are upstream's; a weight
+    without NaN stays in bands."""
+    config = {"8da8w-affine": Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8,
+                                                                    weight_granularity=PerAxis(0)),
+              "8w-affine-g32": IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(32))}[name]
+    torch.manual_seed(0)
+    clean = torch.randn(6000, 96) * 0.1
+    weight = clean.clone()
+    weight[2725, 5] = float("nan")
+    real = torch.nn.Sequential()
+    real.lin = torch.nn.Linear(96, 6000, bias=False)
+    real.lin.weight = torch.nn.Parameter(weight.clone())
+    quantize_(real, config)
+
+    calls = []
+    real_handler = quantization.adapter.quantize_handler
+    monkeypatch.setattr(quantization.adapter, "quantize_handler",
+                        lambda c: lambda m, cfg: calls.append(m.weight.shape[0]) or real_handler(c)(m, cfg))
+    for values, want_calls in ((weight, [6000]), (clean, [2730, 2730, 540])):
+        ckpt = save_checkpoint("safetensors", {"lin.weight": values}, tmp_path / f"ckpt{len(want_calls)}")
+        calls.clear()
+        with weights_from(ckpt) as weights:
+            model = torch.nn.Sequential()
+            with torch.device("meta"):
+                model.lin = torch.nn.Linear(96, 6000, bias=False)
+            model = weights.model(model)
+            quantize_(model, config)
+            if values is weight:
+                got, want = model.lin.weight, real.lin.weight
+                for inner in want.__tensor_flatten__()[0]:
+                    a, b = getattr(got, inner), getattr(want, inner)
+                    assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
+                    assert _file_backed(a)
+            assert calls == want_calls
 
 
 def _hqq_weight(name):
@@ -539,6 +575,45 @@ def test_a_checkpoint_changed_after_quantization_is_refused_before_emission(tmp_
             with pytest.raises(IntegrityError, match=rf"its checkpoint file {re.escape(str(ckpt))} was written to "
                                                      r"after it was opened .*; nothing is written from it"):
                 _xnnpack(program)
+
+
+class _Quantized(torch.nn.Module):
+    """Two bias-free linears: once quantized and lowered, the save reads nothing from the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128, bias=False)
+        self.down = torch.nn.Linear(128, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_checkpoint_changed_after_lowering_is_refused_by_the_save_and_an_existing_output_kept(tmp_path):
+    """Every weight quantized and lowered: the program holds values read before the change and the
+    save reads nothing from the checkpoint; it refuses before its first folder step, the output
+    that was there kept, no other file made (the adversary's case: it published, then the block's
+    exit reported the change)."""
+    torch.manual_seed(0)
+    ckpt = save_checkpoint("safetensors", state_of(_Quantized()), tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.pte").write_bytes(b"OLD-CONTENT")
+    with pytest.raises(IntegrityError, match=r"before weights_from exited"):  # and again as the block exits
+        with weights_from(ckpt) as weights:
+            model = weights.model(_Quantized)
+            quantize_(model, LINEAR_8DA4W)
+            unwrap_tensor_subclass(model)
+            manager = _xnnpack(torch.export.export(model, (torch.randn(2, 64),)))
+            with open(ckpt, "r+b") as f:  # the last 4 bytes: the end of 'up.weight' or 'down.weight'
+                f.seek(-4, os.SEEK_END)
+                f.write(b"\x01\x02\x03\x04")
+            with pytest.raises(IntegrityError) as caught:
+                ptdstream.save(manager, str(out / "model.pte"))
+            assert str(caught.value).startswith(f"checkpoint file {os.path.realpath(ckpt)}: written to after an "
+                                                "open weights_from opened it"), caught.value
+    assert os.listdir(out) == ["model.pte"]
+    assert (out / "model.pte").read_bytes() == b"OLD-CONTENT"
 
 
 def test_a_weight_the_group_size_does_not_divide_is_named_before_anything_is_read_and_a_missing_key_too(tmp_path):
