@@ -240,15 +240,21 @@ def test_checkpoint_changed_between_bind_and_emission_is_refused_by_key(tmp_path
             "'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias'; a checkpoint must not change") in message
 
 
-def test_converted_checkpoint_changed_after_emission_is_reported_at_exit(tmp_path):
+def test_converted_checkpoint_changed_after_emission_is_refused_by_the_save_and_reported_at_exit(tmp_path):
+    """The converted copies hold the values from before the change and the save reads nothing from
+    the checkpoint: it refuses before its first folder step (it used to publish them), and the
+    block's exit reports the keys."""
     state = {k: v.to(torch.bfloat16) for k, v in state_of(_seeded(Mlp)).items()}
     ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
     with pytest.raises(IntegrityError) as caught:
         with weights_from(ckpt) as weights:
             manager = _lower(weights.export(weights.model(Mlp), example_inputs(Mlp())))
             _scribble(ckpt)
-            _save(manager, tmp_path / "out")  # the copies hold the values as they were converted
-    assert sorted(os.listdir(tmp_path / "out")) == [PTD, "model.pte"]
+            with pytest.raises(IntegrityError) as refused:
+                _save(manager, tmp_path / "out")
+            assert str(refused.value).startswith(f"checkpoint file {os.path.realpath(ckpt)}: written to after an "
+                                                 "open weights_from opened it (device, inode, size"), refused.value
+    assert os.listdir(tmp_path / "out") == []
     assert f"checkpoint file {ckpt}: changed after weights_from opened it" in str(caught.value)
     assert ("before weights_from exited (its converted copies and quantized weights hold the values from before "
             "the change): 4 bound key(s) come from it: 'l1.weight'") in str(caught.value)
