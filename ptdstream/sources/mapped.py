@@ -73,14 +73,20 @@ def changed_in_place() -> list[tuple[str, FileIdentity, FileIdentity]]:
         held = [(path, inode, idents[-1]) for (path, inode), idents in _expected.items()]
     changed = []
     for path, inode, then in held:
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        now = FileIdentity.of(st)
-        if st.st_ino == inode and now != then:
+        now = _same_inode_now(path, inode)
+        if now is not None and now != then:
             changed.append((path, then, now))
     return changed
+
+
+def _same_inode_now(path: str, inode: int) -> FileIdentity | None:
+    """The identity of the file at ``path`` now, or None where that is no longer
+    ``inode`` (removed, or replaced by a rename: a mapping keeps the old inode's bytes)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return FileIdentity.of(st) if st.st_ino == inode else None
 
 
 class MappedTensorSource(TensorSource):
@@ -153,25 +159,22 @@ class MappedTensorSource(TensorSource):
         m = self.mapping
         if m.path.endswith(" (deleted)"):
             return  # unlinked: nobody can reach it by name to change it
-        try:
-            st = os.stat(m.path)
-        except FileNotFoundError:
-            return  # unlinked since it was mapped: the mapping keeps the inode
-        if st.st_ino != m.inode:
-            return  # replaced (os.replace): the mapping keeps the old inode, unchanged
+        now = _same_inode_now(m.path, m.inode)
+        if now is None:
+            return  # unlinked or replaced since it was mapped: the mapping keeps the old inode, unchanged
         opened = self.expectation.file
-        if opened is not None and FileIdentity.of(st) != opened:
+        if opened is not None and now != opened:
             raise IntegrityError(
                 f"{self.describe()}: its checkpoint file {m.path} was written to after it was "
                 f"opened (device, inode, size, modification and change time {tuple(opened)} then, "
-                f"{tuple(FileIdentity.of(st))} now); nothing is written from it: a checkpoint "
+                f"{tuple(now)} now); nothing is written from it: a checkpoint "
                 "must not change while it is saved"
             )
         needed = m.offset + (self._address() - m.start) + self.nbytes
-        if st.st_size < needed:
+        if now.size < needed:
             raise IntegrityError(
                 f"{self.describe()}: its checkpoint file {m.path} was truncated after "
-                f"it was mapped (needs {needed:,} bytes, has {st.st_size:,})"
+                f"it was mapped (needs {needed:,} bytes, has {now.size:,})"
             )
 
     def _readable_range(self) -> FileRangeSource | None:
