@@ -133,6 +133,20 @@ def mapped_rss(path) -> int:
     return total
 
 
+def mapping_rss(address: int) -> int:
+    """Bytes of the one mapping holding ``address`` resident in this process (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's header line
+                start, stop = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < stop
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 #: ``statfs`` ``f_type`` of the file systems whose files are their pages in memory
 #: (``linux/magic.h``): there no page can leave the page cache.
 _IN_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import mapping_rss
 from executorch.backends.xnnpack.operators.node_visitor import NodeVisitor
 
 from ptdstream.hooks import xnnpack_qc4w
@@ -74,7 +75,7 @@ def test_a_weight_mapped_from_a_file_is_read_band_by_band_its_pages_handed_back(
     class Sink(RowFiles):
         def append(self, name, band):
             super().append(name, band)
-            resident.append(_mapped_rss(weight))
+            resident.append(mapping_rss(weight.data_ptr()))
 
     with Sink(str(tmp_path)) as sink:
         packed = pack_qc4w_in_bands(weight, sink, 1 << 20)
@@ -84,15 +85,3 @@ def test_a_weight_mapped_from_a_file_is_read_band_by_band_its_pages_handed_back(
     assert torch.equal(packed, UPSTREAM(weight.clone()))
 
 
-def _mapped_rss(tensor: torch.Tensor) -> int:
-    """Bytes of the mapping holding ``tensor`` resident in this process (``/proc/self/smaps``)."""
-    address, inside = tensor.data_ptr(), False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, stop = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < stop
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the tensor")

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import skip_unless_pages_can_drop
+from conftest import mapping_rss, skip_unless_pages_can_drop
 from safetensors.torch import load_file, save_file
 
 from ptdstream.hooks.emitter import reference
@@ -17,20 +17,6 @@ from ptdstream.system import pagecache
 from ptdstream.system.pagecache import drop_pages, file_mapping, release_mapped, resident_nbytes
 
 MiB = 1 << 20
-
-
-def _mapping_rss(address: int) -> int:
-    """Bytes of the mapping holding ``address`` resident in this process (``/proc/self/smaps``)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, stop = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < stop
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def _cold_checkpoint(tmp_path, nbytes: int) -> tuple[str, torch.Tensor, bytes]:
@@ -59,7 +45,7 @@ def test_the_hash_keeps_the_page_cache_out_of_rss_and_the_save_drops_it(tmp_path
     # page cache, and nothing of the mapping in this process's RSS (read with pread)
     assert paged_out == []
     assert resident_nbytes(path) >= nbytes - 8 * MiB, resident_nbytes(path)
-    assert _mapping_rss(tensor.data_ptr()) <= 4 * MiB, _mapping_rss(tensor.data_ptr())
+    assert mapping_rss(tensor.data_ptr()) <= 4 * MiB, mapping_rss(tensor.data_ptr())
 
     # the save reads the same source: the same bytes, the file's pages dropped
     # (before: read through the mapping, MADV_PAGEOUT left 40 of these 48 MiB cached)
@@ -69,7 +55,7 @@ def test_the_hash_keeps_the_page_cache_out_of_rss_and_the_save_drops_it(tmp_path
         saved.update(piece)
     assert saved.digest() == digest
     assert resident_nbytes(path) <= 4 * MiB, resident_nbytes(path)
-    assert _mapping_rss(tensor.data_ptr()) <= 4 * MiB
+    assert mapping_rss(tensor.data_ptr()) <= 4 * MiB
 
 
 def test_release_keeps_a_page_written_in_a_private_mapping(tmp_path, monkeypatch):
@@ -132,11 +118,11 @@ def test_release_shared_under_unmaps_a_folders_shared_copies_and_keeps_their_byt
     for t in (copy, other):
         assert int(t.to(torch.int64).sum()) == int(data.to(torch.int64).sum())  # every page read
     copy[5] = 7  # a shared mapping writes its file: DONTNEED keeps the write
-    assert _mapping_rss(copy.data_ptr()) >= 6 * MiB
+    assert mapping_rss(copy.data_ptr()) >= 6 * MiB
     advised = release_shared_under(str(tmp_path / "ours"))
     assert advised == copy.untyped_storage().nbytes() + (-copy.untyped_storage().nbytes()) % 4096
-    assert _mapping_rss(copy.data_ptr()) == 0
-    assert _mapping_rss(other.data_ptr()) >= 6 * MiB  # another folder's: left alone
+    assert mapping_rss(copy.data_ptr()) == 0
+    assert mapping_rss(other.data_ptr()) >= 6 * MiB  # another folder's: left alone
     assert torch.equal(checkpoint, written)  # a private mapping: left alone, its written page kept
     want = data.clone()
     want[5] = 7

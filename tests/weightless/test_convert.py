@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from _checkpoints import save_checkpoint, state_of
-from conftest import Mlp, TiedLM, example_inputs, read_folder
+from conftest import Mlp, TiedLM, example_inputs, mapping_rss, read_folder
 
 import ptdstream
 from ptdstream.errors import FormatError, IntegrityError, MissingKeyError
@@ -302,19 +302,6 @@ def test_rows_read_for_quantization_leave_no_page_of_the_checkpoint_mapped(tmp_p
                 rows = state[key].shape[0]
                 for r0 in range(0, rows, 10):
                     assert torch.equal(source.read(r0, min(rows, r0 + 10)), state[key][r0:r0 + 10].float())
-            after.append(_mapped_kib(mapping.start))
+            after.append(mapping_rss(mapping.start))
     assert after == [0, 0, 0, 0]
 
-
-def _mapped_kib(address: int) -> int:
-    """KiB of the mapping at ``address`` resident in this process (``/proc/self/smaps``)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, stop = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < stop
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError("no mapping at the address")

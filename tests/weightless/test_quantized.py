@@ -16,6 +16,7 @@ import pytest
 import torch
 from _checkpoints import save_checkpoint, state_of
 from _llama import Llama, methods, seeded
+from conftest import mapping_rss
 from torchao.quantization import quantize_  # imported before any context opens, as scripts do
 from torchao.quantization.granularity import PerAxis, PerGroup
 from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
@@ -210,22 +211,13 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
     if hqq:  # under affine a NaN takes the tensor whole: the next test
         weight[3, 5] = float("nan")
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
-    real = torch.nn.Sequential()
-    real.lin = torch.nn.Linear(256, 61, bias=False)
-    real.lin.weight = torch.nn.Parameter(weight.clone())
-    quantize_(real, config)
+    real = _real_linear(weight, config)
 
-    calls = []
-    real_handler = quantization.adapter.quantize_handler
-    monkeypatch.setattr(quantization.adapter, "quantize_handler",
-                        lambda c: lambda m, cfg: calls.append(m.weight.shape[0]) or real_handler(c)(m, cfg))
+    calls = _handler_calls(monkeypatch)
     monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
     monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * 256 * 4)
     with weights_from(ckpt) as weights:
-        model = torch.nn.Sequential()
-        with torch.device("meta"):
-            model.lin = torch.nn.Linear(256, 61, bias=False)
-        model = weights.model(model)
+        model = _storage_less_linear(weights, 256, 61)
         quantize_(model, config)
         got, want = model.lin.weight, real.lin.weight
         assert calls == [7] * 8 + [5]  # nine bands of rows, once (HQQ too: the NaN runs every iteration)
@@ -233,8 +225,7 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
         for inner in want.__tensor_flatten__()[0]:
             a, b = getattr(got, inner), getattr(want, inner)
             assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
-            assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
-            assert _file_backed(a)
+        _assert_same_bytes_file_backed(got, want)
 
 
 @pytest.mark.parametrize("name", ["8da8w-affine", "8w-affine-g32"])
@@ -250,31 +241,52 @@ def test_a_nan_under_affine_takes_the_weight_whole_with_upstreams_nan_bits(tmp_p
     clean = torch.randn(6000, 96) * 0.1
     weight = clean.clone()
     weight[2725, 5] = float("nan")
-    real = torch.nn.Sequential()
-    real.lin = torch.nn.Linear(96, 6000, bias=False)
-    real.lin.weight = torch.nn.Parameter(weight.clone())
-    quantize_(real, config)
+    real = _real_linear(weight, config)
 
-    calls = []
-    real_handler = quantization.adapter.quantize_handler
-    monkeypatch.setattr(quantization.adapter, "quantize_handler",
-                        lambda c: lambda m, cfg: calls.append(m.weight.shape[0]) or real_handler(c)(m, cfg))
+    calls = _handler_calls(monkeypatch)
     for values, want_calls in ((weight, [6000]), (clean, [2730, 2730, 540])):
         ckpt = save_checkpoint("safetensors", {"lin.weight": values}, tmp_path / f"ckpt{len(want_calls)}")
         calls.clear()
         with weights_from(ckpt) as weights:
-            model = torch.nn.Sequential()
-            with torch.device("meta"):
-                model.lin = torch.nn.Linear(96, 6000, bias=False)
-            model = weights.model(model)
+            model = _storage_less_linear(weights, 96, 6000)
             quantize_(model, config)
             if values is weight:
-                got, want = model.lin.weight, real.lin.weight
-                for inner in want.__tensor_flatten__()[0]:
-                    a, b = getattr(got, inner), getattr(want, inner)
-                    assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
-                    assert _file_backed(a)
+                _assert_same_bytes_file_backed(model.lin.weight, real.lin.weight)
             assert calls == want_calls
+
+
+def _real_linear(weight, config):
+    """A ``Sequential`` whose bias-free ``lin`` holds ``weight`` (out x in), quantized by torchao: upstream."""
+    real = torch.nn.Sequential()
+    real.lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    real.lin.weight = torch.nn.Parameter(weight.clone())
+    quantize_(real, config)
+    return real
+
+
+def _storage_less_linear(weights, in_features, out_features):
+    """A ``Sequential`` whose bias-free ``lin`` is storage-less, bound to ``weights``' checkpoint (key 'lin.weight')."""
+    model = torch.nn.Sequential()
+    with torch.device("meta"):
+        model.lin = torch.nn.Linear(in_features, out_features, bias=False)
+    return weights.model(model)
+
+
+def _handler_calls(monkeypatch) -> list[int]:
+    """The rows of each tensor torchao's handler quantizes from now on (a band's, or a whole weight's), in order."""
+    calls: list[int] = []
+    real_handler = quantization.adapter.quantize_handler
+    monkeypatch.setattr(quantization.adapter, "quantize_handler",
+                        lambda c: lambda m, cfg: calls.append(m.weight.shape[0]) or real_handler(c)(m, cfg))
+    return calls
+
+
+def _assert_same_bytes_file_backed(got, want) -> None:
+    """Each inner tensor of ``want`` (torchao's tensor) byte for byte in ``got``, its inner tensors file-backed."""
+    for inner in want.__tensor_flatten__()[0]:
+        a, b = getattr(got, inner), getattr(want, inner)
+        assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
+        assert _file_backed(a)
 
 
 def _hqq_weight(name):
@@ -354,10 +366,7 @@ def test_a_first_pass_whose_values_are_not_torchaos_own_is_not_kept(tmp_path, mo
     from ptdstream.weightless import hqq_bands
 
     weight = _hqq_weight("8da8w")
-    real = torch.nn.Sequential()
-    real.lin = torch.nn.Linear(512, 128, bias=False)
-    real.lin.weight = torch.nn.Parameter(weight.clone())
-    quantize_(real, ROW_WISE["8da8w"])
+    real = _real_linear(weight, ROW_WISE["8da8w"])
     real_changes = hqq_bands._changes_of
 
     def other_loop(*a):
@@ -366,21 +375,16 @@ def test_a_first_pass_whose_values_are_not_torchaos_own_is_not_kept(tmp_path, mo
 
     monkeypatch.setattr(hqq_bands, "_changes_of", other_loop)
     monkeypatch.setattr(hqq_bands, "_checked", {})  # not checked yet in this process
-    stops, calls = [], []
+    stops = []
     real_first = banded.hqq_first_pass
     monkeypatch.setattr(banded, "hqq_first_pass",
                         lambda *a: (lambda r: stops.append((r[0].stop(), r[0].checked)) or r)(real_first(*a)))
-    real_handler = quantization.adapter.quantize_handler
-    monkeypatch.setattr(quantization.adapter, "quantize_handler",
-                        lambda c: lambda m, cfg: calls.append(m.weight.shape[0]) or real_handler(c)(m, cfg))
+    calls = _handler_calls(monkeypatch)
     monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
     monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
     with weights_from(ckpt) as weights:
-        model = torch.nn.Sequential()
-        with torch.device("meta"):
-            model.lin = torch.nn.Linear(512, 128, bias=False)
-        model = weights.model(model)
+        model = _storage_less_linear(weights, 512, 128)
         quantize_(model, ROW_WISE["8da8w"])
         for inner in ("qdata", "scale", "zero_point"):
             a, b = getattr(model.lin.weight, inner), getattr(real.lin.weight, inner)
@@ -544,15 +548,7 @@ def _mapping_rss(tensor) -> int:
 
     mapping = file_mapping(tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
     assert mapping is not None
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) == mapping.start
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping starts at {mapping.start:#x}")
+    return mapping_rss(mapping.start)
 
 
 def test_a_checkpoint_changed_after_quantization_is_refused_before_emission(tmp_path):
