@@ -269,10 +269,11 @@ class _Plan:
                     f"shape: {where}: the checkpoint holds {list(entry.shape)}, the model {list(weight.shape)}")
             else:
                 self.entries[id(module)] = (fqn, weights, key, weight)
-                group = _group_size(config)
-                if group and weight.dim() and weight.shape[-1] % group:
+                group, dim = _group_size(config), _grouped_dim(config, weight)
+                if group and weight.dim() and weight.shape[dim] % group:
+                    what = "its last dimension" if dim == weight.dim() - 1 else f"its dimension {dim} (input channels)"
                     misfits.append(f"{where} {str(weight.dtype).replace('torch.', '')}{list(weight.shape)}: group "
-                                   f"size {group} does not divide its last dimension ({weight.shape[-1]})")
+                                   f"size {group} does not divide {what} ({weight.shape[dim]})")
         for weights, found in problems.items():
             raise BindingError(weights.checkpoint.path, found)
         if misfits:
@@ -290,6 +291,15 @@ def _group_size(config: Any) -> int | None:
     return getattr(granularity, "group_size", None) if type(granularity).__name__ == "PerGroup" else None
 
 
+def _grouped_dim(config: Any, weight: Any) -> int:
+    """The dimension a PerGroup config's groups run along: a 4-D (Conv2d) weight's input
+    channels under ``IntxWeightOnlyConfig`` (block ``(1, group, 1, 1)``), else the last
+    (torchao ``quant_api._intx_weight_only_quantize_tensor``)."""
+    if type(config).__name__ == "IntxWeightOnlyConfig" and weight.dim() == 4:
+        return 1
+    return max(weight.dim() - 1, 0)
+
+
 def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, config: Any, device: Any) -> None:
     """Quantize ``module.weight`` (storage-less ``weight``) from checkpoint key ``key`` with torchao's handler."""
     import torch
@@ -298,7 +308,8 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
     rows = weight.shape[0] if weight.dim() else 1
     row_nbytes = weight[0].numel() * weight.element_size() if weight.dim() else weight.element_size()
     on_cpu = device is None or torch.device(device).type == "cpu"
-    banded = (on_cpu and (_row_local(config) or _hqq(config)) and weight.dim() >= 2
+    # HQQ's torchao function takes 2-D weights alone: a 4-D one goes whole, to torchao's own error
+    banded = (on_cpu and (_row_local(config) or (_hqq(config) and weight.dim() == 2)) and weight.dim() >= 2
               and rows * row_nbytes > LARGE_NBYTES)
     weights.check_unchanged([key], f"before key {key!r} was quantized")
     extra_repr = module.__dict__.get("extra_repr")

@@ -640,6 +640,52 @@ def test_a_weight_the_group_size_does_not_divide_is_named_before_anything_is_rea
                                       "which the checkpoint does not hold"]
 
 
+def _is_conv(module, fqn) -> bool:
+    return isinstance(module, torch.nn.Conv2d)
+
+
+def test_a_conv2d_weight_is_grouped_along_its_input_channels_as_torchao_groups_it(tmp_path, monkeypatch):
+    """``IntxWeightOnlyConfig`` groups a 4-D (Conv2d) weight along its input channels (block
+    ``(1, group, 1, 1)``): 64 channels in groups of 32 quantize in bands of output channels to
+    torchao's bytes; 48 are named before anything is read, where torchao raises a bare assert.
+    Under ``hqq_scale_only`` (2-D alone in torchao) a large 4-D weight goes whole, to torchao's own error."""
+    from ptdstream.weightless import QuantizationShapeError
+
+    config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+    hqq = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32),
+                               intx_choose_qparams_algorithm="hqq_scale_only")
+    torch.manual_seed(0)
+    fits, misfit = torch.randn(20, 64, 3, 3), torch.randn(8, 48, 3, 3)
+    real = torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False))
+    real[0].weight = torch.nn.Parameter(fits.clone())
+    quantize_(real, config, filter_fn=_is_conv)
+    with pytest.raises(AssertionError, match="48 to be divisible by block_size at 1 dimension: 32"):
+        quantize_(torch.nn.Sequential(torch.nn.Conv2d(48, 8, 3, bias=False)), config, filter_fn=_is_conv)
+
+    ckpt = save_checkpoint("safetensors", {"0.weight": fits, "1.weight": misfit}, tmp_path / "ckpt")
+    calls = _handler_calls(monkeypatch)
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 6 * 64 * 9 * 4)
+    with weights_from(ckpt) as weights:
+        model = weights.model(lambda: torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False)))
+        quantize_(model, config, filter_fn=_is_conv)
+        assert calls == [6, 6, 6, 2]
+        _assert_same_bytes_file_backed(model[0].weight, real[0].weight)
+        other = weights.model(lambda: torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False),
+                                                          torch.nn.Conv2d(48, 8, 3, bias=False)))
+        with pytest.raises(QuantizationShapeError) as caught:
+            quantize_(other, config, filter_fn=_is_conv)
+        assert is_storage_less(other[0].weight) and is_storage_less(other[1].weight)
+        with pytest.raises(AssertionError) as ours:
+            quantize_(weights.model(lambda: torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False))), hqq,
+                      filter_fn=_is_conv)
+    with pytest.raises(AssertionError) as upstream:
+        quantize_(torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False)), hqq, filter_fn=_is_conv)
+    assert str(ours.value) == str(upstream.value) == "hp_tensor must be 2D [out, in]"
+    assert caught.value.problems == [f"'1.weight' <- key '1.weight' ({ckpt}) float32[8, 48, 3, 3]: group size 32 "
+                                     "does not divide its dimension 1 (input channels) (48)"]
+
+
 def test_fqn_to_config_on_storage_less_weights_is_refused_by_name_before_anything_is_read(tmp_path):
     from torchao.quantization import FqnToConfig
 
