@@ -67,3 +67,11 @@ def rewrite_in_place(path, state, kind) -> None:
     with open(path, "r+b") as f:
         f.write(data)
     assert os.stat(path).st_ino == inode
+
+
+def safetensors_offset(path, key) -> int:
+    """The file offset of ``key``'s data in the safetensors file ``path``, read from its header."""
+    with open(path, "rb") as f:
+        header_nbytes = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_nbytes))
+    return 8 + header_nbytes + header[key]["data_offsets"][0]

@@ -118,7 +118,8 @@ def reference(storage, name: str | None = None) -> StorageReference:
     nbytes = storage.nbytes()
     flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
     mapping = file_mapping(storage.data_ptr(), nbytes) if nbytes else None
-    label = f"constant {name!r} ({nbytes} bytes)" if name else f"constant storage ({nbytes} bytes)"
+    at = f" at offset {mapping.offset + storage.data_ptr() - mapping.start:,} of its file" if mapping else ""
+    label = f"constant {name!r} ({nbytes} bytes{at})" if name else f"constant storage ({nbytes} bytes{at})"
     ref = StorageReference(MappedTensorSource(flat, mapping, label, expectation=Expectation(
         file=opened_identity(mapping))) if mapping else TensorSource(flat, label))
     ref.file_mapped = mapping is not None

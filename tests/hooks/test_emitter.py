@@ -237,11 +237,15 @@ def test_checkpoint_truncated_under_the_mapping_is_refused_not_sigbus(tmp_path):
         mapped = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(2)]).eval()
     mapped.load_state_dict(torch.load(checkpoint, mmap=True, weights_only=True), assign=True)
     manager = _by_reference(mapped)
+    data = checkpoint.read_bytes()
+    offsets = [data.find(layer.weight.detach().numpy().tobytes()) for layer in model]
     os.truncate(checkpoint, 4096)
     (tmp_path / "out").mkdir()
-    with pytest.raises(ptdstream.IntegrityError, match=r"checkpoint file .*checkpoint\.pt was truncated"):
+    with pytest.raises(ptdstream.IntegrityError, match=r"checkpoint file .*checkpoint\.pt was truncated") as e:
         ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
     assert os.listdir(tmp_path / "out") == []
+    assert str(e.value).startswith(f"constant '0.weight' (4194304 bytes at offset {offsets[0]:,} of its file) "
+                                   f"uint8[4194304]: its checkpoint file {checkpoint} was truncated")
 
 
 def test_a_weight_changed_to_equal_another_is_refused_not_merged(tmp_path):

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from _checkpoints import save_checkpoint, state_of
+from _checkpoints import safetensors_offset, save_checkpoint, state_of
 from _procs import SAFETY_S
 from conftest import Mlp, TiedLM, example_inputs, read_folder
 
@@ -311,7 +311,9 @@ def test_checkpoint_changed_between_emission_and_save_is_refused(tmp_path):
     assert os.listdir(out) == []
     message = str(caught.value)
     # the file's identity, checked at the first read (issue 32: before, the digest of 'l2.weight' once written)
-    assert message.startswith(f"constant 'l1.weight' (8192 bytes) uint8[8192]: its checkpoint file {ckpt} was "
+    at = safetensors_offset(ckpt, "l1.weight")
+    assert message.startswith(f"constant 'l1.weight' (8192 bytes at offset {at:,} of its file) uint8[8192]: "
+                              f"its checkpoint file {ckpt} was "
                               "written to after it was opened"), message
     assert message.endswith("nothing is written from it: a checkpoint must not change while it is saved")
 

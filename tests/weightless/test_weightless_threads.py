@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from _checkpoints import save_checkpoint, state_of
+from _checkpoints import safetensors_offset, save_checkpoint, state_of
 from conftest import Mlp, example_inputs
 
 import ptdstream
@@ -77,7 +77,9 @@ def test_save_in_another_thread_after_an_in_place_rewrite_is_refused_naming_the_
         with pytest.raises(IntegrityError) as caught:
             pool.submit(ptdstream.save, manager, str(out / "model.pte")).result()
     message = str(caught.value)
-    assert message.startswith(f"constant 'l1.weight' (8192 bytes) uint8[8192]: its checkpoint file {ckpt} was "
+    at = safetensors_offset(ckpt, "l1.weight")
+    assert message.startswith(f"constant 'l1.weight' (8192 bytes at offset {at:,} of its file) uint8[8192]: "
+                              f"its checkpoint file {ckpt} was "
                               "written to after it was opened (device, inode, size, modification and change "
                               "time ("), message
     assert message.endswith(" now); nothing is written from it: a checkpoint must not change while it is saved")
