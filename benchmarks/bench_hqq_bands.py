@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One large weight under HQQ scale-only (optimum's default algorithm), side by side:
 torchao's ``quantize_`` on the loaded weight vs ``quantize_`` inside ``weights_from``
-(banded at the whole tensor's stop iteration: ``ptdstream.weightless.hqq_bands``).
+(the whole tensor's iterations run over bands of rows: ``ptdstream.weightless.hqq_bands``).
 
 Each case runs in a fresh process (torch, torchao and ptdstream imported first, not
 counted): the weight (``--rows`` x ``--cols``, bf16 in a safetensors file, read as
@@ -12,8 +12,9 @@ linear). Rows: peak RSS added over the imports (``VmHWM`` reset first) and wall
 seconds, both up to the end of ``quantize_``, and the sha256 of the quantized tensors (qdata, scale, zero point),
 which must be equal. ``raw``: the float32 weight's own size, for scale; ``x first``:
 wall seconds over the first route's. Routes (``--routes``): ``loaded``,
-``weights_from``, and ``two_passes`` (``weights_from`` with the second pass forced,
-as before the first pass's bands were kept where the tensor runs every iteration).
+``weights_from``, and ``read_again`` (``weights_from`` with no weight held while its
+iterations run: each band read again from the checkpoint at each iteration, as a
+weight past ``banded.HELD_NBYTES`` is).
 
 Usage:
     python benchmarks/bench_hqq_bands.py                                  # 32000 x 1536 (the issue shape's embedding)
@@ -31,9 +32,9 @@ import sys
 import tempfile
 import time
 
-#: loaded: torchao on the loaded weight; weights_from: banded (one pass where the tensor runs every
-#: iteration); two_passes: banded with the second pass forced (the route before the first pass's bands were kept).
-ROUTES = ("loaded", "weights_from", "two_passes")
+#: loaded: torchao on the loaded weight; weights_from: banded; read_again: banded, no weight held
+#: while its iterations run (each band read again at each iteration).
+ROUTES = ("loaded", "weights_from", "read_again")
 
 
 def _status(field: str) -> int:
@@ -84,10 +85,10 @@ def _child(route: str, path: str, rows: int, cols: int, config_name: str) -> dic
         seconds, peak = time.perf_counter() - start, _status("VmHWM") - base
         digest = _digest(model.w.weight)
     else:
-        if route == "two_passes":  # as before the first pass's bands were kept: always a second pass
-            from ptdstream.weightless import hqq_bands
+        if route == "read_again":
+            from ptdstream.weightless import banded
 
-            hqq_bands.Changes.complete = lambda self: False
+            banded.HELD_NBYTES = 0
         with weights_from(path) as weights:
             with torch.device("meta"):
                 model = weights.model(build())

@@ -5,10 +5,12 @@ weight, runs torchao's handler of the config on it, appends the band's inner
 tensors (``qdata``, ``scale``, ``zero_point``: one row per row of the weight) to
 nameless files (:class:`~ptdstream.weightless.mapped_copy.RowFiles`) and frees
 the band before reading the next one; the result is the tensor type torchao
-made, over those files. Under ``hqq_scale_only`` a first pass over the bands
-finds the iteration the whole tensor stops at; where that is torchao's last one
-its bands are the tensor's, else a second pass runs exactly that many
-(:mod:`ptdstream.weightless.hqq_bands`). Anything else than one row of
+made, over those files. Under ``hqq_scale_only`` the whole tensor's
+iterations are first run over the bands, iteration by iteration, to the one
+it stops at; each band's levels at those scales are then its bytes
+(:mod:`ptdstream.weightless.hqq_bands`; a weight of at most
+:data:`HELD_NBYTES` is held while its iterations run, a larger one read again
+at each). Anything else than one row of
 inner tensors per row, or a NaN in a band under the ``affine`` algorithm (torch's
 min/max give a NaN scale other bits in a band), gives None (the caller quantizes
 the tensor whole).
@@ -20,10 +22,14 @@ import contextlib
 from typing import Any
 
 from ..upstream import adapter
-from .hqq_bands import Changes, fixed_iterations, recording_changes
+from .hqq_bands import NotTorchaos, Probed, Search, fixed_iterations, given_scales, probing
 from .mapped_copy import RowFiles
 
-__all__ = ["bands", "hqq_first_pass", "quantize_in_bands", "restore_extra_repr"]
+__all__ = ["HELD_NBYTES", "bands", "hqq_search", "quantize_in_bands", "restore_extra_repr"]
+
+#: an HQQ weight of at most this many bytes (its bands' values in float32) is held while its
+#: iterations run; a larger one is read again from its source at each iteration
+HELD_NBYTES = 32 << 20
 
 
 class _NotRowWise(Exception):
@@ -78,28 +84,34 @@ def _quantized_band(module: Any, weight: Any, config: Any, handler: Any, source:
     return band
 
 
-def hqq_first_pass(module: Any, weight: Any, config: Any, handler: Any, source: Any, step: int, extra_repr: Any,
-                   files: RowFiles) -> tuple[Changes, tuple[Any, list[str], Any]]:
-    """One pass over ``weight``'s bands through torchao's handler recording each
-    iteration's changes (:func:`~ptdstream.weightless.hqq_bands.recording_changes`),
-    each band's values (all of torchao's iterations) appended to ``files``: the
-    changes (their :meth:`~ptdstream.weightless.hqq_bands.Changes.stop` is the
-    whole tensor's; where :meth:`~ptdstream.weightless.hqq_bands.Changes.complete`,
-    ``files`` hold its bytes) and the first band's tensor type, inner names and metadata.
+def hqq_search(module: Any, weight: Any, config: Any, handler: Any, source: Any, planned: list[tuple[int, int]],
+               extra_repr: Any) -> Search:
+    """The whole tensor's HQQ scale-only iterations run over ``planned`` bands of
+    ``source`` (:class:`~ptdstream.weightless.hqq_bands.Search`): torchao's
+    arguments probed on the first band, then its iterations to the whole
+    tensor's stop, the bands' values held while they run when they come to at
+    most :data:`HELD_NBYTES` in float32.
 
     Raises:
-        _NotRowWise: torchao did not call its HQQ function once per band as expected,
-            or a band's inner tensors are not one row per row.
+        _NotRowWise: torchao's handler did not call its HQQ function on the first band.
     """
-    planned = bands(weight.shape[0], step)
-    first = None
-    with recording_changes() as changes:
-        for r0, r1 in planned:
-            first = _append_band(files, _quantized_band(module, weight, config, handler, source, r0, r1, extra_repr),
-                                 first, r0, r1)
-    if first is None or changes.bands != len(planned):
+    if not planned:
         raise _NotRowWise
-    return changes, first
+    try:
+        with probing():
+            _quantized_band(module, weight, config, handler, source, *planned[0], extra_repr)
+    except Probed as probe:
+        search = Search(probe)
+    else:  # the handler quantized without HQQ: not what was planned
+        raise _NotRowWise
+    finally:
+        module.weight = None
+        restore_extra_repr(module, extra_repr)
+    held: list[Any] | None = None
+    if weight.numel() * 4 <= HELD_NBYTES:
+        held = [source.read(r0, r1, None) for r0, r1 in planned]
+    search.run((lambda i: held[i]) if held is not None else (lambda i: source.read(*planned[i], None)), planned)
+    return search
 
 
 def _append_band(files: RowFiles, band: Any, first: tuple[Any, list[str], Any] | None, r0: int,
@@ -131,8 +143,8 @@ def quantize_in_bands(module: Any, weight: Any, config: Any, handler: Any, sourc
     """The quantized ``weight`` (storage-less, its rows in ``source``: a
     :class:`~ptdstream.weightless.convert.RowReader`), made band by band of about
     ``step`` rows by torchao's ``handler`` on ``module``, each band's inner tensors
-    appended to files in ``folder``; ``hqq``: the config is HQQ scale-only (a first
-    pass, and a second one where the whole tensor stops early). None (``module``'s
+    appended to files in ``folder``; ``hqq``: the config is HQQ scale-only (the whole
+    tensor's iterations run over the bands first: :func:`hqq_search`). None (``module``'s
     ``extra_repr`` restored, the files dropped) when a band's inner tensors are not
     one row per row of the weight, or a band holds a NaN under the ``affine``
     algorithm (its NaN scale's bits are the whole tensor's only: :class:`_NaNUnderAffine`)."""
@@ -145,16 +157,24 @@ def quantize_in_bands(module: Any, weight: Any, config: Any, handler: Any, sourc
 
 def _in_bands(module: Any, weight: Any, config: Any, handler: Any, source: Any, step: int, folder: str,
               extra_repr: Any, hqq: bool) -> Any:
-    first: tuple[Any, list[str], Any] | None = None
-    fixed: Any = contextlib.nullcontext()
+    planned = bands(weight.shape[0], step)
+    answering: Any = contextlib.nullcontext()
     if hqq:
-        with RowFiles(folder) as files:
-            changes, first = hqq_first_pass(module, weight, config, handler, source, step, extra_repr, files)
-            if changes.complete():  # the first pass's bands are the tensor's bytes
-                return _unflattened(first, files.finish(), weight)
-        fixed, first = fixed_iterations(changes.stop()), None
-    with RowFiles(folder) as files, fixed:
-        for r0, r1 in bands(weight.shape[0], step):
+        search = hqq_search(module, weight, config, handler, source, planned, extra_repr)
+        answering = given_scales(search)
+        try:
+            return _each_band(module, weight, config, handler, source, planned, folder, extra_repr, answering, hqq)
+        except NotTorchaos:  # another torchao's loop: its own function, the whole tensor's count of iterations
+            restore_extra_repr(module, extra_repr)
+            answering = fixed_iterations(search.stop)
+    return _each_band(module, weight, config, handler, source, planned, folder, extra_repr, answering, hqq)
+
+
+def _each_band(module: Any, weight: Any, config: Any, handler: Any, source: Any, planned: list[tuple[int, int]],
+               folder: str, extra_repr: Any, answering: Any, hqq: bool) -> Any:
+    first: tuple[Any, list[str], Any] | None = None
+    with RowFiles(folder) as files, answering:
+        for r0, r1 in planned:
             first = _append_band(files, _quantized_band(module, weight, config, handler, source, r0, r1,
                                                         extra_repr, nan_whole=not hqq), first, r0, r1)
         if first is None:  # no band at all (no rows): quantize the tensor whole

@@ -6,30 +6,29 @@ refines each group's scale by least squares for up to ``iters`` iterations and
 stops after the first iteration whose largest relative change of a scale, over
 the whole tensor, is below ``early_stop_tol``. Each group's scales at a given
 iteration depend on that group alone; only the stop is the whole tensor's. So
-the whole tensor's result is each band's result after exactly the iteration
-the whole tensor stops at, found by a first pass:
+the whole tensor's iterations can be run band by band, iteration by iteration
+(:class:`Search`), keeping only the scales between iterations:
 
-1. :func:`recording_changes`: each band goes through torchao's handler as it
-   would (its arguments: the band, the block size, the integer range), but the
-   iterations are run here, all ``iters`` of them, recording each iteration's
-   largest relative change in the band (a float32 value; NaN when a group's
-   change is NaN, as torch's ``max`` gives it). The whole tensor's change at an
-   iteration is the largest of the bands' (NaN if one is NaN), and its stop
-   :meth:`Changes.stop` the first iteration whose change compares below the
-   tolerance as torchao compares it, else ``iters``;
-2. :func:`fixed_iterations`: each band quantized by torchao's own function
-   with ``iters`` that iteration and no early stop: its bytes.
+1. :func:`probing`: the first band goes through torchao's handler as it would,
+   up to its call of the HQQ function, which gives its arguments (the block
+   size and the integer range) and ends the call (:class:`Probed`);
+2. :meth:`Search.run`: the initial scales of every band, then each iteration
+   over every band (the same operations as torchao's loop, on the band), the
+   whole tensor's change being the largest of the bands' (NaN if one is NaN,
+   as ``torch.max`` over the tensor), until the first iteration whose change
+   compares below the tolerance as torchao compares it, else ``iters``
+   (:attr:`Search.stop`); the band's values are read again at each iteration
+   (or held, when the caller holds them);
+3. :func:`given_scales`: each band through torchao's handler, its HQQ call
+   answered with the band's levels at the scales found (torchao's last step),
+   the first band's answer compared byte for byte with torchao's own function
+   run for :attr:`Search.stop` iterations (once per process for each integer
+   range, group size, dtype and stop). Where they differ (a torchao whose loop
+   is not this one), :class:`NotTorchaos` is raised and the caller runs
+   :func:`fixed_iterations`: torchao's own function on each band, exactly that
+   many iterations, no early stop.
 
-The first pass's own quantized values are those of all ``iters`` iterations,
-computed as torchao computes them (the same operations on the same band);
-the first band's are compared byte for byte with torchao's own function run
-for ``iters`` iterations (:attr:`Changes.checked`; once per process for each
-integer range, group size, dtype and ``iters``). Where the whole tensor runs
-every iteration (no early stop: random weights, and in practice most large
-ones) and that check held, the first pass's bands are the tensor's bytes and
-the second pass is skipped (:meth:`Changes.complete`).
-
-Both act only in the thread that asked (torchao's function stays its own
+All act only in the thread that asked (torchao's function stays its own
 elsewhere), through one module global: ``_choose_qparams_and_quantize_scale_only_hqq``
 as ``intx_unpacked_to_int8_tensor.py`` looks it up
 (:func:`~ptdstream.upstream.adapter.intx_unpacked_module`).
@@ -47,50 +46,140 @@ from typing import Any
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 
-__all__ = ["Changes", "fixed_iterations", "recording_changes", "routing_hqq"]
+__all__ = ["NotTorchaos", "Probed", "Search", "fixed_iterations", "given_scales", "probing", "routing_hqq"]
 
-_local = threading.local()  # .mode: None, ("record", Changes) or ("fixed", iterations)
+_local = threading.local()  # .mode: None, ("probe", None), ("given", Search) or ("fixed", iterations)
 _lock = threading.Lock()
-#: (qmin, qmax, group size, dtype, iters) -> whether the first pass's values were torchao's own, checked
-#: once per process and kind of weight (the same operations: the answer is the code's, not a weight's)
+#: (qmin, qmax, group size, dtype, iterations) -> whether the levels at the scales found were torchao's own,
+#: checked once per process and kind of weight (the same operations: the answer is the code's, not a weight's)
 _checked: dict[tuple[Any, ...], bool] = {}
 
 
-class Changes:
-    """Each iteration's largest relative scale change over the bands seen so far
-    (float32 0-dim tensors; ``None`` before the first band), and torchao's
-    ``iters`` and ``early_stop_tol`` defaults (its signature's)."""
+class Probed(Exception):
+    """torchao's handler reached its HQQ function: its block size and integer range."""
 
-    def __init__(self, iters: int, tol: float) -> None:
-        self.iters = max(1, iters)
-        self.tol = tol
-        self.largest: list[Any] | None = None
-        self.bands = 0  #: bands recorded
-        #: whether the first band's values (all ``iters`` iterations, computed here) were torchao's
-        #: own, byte for byte (None before the first band)
-        self.checked: bool | None = None
+    def __init__(self, block_size: Any, qmin: int, qmax: int) -> None:
+        super().__init__(block_size, qmin, qmax)
+        self.block_size, self.qmin, self.qmax = block_size, qmin, qmax
 
-    def add(self, band: list[Any]) -> None:
-        """Merge one band's changes (one per iteration): NaN wins, as ``torch.max`` over the tensor."""
+
+class NotTorchaos(Exception):
+    """The first band's levels at the scales found are not torchao's own: run :func:`fixed_iterations`."""
+
+
+def _eps() -> float:
+    import torch
+
+    return torch.finfo(torch.float32).eps
+
+
+def _grouped(hp: Any, group: int) -> Any:
+    """``hp`` (2-D) as torchao's loop sees it: float32, ``[rows, groups, group]``."""
+    import torch
+
+    rows, cols = hp.shape
+    return hp.detach().to(torch.float32).contiguous().view(rows, cols // group, group)
+
+
+def _initial_scale(values: Any, qmin: int, qmax: int) -> Any:
+    largest_level = max(abs(qmin), abs(qmax)) or 1
+    return (values.abs().amax(dim=2) / largest_level).clamp_min(_eps())
+
+
+def _iteration(values: Any, previous: Any, qmin: int, qmax: int) -> tuple[Any, Any]:
+    """One least-squares update of the scales ``previous`` of ``values``: the new
+    scales and the largest relative change (float32 0-dim)."""
+    import torch
+
+    eps = _eps()
+    levels = (values / previous.unsqueeze(-1)).round().clamp(qmin, qmax)
+    fit = (values * levels).sum(dim=2, dtype=torch.float32)
+    norm = (levels * levels).sum(dim=2, dtype=torch.float32)
+    scale = torch.where(norm > 0, fit / norm, previous).clamp_min(eps).abs()
+    return scale, ((scale - previous).abs() / previous.clamp_min(eps)).max()
+
+
+def _levels(values: Any, scale: Any, qmin: int, qmax: int) -> Any:
+    return (values / scale.unsqueeze(-1)).round().clamp(qmin, qmax)
+
+
+class Search:
+    """The whole tensor's HQQ scale-only iterations over its bands (step 2 of the
+    module docstring): torchao's ``iters`` and ``early_stop_tol`` defaults (its
+    signature's), the probe's arguments, each band's scales (float32 ``[rows,
+    groups]``) and the iteration the whole tensor stops at."""
+
+    def __init__(self, probe: Probed) -> None:
+        real = adapter.hqq_scale_only_function()
+        parameters = inspect.signature(real).parameters
+        self.iters = max(1, int(parameters["iters"].default))
+        self.tol = float(parameters["early_stop_tol"].default)
+        self.group = int(probe.block_size[1])
+        self.qmin, self.qmax = probe.qmin, probe.qmax
+        self.scales: list[Any] = []
+        self.stop = 0  #: the iteration (1-based) after which the whole tensor's loop stops; 0 before run
+        self._answered = 0
+
+    def run(self, band: Callable[[int], Any], planned: list[tuple[int, int]]) -> None:
+        """Find every band's scales at the whole tensor's stop: ``planned`` are the
+        bands' rows ``[r0, r1)`` and ``band(i)`` gives band ``i``'s values (2-D, in the
+        weight's dtype), once for the initial scales and once per iteration. The
+        scales and changes live in two tensors made once (a band's temporaries,
+        freed at each iteration, are reused from the heap rather than scattered
+        among longer-lived scales)."""
         import torch
 
-        self.bands += 1
-        if self.largest is None:
-            self.largest = list(band)
-        else:
-            self.largest = [torch.stack([a, b]).max() for a, b in zip(self.largest, band, strict=True)]
+        with torch.no_grad():  # a Parameter's band: no graph
+            scales: Any = None
+            changes = torch.empty(len(planned), dtype=torch.float32)
+            for i, (r0, r1) in enumerate(planned):
+                first = _initial_scale(_grouped(band(i), self.group), self.qmin, self.qmax)
+                if scales is None:
+                    scales = torch.empty((planned[-1][1], first.shape[1]), dtype=torch.float32)
+                scales[r0:r1] = first
+                del first
+            self.scales = [scales[r0:r1] for r0, r1 in planned]
+            for iteration in range(1, self.iters + 1):
+                for i, previous in enumerate(self.scales):
+                    scale, changes[i] = _iteration(_grouped(band(i), self.group), previous, self.qmin, self.qmax)
+                    previous.copy_(scale)
+                    del scale
+                self.stop = iteration
+                if bool(changes.max() < self.tol):  # as torchao compares its float32 change
+                    break
 
-    def stop(self) -> int:
-        """The iteration (1-based) after which the whole tensor's loop stops."""
-        for i, change in enumerate(self.largest or []):
-            if bool(change < self.tol):  # a float32 tensor against a Python float, as torchao compares
-                return i + 1
-        return self.iters
+    def answer(self, hp: Any, block_size: Any, qmin: int, qmax: int, real: Callable[..., Any]) -> tuple[Any, Any]:
+        """torchao's ``(qdata, scale)`` for the next band: its levels at the scales found
+        (int32, ``hp``'s shape) and those scales in ``hp``'s dtype.
 
-    def complete(self) -> bool:
-        """Whether the values recorded with the changes are the whole tensor's: it runs
-        every iteration, and the first band's values were torchao's own."""
-        return self.checked is True and self.stop() == self.iters
+        Raises:
+            NotTorchaos: the first band's answer is not torchao's own function's for
+                :attr:`stop` iterations; or the band is not the one expected.
+        """
+        import torch
+
+        index = self._answered
+        if (index >= len(self.scales) or (qmin, qmax, int(block_size[1])) != (self.qmin, self.qmax, self.group)
+                or tuple(self.scales[index].shape) != (hp.shape[0], hp.shape[1] // self.group)):
+            raise NotTorchaos
+        self._answered += 1
+        with torch.no_grad():
+            scale = self.scales[index]
+            qdata = _levels(_grouped(hp, self.group), scale, qmin, qmax).view(hp.shape).to(torch.int32)
+            scale = scale.to(hp.dtype)
+        if index == 0:
+            key = (qmin, qmax, self.group, hp.dtype, self.stop)
+            with _lock:
+                same = _checked.get(key)
+            if same is None:
+                own_qdata, own_scale = real(hp, block_size, qmin, qmax, iters=self.stop,
+                                            early_stop_tol=float("-inf"))
+                same = _same_bytes(qdata, own_qdata) and _same_bytes(scale, own_scale)
+                with _lock:
+                    _checked[key] = same
+            if not same:
+                raise NotTorchaos
+        return qdata, scale
 
 
 def _same_bytes(a: Any, b: Any) -> bool:
@@ -105,38 +194,6 @@ def _same_bytes(a: Any, b: Any) -> bool:
     return torch.equal(flat_a, flat_b)
 
 
-def _changes_of(hp: Any, block_size: Any, qmin: int, qmax: int, iters: int) -> tuple[list[Any], Any, Any]:
-    """All ``iters`` iterations of the scale-only update on ``hp`` (2-D, groups of
-    ``block_size[1]`` along its rows), no early stop: each iteration's largest
-    relative change (float32 0-dim), and the last quantized values (int32, the
-    shape of ``hp``) and scales (``hp``'s dtype), for torchao's caller to wrap."""
-    import torch
-
-    with torch.no_grad():  # a Parameter's band: no graph (each change would keep every iteration's tensors)
-        return _changes_without_grad(hp.detach(), block_size, qmin, qmax, iters)
-
-
-def _changes_without_grad(hp: Any, block_size: Any, qmin: int, qmax: int, iters: int) -> tuple[list[Any], Any, Any]:
-    import torch
-
-    eps = torch.finfo(torch.float32).eps
-    rows, cols = hp.shape
-    group = int(block_size[1])
-    values = hp.to(torch.float32).contiguous().view(rows, cols // group, group)
-    largest_level = max(abs(qmin), abs(qmax)) or 1
-    previous = (values.abs().amax(dim=2) / largest_level).clamp_min(eps)
-    changes = []
-    for _ in range(iters):
-        levels = (values / previous.unsqueeze(-1)).round().clamp(qmin, qmax)
-        fit = (values * levels).sum(dim=2, dtype=torch.float32)
-        norm = (levels * levels).sum(dim=2, dtype=torch.float32)
-        scale = torch.where(norm > 0, fit / norm, previous).clamp_min(eps).abs()
-        changes.append(((scale - previous).abs() / previous.clamp_min(eps)).max())
-        previous = scale
-    levels = (values / previous.unsqueeze(-1)).round().clamp(qmin, qmax)
-    return changes, levels.view(rows, cols).to(torch.int32), previous.to(hp.dtype)
-
-
 def _routed(real: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(real)
     def _choose_qparams_and_quantize_scale_only_hqq(hp_tensor, block_size, qmin, qmax, **kwargs):
@@ -146,59 +203,45 @@ def _routed(real: Callable[..., Any]) -> Callable[..., Any]:
         kind, value = mode
         if kind == "fixed":
             return real(hp_tensor, block_size, qmin, qmax, iters=value, early_stop_tol=float("-inf"))
-        band, qdata, scale = _changes_of(hp_tensor, block_size, qmin, qmax, value.iters)
-        if value.checked is None:  # the first band: the values computed here against torchao's own
-            key = (qmin, qmax, int(block_size[1]), hp_tensor.dtype, value.iters)
-            with _lock:
-                value.checked = _checked.get(key)
-            if value.checked is None:
-                own_qdata, own_scale = real(hp_tensor, block_size, qmin, qmax, iters=value.iters,
-                                            early_stop_tol=float("-inf"))
-                value.checked = _same_bytes(qdata, own_qdata) and _same_bytes(scale, own_scale)
-                with _lock:
-                    _checked[key] = value.checked
-        value.add(band)
-        return qdata, scale
+        if kind == "probe":
+            raise Probed(block_size, qmin, qmax)
+        return value.answer(hp_tensor, block_size, qmin, qmax, real)
 
     return _choose_qparams_and_quantize_scale_only_hqq
 
 
 @contextlib.contextmanager
 def routing_hqq() -> Iterator[None]:
-    """While active, :func:`recording_changes` and :func:`fixed_iterations` can act
-    (in their own thread); elsewhere torchao's function runs as it is."""
+    """While active, :func:`probing`, :func:`given_scales` and :func:`fixed_iterations`
+    can act (in their own thread); elsewhere torchao's function runs as it is."""
     module = adapter.intx_unpacked_module()
     name = "_choose_qparams_and_quantize_scale_only_hqq"
     with shadowed(module, name, _routed(getattr(module, name))):
         yield
 
 
-def _defaults() -> tuple[int, float]:
-    real = adapter.hqq_scale_only_function()
-    parameters = inspect.signature(real).parameters
-    return int(parameters["iters"].default), float(parameters["early_stop_tol"].default)
-
-
 @contextlib.contextmanager
-def recording_changes() -> Iterator[Changes]:
-    """In this thread, torchao's HQQ scale-only calls record their changes into
-    the :class:`Changes` yielded (step 1 of the module docstring); the quantized
-    tensors they return are those of all ``iters`` iterations: the tensor's only
-    where :meth:`Changes.complete` (else discard them)."""
-    changes = Changes(*_defaults())
-    _local.mode = ("record", changes)
-    try:
-        yield changes
-    finally:
-        _local.mode = None
-
-
-@contextlib.contextmanager
-def fixed_iterations(iterations: int) -> Iterator[None]:
-    """In this thread, torchao's HQQ scale-only runs exactly ``iterations``
-    iterations, no early stop (step 2 of the module docstring)."""
-    _local.mode = ("fixed", iterations)
+def _mode(mode: tuple[str, Any]) -> Iterator[None]:
+    _local.mode = mode
     try:
         yield
     finally:
         _local.mode = None
+
+
+def probing() -> contextlib.AbstractContextManager[None]:
+    """In this thread, torchao's HQQ scale-only call raises :class:`Probed` with
+    its arguments (step 1 of the module docstring)."""
+    return _mode(("probe", None))
+
+
+def given_scales(search: Search) -> contextlib.AbstractContextManager[None]:
+    """In this thread, torchao's HQQ scale-only calls answer band after band
+    from ``search`` (step 3 of the module docstring)."""
+    return _mode(("given", search))
+
+
+def fixed_iterations(iterations: int) -> contextlib.AbstractContextManager[None]:
+    """In this thread, torchao's HQQ scale-only runs exactly ``iterations``
+    iterations, no early stop."""
+    return _mode(("fixed", iterations))

@@ -38,10 +38,10 @@ model whose targeted weights are storage-less, it:
    independently; under the ``affine`` algorithm a weight with a NaN is
    quantized whole: torch's min/max give a NaN scale other bits in a band).
    Under ``hqq_scale_only``, whose early stop is taken over the whole tensor,
-   a first pass over the bands finds the iteration the whole tensor stops at;
-   its bands are the tensor's where that is torchao's last iteration, else a
-   second pass runs torchao's function for exactly that many
-   (:mod:`ptdstream.weightless.hqq_bands`). While each weight is quantized,
+   the whole tensor's iterations run over the bands, iteration by iteration
+   (only the scales kept between them), to the one it stops at; each band's
+   levels at those scales are its bytes (:mod:`ptdstream.weightless.hqq_bands`,
+   checked against torchao's own function once per kind of weight). While each weight is quantized,
    blocks under 32 MiB come from the C heap again
    (:func:`ptdstream.system.heap.reusing_heap_blocks`). The CUDA backend's int4
    tile-packed quantizes one whole tensor at a time.
@@ -122,7 +122,7 @@ def _row_local(config: Any) -> bool:
     its iterations when the largest change of any scale in the whole tensor is
     small (``quant_primitives.py``, ``_choose_qparams_and_quantize_scale_only_hqq``,
     ``early_stop_tol``), so a band alone can stop at another iteration than the
-    tensor (:func:`_hqq` bands it in two passes)."""
+    tensor (:func:`_hqq` runs its iterations over the bands)."""
     return type(config).__name__ in _ROW_WISE and _named(config.intx_choose_qparams_algorithm, "affine")
 
 

@@ -220,7 +220,7 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
         model = _storage_less_linear(weights, 256, 61)
         quantize_(model, config)
         got, want = model.lin.weight, real.lin.weight
-        assert calls == [7] * 8 + [5]  # nine bands of rows, once (HQQ too: the NaN runs every iteration)
+        assert calls == [7] * hqq + [7] * 8 + [5]  # nine bands of rows, once (HQQ: its first band probed before)
         assert type(got) is type(want) and got.__tensor_flatten__()[1] == want.__tensor_flatten__()[1]
         for inner in want.__tensor_flatten__()[0]:
             a, b = getattr(got, inner), getattr(want, inner)
@@ -296,12 +296,14 @@ def _hqq_weight(name):
     return torch.randn(2048, 512)[:128].clone() if name != "4w-g32" else torch.randn(2048, 256)[:256].clone()
 
 
+@pytest.mark.parametrize("held_nbytes", [32 << 20, 0], ids=["held", "read-again"])
 @pytest.mark.parametrize("name", ["8da8w", "8w", "4w-g32"])
 def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_stop_elsewhere(
-        tmp_path, monkeypatch, name):
+        tmp_path, monkeypatch, name, held_nbytes):
     """HQQ scale-only in bands of 7 rows inside weights_from: every inner tensor is the whole
     tensor's, byte for byte, both where a band quantized alone by torchao gives other bytes (its own
-    early stop) and where the whole tensor stops before torchao's last iteration."""
+    early stop) and where the whole tensor stops before torchao's last iteration; the bands'
+    values held while the iterations run, or read again at each."""
     from ptdstream.weightless import hqq_bands
 
     config = ROW_WISE[name]
@@ -330,16 +332,12 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
                      and torch.equal(band.lin.weight.scale, want.scale[r0:r0 + 7]))
 
     stops = []
-    real_first = banded.hqq_first_pass
-
-    def first_pass(*a):
-        changes, first = real_first(*a)
-        stops.append((changes.stop(), changes.checked, changes.complete()))
-        return changes, first
-
-    monkeypatch.setattr(banded, "hqq_first_pass", first_pass)
+    real_search = banded.hqq_search
+    monkeypatch.setattr(banded, "hqq_search", lambda *a: (lambda r: stops.append(r.stop) or r)(real_search(*a)))
     monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
     monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * cols * 4)
+    monkeypatch.setattr(banded, "HELD_NBYTES", held_nbytes)
+    reads = _row_reads(monkeypatch)
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
     with weights_from(ckpt) as weights:
         with torch.device("meta"):
@@ -352,33 +350,43 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
             assert (a.dtype, a.shape) == (b.dtype, b.shape), inner
             assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
             assert _file_backed(a)
-    iters = hqq_bands._defaults()[0]
-    if name == "4w-g32":  # the whole tensor stopped early: a second pass ran at that iteration
-        assert len(stops) == 1 and stops[0][0] < iters and stops[0][1:] == (True, False)
-    else:  # a band alone stops early; the tensor never does: the first pass's bands are its bytes
-        assert not all(alone) and stops == [(iters, True, True)]
+    iters = hqq_bands.Search(hqq_bands.Probed([1, 32], -8, 7)).iters
+    if name == "4w-g32":  # the whole tensor stops before torchao's last iteration
+        assert len(stops) == 1 and stops[0] < iters
+    else:  # a band alone stops early; the tensor never does
+        assert not all(alone) and stops == [iters]
+    nbands = -(-rows // 7)
+    # the probe's band, then each band: held once, or read again for the first scales and each iteration; the last pass
+    assert len(reads) == 1 + nbands * (1 if held_nbytes else 1 + stops[0]) + nbands
 
 
-def test_a_first_pass_whose_values_are_not_torchaos_own_is_not_kept(tmp_path, monkeypatch):
-    """The first band's values computed by the first pass are compared with torchao's own
-    function: where they differ (here made to, as a torchao with another loop would), the
-    second pass runs and the bytes are still torchao's, though the tensor runs every iteration."""
+def _row_reads(monkeypatch) -> list[tuple[int, int]]:
+    """The rows of each read of a weight's source (``RowReader.read``) from now on, in order."""
+    from ptdstream.weightless import convert
+
+    reads: list[tuple[int, int]] = []
+    real_read = convert.RowReader.read
+    monkeypatch.setattr(convert.RowReader, "read", lambda self, r0, r1, *a: reads.append((r0, r1))
+                        or real_read(self, r0, r1, *a))
+    return reads
+
+
+def test_levels_that_are_not_torchaos_own_are_not_kept(tmp_path, monkeypatch):
+    """The first band's levels at the scales found are compared with torchao's own function
+    run for the whole tensor's iterations: where they differ (here made to, as a torchao with
+    another loop would), every band goes through torchao's own function for that many
+    iterations, and the bytes are still torchao's."""
     from ptdstream.weightless import hqq_bands
 
     weight = _hqq_weight("8da8w")
     real = _real_linear(weight, ROW_WISE["8da8w"])
-    real_changes = hqq_bands._changes_of
-
-    def other_loop(*a):
-        changes, qdata, scale = real_changes(*a)
-        return changes, qdata, scale * 1.5
-
-    monkeypatch.setattr(hqq_bands, "_changes_of", other_loop)
+    real_levels = hqq_bands._levels
+    monkeypatch.setattr(hqq_bands, "_levels", lambda values, scale, qmin, qmax: real_levels(values, scale * 1.5,
+                                                                                           qmin, qmax))
     monkeypatch.setattr(hqq_bands, "_checked", {})  # not checked yet in this process
-    stops = []
-    real_first = banded.hqq_first_pass
-    monkeypatch.setattr(banded, "hqq_first_pass",
-                        lambda *a: (lambda r: stops.append((r[0].stop(), r[0].checked)) or r)(real_first(*a)))
+    fixed = []
+    real_fixed = banded.fixed_iterations
+    monkeypatch.setattr(banded, "fixed_iterations", lambda n: fixed.append(n) or real_fixed(n))
     calls = _handler_calls(monkeypatch)
     monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
     monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
@@ -389,11 +397,11 @@ def test_a_first_pass_whose_values_are_not_torchaos_own_is_not_kept(tmp_path, mo
         for inner in ("qdata", "scale", "zero_point"):
             a, b = getattr(model.lin.weight, inner), getattr(real.lin.weight, inner)
             assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
-    assert stops == [(hqq_bands._defaults()[0], False)]
-    assert calls == [32] * 4 * 2  # four bands, twice
+    assert fixed == [hqq_bands.Search(hqq_bands.Probed([1, 32], -8, 7)).iters]  # the whole tensor runs them all
+    assert calls == [32] + [32] + [32] * 4  # the probe, the first band refused, four bands of torchao's own
 
 
-def test_the_first_pass_is_checked_against_torchaos_own_function_once_per_kind_of_weight(tmp_path, monkeypatch):
+def test_the_levels_are_checked_against_torchaos_own_function_once_per_kind_of_weight(tmp_path, monkeypatch):
     """Two large 8da8w weights of one kind and a third of another group size, quantized inside
     weights_from: torchao's own function runs on one band for each kind (the check), not for each
     weight, and every weight's bytes are torchao's."""
@@ -405,7 +413,7 @@ def test_the_first_pass_is_checked_against_torchaos_own_function_once_per_kind_o
     checks = []
 
     def counted(hp, block_size, qmin, qmax, **kwargs):
-        if kwargs.get("early_stop_tol") == float("-inf") and kwargs.get("iters") == 20:
+        if kwargs.get("early_stop_tol") == float("-inf"):
             checks.append((tuple(hp.shape), int(block_size[1])))
         return real_hqq(hp, block_size, qmin, qmax, **kwargs)
 
@@ -475,35 +483,41 @@ def test_no_band_is_one_row_alone_whose_whole_row_scale_torch_would_sum_across_t
     assert banded.bands(5, 1) == [(0, 2), (2, 5)]
 
 
-def test_the_first_pass_keeps_no_graph_of_a_parameters_band():
-    """The changes of a band that requires grad hold no autograd graph (it would keep every
-    iteration's band-sized tensors: 40 bands' worth)."""
-    from ptdstream.weightless.hqq_bands import _changes_of
+def test_the_search_keeps_no_graph_of_a_parameters_band():
+    """The scales a search keeps of a band that requires grad hold no autograd graph (it would keep
+    every iteration's band-sized tensors)."""
+    from ptdstream.weightless.hqq_bands import Probed, Search
 
     band = torch.nn.Parameter(torch.randn(8, 64))
-    changes, qdata, scale = _changes_of(band, [1, 32], -8, 7, 20)
-    assert len(changes) == 20 and not any(c.requires_grad for c in changes)
-    assert not scale.requires_grad and qdata.dtype == torch.int32 and tuple(scale.shape) == (8, 2)
+    search = Search(Probed([1, 32], -8, 7))
+    search.run(lambda i: band, [(0, 8)])
+    assert 1 <= search.stop <= search.iters and len(search.scales) == 1
+    assert not search.scales[0].requires_grad and tuple(search.scales[0].shape) == (8, 2)
 
 
-def test_the_whole_tensors_stop_is_the_first_iteration_every_band_is_below_the_tolerance_and_nan_never_is():
-    from ptdstream.weightless.hqq_bands import Changes
+def test_the_whole_tensors_stop_is_the_first_iteration_every_band_is_below_the_tolerance_and_nan_never_is(
+        monkeypatch):
+    from ptdstream.weightless import hqq_bands
 
-    def t(values):
-        return [torch.tensor(v, dtype=torch.float32) for v in values]
+    def stop_of(per_band):
+        """The search's stop where band ``b``'s change at iteration ``i`` is ``per_band[b][i]``."""
+        seen = {}
 
-    changes = Changes(iters=4, tol=1e-5)
-    changes.add(t([1e-3, 0.0, 0.0, 0.0]))
-    changes.add(t([1e-3, 2e-5, 9e-6, 0.0]))
-    assert changes.stop() == 3 and changes.bands == 2
-    changes.add(t([1e-3, 0.0, float("nan"), 0.0]))
-    assert changes.stop() == 4
-    never = Changes(iters=3, tol=1e-5)
-    never.add(t([float("nan")] * 3))
-    assert never.stop() == 3
-    assert not never.complete()  # not checked against torchao's own values
-    never.checked = True
-    assert never.complete() and not changes.complete()
+        def scripted(values, previous, qmin, qmax):
+            b = int(values[0, 0, 0])
+            i = seen[b] = seen.get(b, -1) + 1
+            return previous, torch.tensor(per_band[b][i], dtype=torch.float32)
+
+        monkeypatch.setattr(hqq_bands, "_iteration", scripted)
+        search = hqq_bands.Search(hqq_bands.Probed([1, 2], -8, 7))
+        search.iters, search.tol = 4, 1e-5
+        search.run(lambda b: torch.full((1, 2), float(b)), [(b, b + 1) for b in range(len(per_band))])
+        return search.stop
+
+    assert stop_of([[1e-3, 0.0, 0.0, 0.0], [1e-3, 2e-5, 9e-6, 0.0]]) == 3
+    assert stop_of([[1e-3, 0.0, 0.0, 0.0], [1e-3, 2e-5, 9e-6, 0.0], [1e-3, 0.0, float("nan"), 0.0]]) == 4
+    assert stop_of([[float("nan")] * 4]) == 4
+    assert stop_of([[0.0] * 4]) == 1  # as torchao: at least one iteration
 
 
 def test_a_strict_export_copies_no_quantized_weight_into_dynamos_real_value_cache(tmp_path, monkeypatch):
