@@ -18,7 +18,8 @@ from .tensor import TensorSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MappedTensorSource", "changed_in_place", "expected_files", "expecting_files", "opened_identity"]
+__all__ = ["MappedTensorSource", "changed_in_place", "expected_files", "expecting_files", "opened_identity",
+           "same_inode_now"]
 
 _lock = threading.Lock()
 #: (real path, inode) -> the identities :func:`expecting_files` registered for that file, latest last
@@ -73,13 +74,13 @@ def changed_in_place() -> list[tuple[str, FileIdentity, FileIdentity]]:
         held = [(path, inode, idents[-1]) for (path, inode), idents in _expected.items()]
     changed = []
     for path, inode, then in held:
-        now = _same_inode_now(path, inode)
+        now = same_inode_now(path, inode)
         if now is not None and now != then:
             changed.append((path, then, now))
     return changed
 
 
-def _same_inode_now(path: str, inode: int) -> FileIdentity | None:
+def same_inode_now(path: str, inode: int) -> FileIdentity | None:
     """The identity of the file at ``path`` now, or None where that is no longer
     ``inode`` (removed, or replaced by a rename: a mapping keeps the old inode's bytes)."""
     try:
@@ -159,7 +160,7 @@ class MappedTensorSource(TensorSource):
         m = self.mapping
         if m.path.endswith(" (deleted)"):
             return  # unlinked: nobody can reach it by name to change it
-        now = _same_inode_now(m.path, m.inode)
+        now = same_inode_now(m.path, m.inode)
         if now is None:
             return  # unlinked or replaced since it was mapped: the mapping keeps the old inode, unchanged
         opened = self.expectation.file

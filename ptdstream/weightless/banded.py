@@ -18,11 +18,10 @@ the tensor whole).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from ..upstream import adapter
-from .hqq_bands import NotTorchaos, Probed, Search, fixed_iterations, given_scales, probing
+from .hqq_bands import Search, answered, fixed_iterations, probed
 from .mapped_copy import RowFiles
 
 __all__ = ["HELD_NBYTES", "bands", "hqq_search", "quantize_in_bands", "restore_extra_repr"]
@@ -93,20 +92,18 @@ def hqq_search(module: Any, weight: Any, config: Any, handler: Any, source: Any,
     most :data:`HELD_NBYTES` in float32.
 
     Raises:
-        _NotRowWise: torchao's handler did not call its HQQ function on the first band.
+        _NotRowWise: torchao's handler did not call its HQQ function on the first band,
+            or the function it called has no ``iters`` and ``early_stop_tol`` defaults.
     """
     if not planned:
         raise _NotRowWise
     try:
-        with probing():
-            _quantized_band(module, weight, config, handler, source, *planned[0], extra_repr)
-    except Probed as probe:
-        search = Search(probe)
-    else:  # the handler quantized without HQQ: not what was planned
-        raise _NotRowWise
+        search = probed(lambda: _quantized_band(module, weight, config, handler, source, *planned[0], extra_repr))
     finally:
         module.weight = None
         restore_extra_repr(module, extra_repr)
+    if search is None:  # no HQQ call, or a function in torchao's place without its defaults: the tensor whole
+        raise _NotRowWise
     held: list[Any] | None = None
     if weight.numel() * 4 <= HELD_NBYTES:
         held = [source.read(r0, r1, None) for r0, r1 in planned]
@@ -158,22 +155,22 @@ def quantize_in_bands(module: Any, weight: Any, config: Any, handler: Any, sourc
 def _in_bands(module: Any, weight: Any, config: Any, handler: Any, source: Any, step: int, folder: str,
               extra_repr: Any, hqq: bool) -> Any:
     planned = bands(weight.shape[0], step)
-    answering: Any = contextlib.nullcontext()
-    if hqq:
-        search = hqq_search(module, weight, config, handler, source, planned, extra_repr)
-        answering = given_scales(search)
-        try:
-            return _each_band(module, weight, config, handler, source, planned, folder, extra_repr, answering, hqq)
-        except NotTorchaos:  # another torchao's loop: its own function, the whole tensor's count of iterations
-            restore_extra_repr(module, extra_repr)
-            answering = fixed_iterations(search.stop)
-    return _each_band(module, weight, config, handler, source, planned, folder, extra_repr, answering, hqq)
+    if not hqq:
+        return _each_band(module, weight, config, handler, source, planned, folder, extra_repr, hqq)
+    search = hqq_search(module, weight, config, handler, source, planned, extra_repr)
+    done, quantized = answered(search, lambda: _each_band(module, weight, config, handler, source, planned, folder,
+                                                          extra_repr, hqq))
+    if done:
+        return quantized
+    restore_extra_repr(module, extra_repr)  # another torchao's loop: its own function, the whole tensor's iterations
+    with fixed_iterations(search.stop):
+        return _each_band(module, weight, config, handler, source, planned, folder, extra_repr, hqq)
 
 
 def _each_band(module: Any, weight: Any, config: Any, handler: Any, source: Any, planned: list[tuple[int, int]],
-               folder: str, extra_repr: Any, answering: Any, hqq: bool) -> Any:
+               folder: str, extra_repr: Any, hqq: bool) -> Any:
     first: tuple[Any, list[str], Any] | None = None
-    with RowFiles(folder) as files, answering:
+    with RowFiles(folder) as files:
         for r0, r1 in planned:
             first = _append_band(files, _quantized_band(module, weight, config, handler, source, r0, r1,
                                                         extra_repr, nan_whole=not hqq), first, r0, r1)

@@ -297,7 +297,7 @@ class WeightsFrom:
         """
         mapped = self.checkpoint.kind in MAPPED_KINDS and key not in self.checkpoint.derived
         tensor = self.checkpoint.tensor(key) if mapped else self._convert({key: dtype})[key]
-        reader = RowReader(tensor, dtype)
+        reader = RowReader(tensor, dtype, f"key {key!r}")
         try:
             yield reader
         finally:

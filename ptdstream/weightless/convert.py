@@ -255,11 +255,12 @@ class RowReader:
     of ``dtype`` (``copy_``: the cast of ``.to(dtype)``, as :meth:`ConvertDir.convert`).
     """
 
-    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype, label: str = "tensor") -> None:
         from ..system.pagecache import file_mapping
 
         self.tensor: torch.Tensor | None = tensor
         self.dtype = dtype
+        self.label = label  #: names the tensor in errors (the checkpoint key)
         storage = tensor.untyped_storage()
         self._mapping = file_mapping(storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
 
@@ -268,6 +269,8 @@ class RowReader:
 
         Raises:
             ValueError: the reader is closed, or the rows are out of range.
+            IntegrityError: the mapped file was truncated under the rows (read, it
+                would kill the process with SIGBUS).
         """
         import torch
 
@@ -280,12 +283,32 @@ class RowReader:
         if not 0 <= r0 <= r1 <= rows:
             raise ValueError(f"rows [{r0}, {r1}) of a tensor of {rows} rows")
         part = tensor[r0:r1] if tensor.dim() else tensor
+        if self._mapping is not None and part.numel():
+            self._check_present(part, r0, r1)
         out = torch.empty(tuple(part.shape), dtype=self.dtype, device=device if device is not None else "cpu")
         out.copy_(part)
         if self._mapping is not None and part.is_contiguous() and part.numel():
             release_mapped(part.data_ptr(), part.numel() * part.element_size(),
                            (self._mapping.start, self._mapping.stop))
         return out
+
+    def _check_present(self, part: torch.Tensor, r0: int, r1: int) -> None:
+        """Refuse rows the mapped file no longer holds (truncated since it was mapped;
+        a file replaced or removed keeps the old inode's bytes in the mapping)."""
+        from ..errors import IntegrityError
+        from ..sources.mapped import same_inode_now
+
+        m = self._mapping
+        assert m is not None
+        extent = 1 + sum((n - 1) * st for n, st in zip(part.shape, part.stride(), strict=True))
+        offset = m.offset + (part.data_ptr() - m.start)
+        needed = offset + extent * part.element_size()
+        now = same_inode_now(m.path, m.inode)
+        if now is not None and now.size < needed:
+            raise IntegrityError(
+                f"{self.label}: rows [{r0}, {r1}) at offset {offset:,} of checkpoint file {m.path}: the file was "
+                f"truncated after it was mapped (needs {needed:,} bytes, has {now.size:,}); nothing is "
+                "quantized from it")
 
     def close(self) -> None:
         """Hand back the pages the reads mapped around the tensor (a page fault maps a

@@ -9,9 +9,9 @@ iteration depend on that group alone; only the stop is the whole tensor's. So
 the whole tensor's iterations can be run band by band, iteration by iteration
 (:class:`Search`), keeping only the scales between iterations:
 
-1. :func:`probing`: the first band goes through torchao's handler as it would,
+1. :func:`probed`: the first band goes through torchao's handler as it would,
    up to its call of the HQQ function, which gives its arguments (the block
-   size and the integer range) and ends the call (:class:`Probed`);
+   size and the integer range) and the function called, and ends the call;
 2. :meth:`Search.run`: the initial scales of every band, then each iteration
    over every band (the same operations as torchao's loop, on the band), the
    whole tensor's change being the largest of the bands' (NaN if one is NaN,
@@ -19,12 +19,12 @@ the whole tensor's iterations can be run band by band, iteration by iteration
    compares below the tolerance as torchao compares it, else ``iters``
    (:attr:`Search.stop`); the band's values are read again at each iteration
    (or held, when the caller holds them);
-3. :func:`given_scales`: each band through torchao's handler, its HQQ call
+3. :func:`answered`: each band through torchao's handler, its HQQ call
    answered with the band's levels at the scales found (torchao's last step),
    the first band's answer compared byte for byte with torchao's own function
    run for :attr:`Search.stop` iterations (once per process for each integer
-   range, group size, dtype and stop). Where they differ (a torchao whose loop
-   is not this one), :class:`NotTorchaos` is raised and the caller runs
+   range, group size, dtype, stop and function called). Where they differ (a
+   torchao whose loop is not this one), the caller runs the bands under
    :func:`fixed_iterations`: torchao's own function on each band, exactly that
    many iterations, no early stop.
 
@@ -46,24 +46,26 @@ from typing import Any
 from ..upstream import adapter
 from ..upstream.patching import shadowed
 
-__all__ = ["NotTorchaos", "Probed", "Search", "fixed_iterations", "given_scales", "probing", "routing_hqq"]
+__all__ = ["Search", "answered", "fixed_iterations", "probed", "routing_hqq"]
 
 _local = threading.local()  # .mode: None, ("probe", None), ("given", Search) or ("fixed", iterations)
 _lock = threading.Lock()
-#: (qmin, qmax, group size, dtype, iterations) -> whether the levels at the scales found were torchao's own,
+#: (qmin, qmax, group size, dtype, iterations, function) -> whether the levels at the scales found were torchao's own,
 #: checked once per process and kind of weight (the same operations: the answer is the code's, not a weight's)
 _checked: dict[tuple[Any, ...], bool] = {}
 
 
-class Probed(Exception):
-    """torchao's handler reached its HQQ function: its block size and integer range."""
+class _Probed(Exception):
+    """torchao's handler reached its HQQ function: its block size and integer range,
+    and the function it called (``real``: torchao's, or what the user set in its place)."""
 
-    def __init__(self, block_size: Any, qmin: int, qmax: int) -> None:
+    def __init__(self, block_size: Any, qmin: int, qmax: int, real: Callable[..., Any] | None = None) -> None:
         super().__init__(block_size, qmin, qmax)
         self.block_size, self.qmin, self.qmax = block_size, qmin, qmax
+        self.real = real if real is not None else adapter.hqq_scale_only_function()
 
 
-class NotTorchaos(Exception):
+class _NotTorchaos(Exception):
     """The first band's levels at the scales found are not torchao's own: run :func:`fixed_iterations`."""
 
 
@@ -109,13 +111,19 @@ class Search:
     signature's), the probe's arguments, each band's scales (float32 ``[rows,
     groups]``) and the iteration the whole tensor stops at."""
 
-    def __init__(self, probe: Probed) -> None:
-        real = adapter.hqq_scale_only_function()
-        parameters = inspect.signature(real).parameters
-        self.iters = max(1, int(parameters["iters"].default))
-        self.tol = float(parameters["early_stop_tol"].default)
+    def __init__(self, probe: _Probed) -> None:
+        """Raises:
+            _NotTorchaos: the function called has no ``iters`` and ``early_stop_tol`` defaults to run by.
+        """
+        try:  # the function called: its defaults
+            parameters = inspect.signature(probe.real).parameters
+            self.iters = max(1, int(parameters["iters"].default))
+            self.tol = float(parameters["early_stop_tol"].default)
+        except (KeyError, TypeError, ValueError):
+            raise _NotTorchaos from None
         self.group = int(probe.block_size[1])
         self.qmin, self.qmax = probe.qmin, probe.qmax
+        self.real = probe.real
         self.scales: list[Any] = []
         self.stop = 0  #: the iteration (1-based) after which the whole tensor's loop stops; 0 before run
         self._answered = 0
@@ -153,7 +161,7 @@ class Search:
         (int32, ``hp``'s shape) and those scales in ``hp``'s dtype.
 
         Raises:
-            NotTorchaos: the first band's answer is not torchao's own function's for
+            _NotTorchaos: the first band's answer is not torchao's own function's for
                 :attr:`stop` iterations; or the band is not the one expected.
         """
         import torch
@@ -161,14 +169,14 @@ class Search:
         index = self._answered
         if (index >= len(self.scales) or (qmin, qmax, int(block_size[1])) != (self.qmin, self.qmax, self.group)
                 or tuple(self.scales[index].shape) != (hp.shape[0], hp.shape[1] // self.group)):
-            raise NotTorchaos
+            raise _NotTorchaos
         self._answered += 1
         with torch.no_grad():
             scale = self.scales[index]
             qdata = _levels(_grouped(hp, self.group), scale, qmin, qmax).view(hp.shape).to(torch.int32)
             scale = scale.to(hp.dtype)
         if index == 0:
-            key = (qmin, qmax, self.group, hp.dtype, self.stop)
+            key = (qmin, qmax, self.group, hp.dtype, self.stop, real)  # a function set in torchao's place: checked anew
             with _lock:
                 same = _checked.get(key)
             if same is None:
@@ -178,7 +186,7 @@ class Search:
                 with _lock:
                     _checked[key] = same
             if not same:
-                raise NotTorchaos
+                raise _NotTorchaos
         return qdata, scale
 
 
@@ -204,7 +212,7 @@ def _routed(real: Callable[..., Any]) -> Callable[..., Any]:
         if kind == "fixed":
             return real(hp_tensor, block_size, qmin, qmax, iters=value, early_stop_tol=float("-inf"))
         if kind == "probe":
-            raise Probed(block_size, qmin, qmax)
+            raise _Probed(block_size, qmin, qmax, real)
         return value.answer(hp_tensor, block_size, qmin, qmax, real)
 
     return _choose_qparams_and_quantize_scale_only_hqq
@@ -212,7 +220,7 @@ def _routed(real: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def routing_hqq() -> Iterator[None]:
-    """While active, :func:`probing`, :func:`given_scales` and :func:`fixed_iterations`
+    """While active, :func:`probed`, :func:`answered` and :func:`fixed_iterations`
     can act (in their own thread); elsewhere torchao's function runs as it is."""
     module = adapter.intx_unpacked_module()
     name = "_choose_qparams_and_quantize_scale_only_hqq"
@@ -229,16 +237,32 @@ def _mode(mode: tuple[str, Any]) -> Iterator[None]:
         _local.mode = None
 
 
-def probing() -> contextlib.AbstractContextManager[None]:
-    """In this thread, torchao's HQQ scale-only call raises :class:`Probed` with
-    its arguments (step 1 of the module docstring)."""
-    return _mode(("probe", None))
+def probed(call: Callable[[], Any]) -> Search | None:
+    """``call()`` (torchao's handler on a first band) with its HQQ call answered by a
+    probe (step 1 of the module docstring): a :class:`Search` for the arguments it
+    was called with; None where the handler called no HQQ function, or the function
+    called has no ``iters`` and ``early_stop_tol`` defaults to run by."""
+    try:
+        with _mode(("probe", None)):
+            call()
+    except _Probed as probe:
+        try:
+            return Search(probe)
+        except _NotTorchaos:
+            return None
+    return None
 
 
-def given_scales(search: Search) -> contextlib.AbstractContextManager[None]:
-    """In this thread, torchao's HQQ scale-only calls answer band after band
-    from ``search`` (step 3 of the module docstring)."""
-    return _mode(("given", search))
+def answered(search: Search, call: Callable[[], Any]) -> tuple[bool, Any]:
+    """``call()`` with torchao's HQQ scale-only calls answered band after band from
+    ``search`` (step 3 of the module docstring): ``(True, its result)``, or ``(False,
+    None)`` where the first band's answer is not torchao's own (run the bands under
+    :func:`fixed_iterations` instead)."""
+    try:
+        with _mode(("given", search)):
+            return True, call()
+    except _NotTorchaos:
+        return False, None
 
 
 def fixed_iterations(iterations: int) -> contextlib.AbstractContextManager[None]:

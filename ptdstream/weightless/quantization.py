@@ -83,7 +83,7 @@ from typing import Any
 from ..system.heap import reusing_heap_blocks
 from ..upstream import adapter
 from ..upstream.patching import shadowed
-from .banded import quantize_in_bands
+from .banded import quantize_in_bands, restore_extra_repr
 from .convert import convertible
 from .errors import BindingError, QuantizationNeedsValuesError, QuantizationShapeError
 from .hqq_bands import routing_hqq
@@ -270,7 +270,7 @@ class _Plan:
             else:
                 self.entries[id(module)] = (fqn, weights, key, weight)
                 group, dim = _group_size(config), _grouped_dim(config, weight)
-                if group and weight.dim() and weight.shape[dim] % group:
+                if group and weight.dim() and weight.shape[dim] % group and not _hqq_refuses(config, weight):
                     what = "its last dimension" if dim == weight.dim() - 1 else f"its dimension {dim} (input channels)"
                     misfits.append(f"{where} {str(weight.dtype).replace('torch.', '')}{list(weight.shape)}: group "
                                    f"size {group} does not divide {what} ({weight.shape[dim]})")
@@ -289,6 +289,14 @@ def _group_size(config: Any) -> int | None:
         return None
     granularity = config.weight_granularity if name == "Int8DynamicActivationIntxWeightConfig" else config.granularity
     return getattr(granularity, "group_size", None) if type(granularity).__name__ == "PerGroup" else None
+
+
+def _hqq_refuses(config: Any, weight: Any) -> bool:
+    """Whether torchao's HQQ scale-only refuses ``weight`` whatever its group size (it
+    takes 2-D weights alone: ``quant_primitives._choose_qparams_and_quantize_scale_only_hqq``):
+    then torchao's own error is the one to give, not a group size's."""
+    return type(config).__name__ in _ROW_WISE and weight.dim() != 2 and _named(
+        getattr(config, "intx_choose_qparams_algorithm", None), "hqq_scale_only")
 
 
 def _grouped_dim(config: Any, weight: Any) -> int:
@@ -313,6 +321,24 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
               and rows * row_nbytes > LARGE_NBYTES)
     weights.check_unchanged([key], f"before key {key!r} was quantized")
     extra_repr = module.__dict__.get("extra_repr")
+    try:
+        _quantize_from(module, weights, key, weight, config, device, handler, rows, row_nbytes, banded, extra_repr)
+    except BaseException:  # an error or an interrupt: the module keeps its storage-less weight, as upstream keeps its
+        module.weight = weight
+        restore_extra_repr(module, extra_repr)
+        raise
+    weights.check_unchanged([key], f"while key {key!r} was quantized")
+    if module.weight is not weight:
+        weights.note_quantized(key, module.weight)
+    trim_heap()  # the full-precision weight and torchao's intermediates, freed by now
+
+
+def _quantize_from(module: Any, weights: Any, key: str, weight: Any, config: Any, device: Any, handler: Any,
+                   rows: int, row_nbytes: int, banded: bool, extra_repr: Any) -> None:
+    """Set ``module.weight`` to ``weight`` quantized from key ``key`` (in bands where
+    ``banded``), or back to ``weight`` where torchao left it as it was."""
+    import torch
+
     with weights.reading(key, weight.dtype) as source, reusing_heap_blocks():
         quantized = None
         if banded:
@@ -329,11 +355,6 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
             else:  # torchao left it as it was (Int4WeightOnlyConfig: a shape the group size does not divide)
                 quantized = None
         module.weight = weight if quantized is None else torch.nn.Parameter(quantized, requires_grad=False)
-    del quantized
-    weights.check_unchanged([key], f"while key {key!r} was quantized")
-    if module.weight is not weight:
-        weights.note_quantized(key, module.weight)
-    trim_heap()  # the full-precision weight and torchao's intermediates, freed by now
 
 
 def _kept(quantized: Any, folder: str) -> Any:

@@ -7,6 +7,7 @@ embeddings in upstream's untie order, large weights in bands of rows."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -14,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from _checkpoints import save_checkpoint, state_of
+from _checkpoints import safetensors_offset, save_checkpoint, state_of
 from _llama import Llama, methods, seeded
 from conftest import mapping_rss
 from torchao.quantization import quantize_  # imported before any context opens, as scripts do
@@ -350,7 +351,7 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
             assert (a.dtype, a.shape) == (b.dtype, b.shape), inner
             assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
             assert _file_backed(a)
-    iters = hqq_bands.Search(hqq_bands.Probed([1, 32], -8, 7)).iters
+    iters = hqq_bands.Search(hqq_bands._Probed([1, 32], -8, 7)).iters
     if name == "4w-g32":  # the whole tensor stops before torchao's last iteration
         assert len(stops) == 1 and stops[0] < iters
     else:  # a band alone stops early; the tensor never does
@@ -397,8 +398,98 @@ def test_levels_that_are_not_torchaos_own_are_not_kept(tmp_path, monkeypatch):
         for inner in ("qdata", "scale", "zero_point"):
             a, b = getattr(model.lin.weight, inner), getattr(real.lin.weight, inner)
             assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), inner
-    assert fixed == [hqq_bands.Search(hqq_bands.Probed([1, 32], -8, 7)).iters]  # the whole tensor runs them all
+    assert fixed == [hqq_bands.Search(hqq_bands._Probed([1, 32], -8, 7)).iters]  # the whole tensor runs them all
     assert calls == [32] + [32] + [32] * 4  # the probe, the first band refused, four bands of torchao's own
+
+
+def test_an_interrupt_inside_a_banded_weight_leaves_it_storage_less_and_the_next_quantize_is_upstreams(
+        tmp_path, monkeypatch):
+    """A KeyboardInterrupt in torchao's handler on a band (the third call) leaves the module's
+    weight storage-less, as upstream leaves its weight as it was; quantize_ again gives torchao's bytes."""
+    weight = _hqq_weight("8da8w")
+    real = _real_linear(weight, ROW_WISE["8da8w"])
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
+    real_handler = quantization.adapter.quantize_handler
+    calls = []
+
+    def interrupted(config):
+        def handler(module, cfg):
+            calls.append(module.weight.shape[0])
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real_handler(config)(module, cfg)
+        return handler
+
+    ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        model = _storage_less_linear(weights, 512, 128)
+        with monkeypatch.context() as patch:
+            patch.setattr(quantization.adapter, "quantize_handler", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                quantize_(model, ROW_WISE["8da8w"])
+        assert calls == [32, 32, 32] and is_storage_less(model.lin.weight)
+        quantize_(model, ROW_WISE["8da8w"])
+        _assert_same_bytes_file_backed(model.lin.weight, real.lin.weight)
+
+
+def test_a_function_set_in_torchaos_place_runs_by_its_own_defaults(tmp_path, monkeypatch):
+    """A user's function set where torchao looks its HQQ function up (three iterations by
+    default): the bands stop where it stops the whole tensor, and the bytes are its own."""
+    from ptdstream.upstream import adapter
+    from ptdstream.weightless import hqq_bands
+
+    module = adapter.intx_unpacked_module()
+    torchaos = module._choose_qparams_and_quantize_scale_only_hqq
+
+    def fewer(hp, block_size, qmin, qmax, *, iters=3, stochastic=False, early_stop_tol=1e-5):
+        return torchaos(hp, block_size, qmin, qmax, iters=iters, stochastic=stochastic, early_stop_tol=early_stop_tol)
+
+    monkeypatch.setattr(module, "_choose_qparams_and_quantize_scale_only_hqq", fewer)
+    weight = _hqq_weight("4w-g32")
+    real = _real_linear(weight, ROW_WISE["4w-g32"])
+    stops = []
+    real_search = banded.hqq_search
+    monkeypatch.setattr(banded, "hqq_search", lambda *a: (lambda r: stops.append(r.stop) or r)(real_search(*a)))
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * 256 * 4)
+    ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
+    with weights_from(ckpt) as weights:
+        model = _storage_less_linear(weights, 256, 256)
+        quantize_(model, ROW_WISE["4w-g32"])
+        _assert_same_bytes_file_backed(model.lin.weight, real.lin.weight)
+    assert stops == [3] and hqq_bands.Search(hqq_bands._Probed([1, 32], -8, 7, fewer)).iters == 3
+
+
+def test_a_checkpoint_truncated_while_a_weight_is_read_again_is_refused_not_sigbus(tmp_path, monkeypatch):
+    """The file truncated under the mapping between two reads of a band (a read would kill the
+    process with SIGBUS): IntegrityError naming the key, the rows, their offset and the file."""
+    from ptdstream.weightless import convert
+
+    weight = _hqq_weight("8da8w")
+    ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
+    monkeypatch.setattr(banded, "HELD_NBYTES", 0)
+    real_read = convert.RowReader.read
+    reads = []
+
+    def read(self, r0, r1, *a):
+        reads.append(r0)
+        if len(reads) == 6:  # the probe's band and the first scales of four: then cut the file
+            os.truncate(ckpt, 4096)
+        return real_read(self, r0, r1, *a)
+
+    monkeypatch.setattr(convert.RowReader, "read", read)
+    with weights_from(ckpt) as weights:
+        model = _storage_less_linear(weights, 512, 128)
+        with pytest.raises(IntegrityError) as caught:
+            quantize_(model, ROW_WISE["8da8w"])
+        assert is_storage_less(model.lin.weight)
+    at = safetensors_offset(ckpt, "lin.weight")
+    assert str(caught.value) == (f"key 'lin.weight': rows [0, 32) at offset {at:,} of checkpoint file {ckpt}: the "
+                                 f"file was truncated after it was mapped (needs {at + 32 * 512 * 4:,} bytes, has "
+                                 "4,096); nothing is quantized from it")
 
 
 def test_the_levels_are_checked_against_torchaos_own_function_once_per_kind_of_weight(tmp_path, monkeypatch):
@@ -412,6 +503,7 @@ def test_the_levels_are_checked_against_torchaos_own_function_once_per_kind_of_w
     real_hqq = module._choose_qparams_and_quantize_scale_only_hqq
     checks = []
 
+    @functools.wraps(real_hqq)  # its signature is torchao's: its defaults are the ones the search runs by
     def counted(hp, block_size, qmin, qmax, **kwargs):
         if kwargs.get("early_stop_tol") == float("-inf"):
             checks.append((tuple(hp.shape), int(block_size[1])))
@@ -486,10 +578,10 @@ def test_no_band_is_one_row_alone_whose_whole_row_scale_torch_would_sum_across_t
 def test_the_search_keeps_no_graph_of_a_parameters_band():
     """The scales a search keeps of a band that requires grad hold no autograd graph (it would keep
     every iteration's band-sized tensors)."""
-    from ptdstream.weightless.hqq_bands import Probed, Search
+    from ptdstream.weightless.hqq_bands import Search, _Probed
 
     band = torch.nn.Parameter(torch.randn(8, 64))
-    search = Search(Probed([1, 32], -8, 7))
+    search = Search(_Probed([1, 32], -8, 7))
     search.run(lambda i: band, [(0, 8)])
     assert 1 <= search.stop <= search.iters and len(search.scales) == 1
     assert not search.scales[0].requires_grad and tuple(search.scales[0].shape) == (8, 2)
@@ -509,7 +601,7 @@ def test_the_whole_tensors_stop_is_the_first_iteration_every_band_is_below_the_t
             return previous, torch.tensor(per_band[b][i], dtype=torch.float32)
 
         monkeypatch.setattr(hqq_bands, "_iteration", scripted)
-        search = hqq_bands.Search(hqq_bands.Probed([1, 2], -8, 7))
+        search = hqq_bands.Search(hqq_bands._Probed([1, 2], -8, 7))
         search.iters, search.tol = 4, 1e-5
         search.run(lambda b: torch.full((1, 2), float(b)), [(b, b + 1) for b in range(len(per_band))])
         return search.stop
@@ -693,9 +785,13 @@ def test_a_conv2d_weight_is_grouped_along_its_input_channels_as_torchao_groups_i
         with pytest.raises(AssertionError) as ours:
             quantize_(weights.model(lambda: torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False))), hqq,
                       filter_fn=_is_conv)
+        with pytest.raises(AssertionError) as ours_misfit:  # a group that does not divide: still torchao's error
+            quantize_(weights.model(lambda: torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False))),
+                      IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(48),
+                                           intx_choose_qparams_algorithm="hqq_scale_only"), filter_fn=_is_conv)
     with pytest.raises(AssertionError) as upstream:
         quantize_(torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False)), hqq, filter_fn=_is_conv)
-    assert str(ours.value) == str(upstream.value) == "hp_tensor must be 2D [out, in]"
+    assert str(ours.value) == str(ours_misfit.value) == str(upstream.value) == "hp_tensor must be 2D [out, in]"
     assert caught.value.problems == [f"'1.weight' <- key '1.weight' ({ckpt}) float32[8, 48, 3, 3]: group size 32 "
                                      "does not divide its dimension 1 (input channels) (48)"]
 
