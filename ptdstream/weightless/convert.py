@@ -47,7 +47,7 @@ from ..defaults import CHUNK_NBYTES, WINDOW_NBYTES
 from ..errors import IntegrityError
 from ..sources.base import BufferRing, Source
 from ..system.files import pwrite_all
-from ..system.pagecache import drop_pages
+from ..system.pagecache import FileMapping, drop_pages
 from ..system.writeback import WritebackWindows
 
 if TYPE_CHECKING:
@@ -246,6 +246,11 @@ class ConvertDir:
 FAULT_AROUND_NBYTES = 2 << 20
 
 
+def _extent_nbytes(tensor: torch.Tensor) -> int:
+    """The bytes from a non-empty tensor's first element to the end of its last (any strides >= 0)."""
+    return (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))) * tensor.element_size()
+
+
 class RowReader:
     """Rows of a checkpoint tensor (memory-mapped, or a converted copy) read into
     new tensors of ``dtype``, the pages of each band handed back once read.
@@ -284,7 +289,7 @@ class RowReader:
             raise ValueError(f"rows [{r0}, {r1}) of a tensor of {rows} rows")
         part = tensor[r0:r1] if tensor.dim() else tensor
         if self._mapping is not None and part.numel():
-            self._check_present(part, r0, r1)
+            self._check_present(self._mapping, part, r0, r1)
         out = torch.empty(tuple(part.shape), dtype=self.dtype, device=device if device is not None else "cpu")
         out.copy_(part)
         if self._mapping is not None and part.is_contiguous() and part.numel():
@@ -292,17 +297,13 @@ class RowReader:
                            (self._mapping.start, self._mapping.stop))
         return out
 
-    def _check_present(self, part: torch.Tensor, r0: int, r1: int) -> None:
+    def _check_present(self, m: FileMapping, part: torch.Tensor, r0: int, r1: int) -> None:
         """Refuse rows the mapped file no longer holds (truncated since it was mapped;
         a file replaced or removed keeps the old inode's bytes in the mapping)."""
-        from ..errors import IntegrityError
         from ..sources.mapped import same_inode_now
 
-        m = self._mapping
-        assert m is not None
-        extent = 1 + sum((n - 1) * st for n, st in zip(part.shape, part.stride(), strict=True))
         offset = m.offset + (part.data_ptr() - m.start)
-        needed = offset + extent * part.element_size()
+        needed = offset + _extent_nbytes(part)
         now = same_inode_now(m.path, m.inode)
         if now is not None and now.size < needed:
             raise IntegrityError(
@@ -319,8 +320,7 @@ class RowReader:
 
         tensor = self.tensor
         if tensor is not None and self._mapping is not None and tensor.numel():
-            extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
             start = tensor.data_ptr() - FAULT_AROUND_NBYTES
-            release_mapped(start, extent * tensor.element_size() + 2 * FAULT_AROUND_NBYTES,
+            release_mapped(start, _extent_nbytes(tensor) + 2 * FAULT_AROUND_NBYTES,
                            (self._mapping.start, self._mapping.stop))
         self.tensor = None

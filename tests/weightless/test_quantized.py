@@ -205,7 +205,8 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
     iteration; a NaN keeps the whole tensor iterating to torchao's last, so the first pass's bands
     are the tensor's and no second pass runs."""
     config = ROW_WISE[name]
-    hqq = quantization._hqq(config)
+    # from the config, not quantization._hqq (False in a process where no context has opened yet)
+    hqq = quantization._named(config.intx_choose_qparams_algorithm, "hqq_scale_only")
     torch.manual_seed(1)
     weight = torch.randn(61, 256)
     weight[10, :], weight[20, 7] = float("inf"), -float("inf")
@@ -215,8 +216,7 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
     real = _real_linear(weight, config)
 
     calls = _handler_calls(monkeypatch)
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * 256 * 4)
+    _banded_from_1_kib(monkeypatch, 7 * 256 * 4)
     with weights_from(ckpt) as weights:
         model = _storage_less_linear(weights, 256, 61)
         quantize_(model, config)
@@ -271,6 +271,12 @@ def _storage_less_linear(weights, in_features, out_features):
     with torch.device("meta"):
         model.lin = torch.nn.Linear(in_features, out_features, bias=False)
     return weights.model(model)
+
+
+def _banded_from_1_kib(monkeypatch, band_nbytes) -> None:
+    """Weights past 1 KiB quantized in bands of ``band_nbytes`` (in the model's dtype)."""
+    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
+    monkeypatch.setattr(quantization, "BAND_NBYTES", band_nbytes)
 
 
 def _handler_calls(monkeypatch) -> list[int]:
@@ -332,11 +338,8 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
         alone.append(torch.equal(band.lin.weight.qdata, want.qdata[r0:r0 + 7])
                      and torch.equal(band.lin.weight.scale, want.scale[r0:r0 + 7]))
 
-    stops = []
-    real_search = banded.hqq_search
-    monkeypatch.setattr(banded, "hqq_search", lambda *a: (lambda r: stops.append(r.stop) or r)(real_search(*a)))
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * cols * 4)
+    stops = _recorded_stops(monkeypatch)
+    _banded_from_1_kib(monkeypatch, 7 * cols * 4)
     monkeypatch.setattr(banded, "HELD_NBYTES", held_nbytes)
     reads = _row_reads(monkeypatch)
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
@@ -359,6 +362,14 @@ def test_hqq_in_bands_gives_the_whole_tensors_bytes_where_a_band_alone_would_sto
     nbands = -(-rows // 7)
     # the probe's band, then each band: held once, or read again for the first scales and each iteration; the last pass
     assert len(reads) == 1 + nbands * (1 if held_nbytes else 1 + stops[0]) + nbands
+
+
+def _recorded_stops(monkeypatch) -> list[int]:
+    """The iteration each HQQ search stops at from now on (``banded.hqq_search``), in order."""
+    stops: list[int] = []
+    real_search = banded.hqq_search
+    monkeypatch.setattr(banded, "hqq_search", lambda *a: (lambda r: stops.append(r.stop) or r)(real_search(*a)))
+    return stops
 
 
 def _row_reads(monkeypatch) -> list[tuple[int, int]]:
@@ -389,8 +400,7 @@ def test_levels_that_are_not_torchaos_own_are_not_kept(tmp_path, monkeypatch):
     real_fixed = banded.fixed_iterations
     monkeypatch.setattr(banded, "fixed_iterations", lambda n: fixed.append(n) or real_fixed(n))
     calls = _handler_calls(monkeypatch)
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
+    _banded_from_1_kib(monkeypatch, 32 * 512 * 4)
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
     with weights_from(ckpt) as weights:
         model = _storage_less_linear(weights, 512, 128)
@@ -408,8 +418,7 @@ def test_an_interrupt_inside_a_banded_weight_leaves_it_storage_less_and_the_next
     weight storage-less, as upstream leaves its weight as it was; quantize_ again gives torchao's bytes."""
     weight = _hqq_weight("8da8w")
     real = _real_linear(weight, ROW_WISE["8da8w"])
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
+    _banded_from_1_kib(monkeypatch, 32 * 512 * 4)
     real_handler = quantization.adapter.quantize_handler
     calls = []
 
@@ -448,11 +457,8 @@ def test_a_function_set_in_torchaos_place_runs_by_its_own_defaults(tmp_path, mon
     monkeypatch.setattr(module, "_choose_qparams_and_quantize_scale_only_hqq", fewer)
     weight = _hqq_weight("4w-g32")
     real = _real_linear(weight, ROW_WISE["4w-g32"])
-    stops = []
-    real_search = banded.hqq_search
-    monkeypatch.setattr(banded, "hqq_search", lambda *a: (lambda r: stops.append(r.stop) or r)(real_search(*a)))
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 7 * 256 * 4)
+    stops = _recorded_stops(monkeypatch)
+    _banded_from_1_kib(monkeypatch, 7 * 256 * 4)
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
     with weights_from(ckpt) as weights:
         model = _storage_less_linear(weights, 256, 256)
@@ -468,8 +474,7 @@ def test_a_checkpoint_truncated_while_a_weight_is_read_again_is_refused_not_sigb
 
     weight = _hqq_weight("8da8w")
     ckpt = save_checkpoint("safetensors", {"lin.weight": weight}, tmp_path / "ckpt")
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 32 * 512 * 4)
+    _banded_from_1_kib(monkeypatch, 32 * 512 * 4)
     monkeypatch.setattr(banded, "HELD_NBYTES", 0)
     real_read = convert.RowReader.read
     reads = []
@@ -511,8 +516,7 @@ def test_the_levels_are_checked_against_torchaos_own_function_once_per_kind_of_w
 
     monkeypatch.setattr(module, "_choose_qparams_and_quantize_scale_only_hqq", counted)
     monkeypatch.setattr(hqq_bands, "_checked", {})
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 16 * 512 * 4)
+    _banded_from_1_kib(monkeypatch, 16 * 512 * 4)
     torch.manual_seed(3)
     state = {"a.weight": torch.randn(48, 512), "b.weight": torch.randn(48, 512), "c.weight": torch.randn(48, 256)}
     config = ROW_WISE["8da8w"]
@@ -770,8 +774,7 @@ def test_a_conv2d_weight_is_grouped_along_its_input_channels_as_torchao_groups_i
 
     ckpt = save_checkpoint("safetensors", {"0.weight": fits, "1.weight": misfit}, tmp_path / "ckpt")
     calls = _handler_calls(monkeypatch)
-    monkeypatch.setattr(quantization, "LARGE_NBYTES", 1024)
-    monkeypatch.setattr(quantization, "BAND_NBYTES", 6 * 64 * 9 * 4)
+    _banded_from_1_kib(monkeypatch, 6 * 64 * 9 * 4)
     with weights_from(ckpt) as weights:
         model = weights.model(lambda: torch.nn.Sequential(torch.nn.Conv2d(64, 20, 3, bias=False)))
         quantize_(model, config, filter_fn=_is_conv)
