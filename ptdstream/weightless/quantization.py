@@ -14,7 +14,7 @@ model whose targeted weights are storage-less, it:
    a module picked is not descended into) and its checkpoint key (the key a
    context recorded for that tensor, the Hugging Face route's; else its FQN
    in the model given, through ``key_map``): a config not covered
-   (:func:`uncovered_reason`) is refused by name
+   (:func:`~ptdstream.weightless.quantized_configs.uncovered_reason`) is refused by name
    (:class:`~ptdstream.weightless.QuantizationNeedsValuesError`), a weight no
    checkpoint key fits by :class:`~ptdstream.weightless.BindingError`, the
    model unchanged;
@@ -89,10 +89,11 @@ from .errors import BindingError, QuantizationNeedsValuesError, QuantizationShap
 from .hqq_bands import routing_hqq
 from .lowering import open_contexts, trim_heap
 from .mapped_copy import mapped_copy
+from .quantized_configs import ROW_WISE, group_size, grouped_dim, hqq_refuses, named, row_local, uncovered_reason
 from .storage_less import derived_from_storage_less, is_storage_less
 
-__all__ = ["BAND_NBYTES", "COVERED", "LARGE_NBYTES", "quantized_constants", "refusing_storage_less",
-           "streaming_quantization", "streaming_walk", "uncovered_reason"]
+__all__ = ["BAND_NBYTES", "LARGE_NBYTES", "quantized_constants", "refusing_storage_less", "streaming_quantization",
+           "streaming_walk"]
 
 #: A weight larger than this (bytes in the model's dtype) is quantized in bands of rows, where the config allows.
 LARGE_NBYTES = 2 << 20
@@ -101,77 +102,15 @@ LARGE_NBYTES = 2 << 20
 #: its temporaries reused from the C heap.
 BAND_NBYTES = 1 << 20
 
-#: The torchao configs quantized as the weights stream, with what each must hold (:func:`uncovered_reason`).
-COVERED = (
-    "Int8DynamicActivationIntxWeightConfig (optimum's 8da4w/8da8w, executorch's LLM exporter's 8da4w: weight_dtype "
-    "int4 or int8, PerGroup or PerAxis(0), symmetric, unpacked_to_int8, affine or hqq_scale_only)",
-    "IntxWeightOnlyConfig (optimum's 4w/8w and --qembedding: weight_dtype int4 or int8, PerGroup or PerAxis(0), "
-    "symmetric, unpacked_to_int8, affine or hqq_scale_only)",
-    "Int4WeightOnlyConfig (the CUDA backend's int4: tile_packed_to_4d, hqq or tinygemm)",
-)
-
-#: The configs whose scales are per row or per group of a row (banded past LARGE_NBYTES).
-_ROW_WISE = ("Int8DynamicActivationIntxWeightConfig", "IntxWeightOnlyConfig")
 #: Whether this torchao's HQQ scale-only can be routed (:func:`streaming_quantization` found its module global).
 _HQQ_BANDS = False
-
-
-def _row_local(config: Any) -> bool:
-    """Whether each quantized row of ``config`` depends on its own row only: a row-wise
-    config under the ``affine`` algorithm. ``hqq_scale_only`` is not: torchao stops
-    its iterations when the largest change of any scale in the whole tensor is
-    small (``quant_primitives.py``, ``_choose_qparams_and_quantize_scale_only_hqq``,
-    ``early_stop_tol``), so a band alone can stop at another iteration than the
-    tensor (:func:`_hqq` runs its iterations over the bands)."""
-    return type(config).__name__ in _ROW_WISE and _named(config.intx_choose_qparams_algorithm, "affine")
 
 
 def _hqq(config: Any) -> bool:
     """Whether ``config`` is a row-wise config under ``hqq_scale_only`` (banded with
     the whole tensor's stop iteration found first: :mod:`ptdstream.weightless.hqq_bands`)."""
-    return (_HQQ_BANDS and type(config).__name__ in _ROW_WISE
-            and _named(config.intx_choose_qparams_algorithm, "hqq_scale_only"))
-
-
-def _named(value: Any, *names: str) -> bool:
-    """Whether an enum member (or its plain-string spelling) is one of ``names`` (lower case)."""
-    spelled = {str(getattr(value, "value", value)).lower(), str(getattr(value, "name", value)).lower()}
-    return bool(spelled & set(names))
-
-
-def uncovered_reason(config: Any) -> str | None:
-    """Why ``config`` is not quantized as the weights stream (one of :data:`COVERED`), or None."""
-    name = type(config).__name__
-
-    def granularity(g: Any) -> bool:
-        kind = type(g).__name__
-        return kind == "PerGroup" or (kind == "PerAxis" and getattr(g, "axis", None) == 0)
-
-    if name in _ROW_WISE:
-        weight = name == "Int8DynamicActivationIntxWeightConfig"
-        checks = {
-            "weight_dtype": str(config.weight_dtype) in ("torch.int4", "torch.int8"),
-            ("weight_granularity" if weight else "granularity"):
-                granularity(config.weight_granularity if weight else config.granularity),
-            ("weight_mapping_type" if weight else "mapping_type"):
-                _named(config.weight_mapping_type if weight else config.mapping_type, "symmetric"),
-            ("weight_scale_dtype" if weight else "scale_dtype"):
-                (config.weight_scale_dtype if weight else config.scale_dtype) is None,
-            "intx_packing_format": _named(config.intx_packing_format, "unpacked_to_int8"),
-            "intx_choose_qparams_algorithm": _named(config.intx_choose_qparams_algorithm, "affine",
-                                                    "hqq_scale_only"),
-            "version": config.version == 2,
-        }
-        if weight:
-            checks["act_mapping_type"] = _named(config.act_mapping_type, "asymmetric")
-    elif name == "Int4WeightOnlyConfig":
-        checks = {"int4_packing_format": _named(config.int4_packing_format, "tile_packed_to_4d"),
-                  "int4_choose_qparams_algorithm": _named(config.int4_choose_qparams_algorithm, "hqq", "tinygemm"),
-                  "version": config.version == 2}
-    else:
-        return f"{name} is not covered"
-    bad = [f"{field}={getattr(config, field)!r}" for field, ok in checks.items() if not ok]
-    return f"{name} with {', '.join(bad)} is not covered" if bad else None
+    return (_HQQ_BANDS and type(config).__name__ in ROW_WISE
+            and named(config.intx_choose_qparams_algorithm, "hqq_scale_only"))
 
 
 def quantized_constants(programs: Mapping[str, Any]) -> list[str]:
@@ -269,8 +208,8 @@ class _Plan:
                     f"shape: {where}: the checkpoint holds {list(entry.shape)}, the model {list(weight.shape)}")
             else:
                 self.entries[id(module)] = (fqn, weights, key, weight)
-                group, dim = _group_size(config), _grouped_dim(config, weight)
-                if group and weight.dim() and weight.shape[dim] % group and not _hqq_refuses(config, weight):
+                group, dim = group_size(config), grouped_dim(config, weight)
+                if group and weight.dim() and weight.shape[dim] % group and not hqq_refuses(config, weight):
                     what = "its last dimension" if dim == weight.dim() - 1 else f"its dimension {dim} (input channels)"
                     misfits.append(f"{where} {str(weight.dtype).replace('torch.', '')}{list(weight.shape)}: group "
                                    f"size {group} does not divide {what} ({weight.shape[dim]})")
@@ -278,34 +217,6 @@ class _Plan:
             raise BindingError(weights.checkpoint.path, found)
         if misfits:
             raise QuantizationShapeError(f"torchao quantize_ ({type(config).__name__})", misfits)
-
-
-def _group_size(config: Any) -> int | None:
-    """The group size a row-wise config quantizes with (PerGroup; None for PerAxis and
-    other configs: ``Int4WeightOnlyConfig`` leaves a weight it does not divide as it
-    is, ``_int4_weight_only_quantize_tensor``)."""
-    name = type(config).__name__
-    if name not in _ROW_WISE:
-        return None
-    granularity = config.weight_granularity if name == "Int8DynamicActivationIntxWeightConfig" else config.granularity
-    return getattr(granularity, "group_size", None) if type(granularity).__name__ == "PerGroup" else None
-
-
-def _hqq_refuses(config: Any, weight: Any) -> bool:
-    """Whether torchao's HQQ scale-only refuses ``weight`` whatever its group size (it
-    takes 2-D weights alone: ``quant_primitives._choose_qparams_and_quantize_scale_only_hqq``):
-    then torchao's own error is the one to give, not a group size's."""
-    return type(config).__name__ in _ROW_WISE and weight.dim() != 2 and _named(
-        getattr(config, "intx_choose_qparams_algorithm", None), "hqq_scale_only")
-
-
-def _grouped_dim(config: Any, weight: Any) -> int:
-    """The dimension a PerGroup config's groups run along: a 4-D (Conv2d) weight's input
-    channels under ``IntxWeightOnlyConfig`` (block ``(1, group, 1, 1)``), else the last
-    (torchao ``quant_api._intx_weight_only_quantize_tensor``)."""
-    if type(config).__name__ == "IntxWeightOnlyConfig" and weight.dim() == 4:
-        return 1
-    return max(weight.dim() - 1, 0)
 
 
 def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, config: Any, device: Any) -> None:
@@ -317,7 +228,7 @@ def _quantize_one(module: Any, fqn: str, weights: Any, key: str, weight: Any, co
     row_nbytes = weight[0].numel() * weight.element_size() if weight.dim() else weight.element_size()
     on_cpu = device is None or torch.device(device).type == "cpu"
     # HQQ's torchao function takes 2-D weights alone: a 4-D one goes whole, to torchao's own error
-    banded = (on_cpu and (_row_local(config) or (_hqq(config) and weight.dim() == 2)) and weight.dim() >= 2
+    banded = (on_cpu and (row_local(config) or (_hqq(config) and weight.dim() == 2)) and weight.dim() >= 2
               and rows * row_nbytes > LARGE_NBYTES)
     weights.check_unchanged([key], f"before key {key!r} was quantized")
     extra_repr = module.__dict__.get("extra_repr")

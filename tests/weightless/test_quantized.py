@@ -25,7 +25,7 @@ from torchao.utils import unwrap_tensor_subclass
 
 import ptdstream
 from ptdstream.errors import IntegrityError
-from ptdstream.weightless import BindingError, banded, is_storage_less, quantization, weights_from
+from ptdstream.weightless import BindingError, banded, is_storage_less, quantization, quantized_configs, weights_from
 
 warnings.filterwarnings("ignore")
 
@@ -206,7 +206,7 @@ def test_a_large_weight_quantized_in_bands_of_rows_gives_the_whole_tensors_bytes
     are the tensor's and no second pass runs."""
     config = ROW_WISE[name]
     # from the config, not quantization._hqq (False in a process where no context has opened yet)
-    hqq = quantization._named(config.intx_choose_qparams_algorithm, "hqq_scale_only")
+    hqq = quantized_configs.named(config.intx_choose_qparams_algorithm, "hqq_scale_only")
     torch.manual_seed(1)
     weight = torch.randn(61, 256)
     weight[10, :], weight[20, 7] = float("inf"), -float("inf")
