@@ -24,7 +24,8 @@ COVERED = (
     "Int4WeightOnlyConfig (the CUDA backend's int4: tile_packed_to_4d, hqq or tinygemm)",
 )
 
-#: The configs whose scales are per row or per group of a row (banded past :data:`~ptdstream.weightless.quantization.LARGE_NBYTES`).
+#: The configs whose scales are per row or per group of a row (banded past
+#: :data:`~ptdstream.weightless.quantization.LARGE_NBYTES`).
 ROW_WISE = ("Int8DynamicActivationIntxWeightConfig", "IntxWeightOnlyConfig")
 
 
