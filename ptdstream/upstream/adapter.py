@@ -37,6 +37,7 @@ __all__ = [
     "fake_tensor_type",
     "fx_graph_module_module",
     "dispatch_mode_type",
+    "dynamo_capture_module",
     "file_backed_data_type",
     "file_backed_path",
     "flat_tensor_to_flatbuffer",
@@ -53,6 +54,7 @@ __all__ = [
     "program_module",
     "program_to_flatbuffer",
     "recorded_backend_config",
+    "same_node_cache",
     "reference_cords",
     "set_cached_sha256",
     "storage_use_count",
@@ -60,6 +62,7 @@ __all__ = [
     "tensor_spec_storage",
     "xnnpack_node_visitor_module",
     "xnnpack_qc4w_packer",
+    "xnnpack_refusal_log",
 ]
 
 _CORD = "executorch.exir._serialize._cord"
@@ -279,6 +282,33 @@ def fx_graph_module_module():
     for attribute in ("_method_from_src", "_loader.eval_cache"):
         resolve("torch.fx.graph_module", attribute)
     return resolve("torch.fx.graph_module")
+
+
+def dynamo_capture_module() -> Any:
+    """dynamo's export capture (``torch/_dynamo/functional_export.py``), whose module
+    globals receive each captured graph as ``__compiled_fn_*``; None when it is not importable."""
+    try:
+        return resolve("torch._dynamo.functional_export")
+    except ImportError:
+        return None
+
+
+def same_node_cache() -> Any:
+    """executorch's ``is_same_node`` (``exir/backend/utils.py``, an ``lru_cache``);
+    None when executorch is not installed."""
+    try:
+        return resolve("executorch.exir.backend.utils", "is_same_node")
+    except ImportError:
+        return None
+
+
+def xnnpack_refusal_log() -> Any:
+    """XNNPACK's ``WhyNoPartition`` (``backends/xnnpack/partition/config/xnnpack_config.py``:
+    ``why``, its ``node`` the last one refused); None when XNNPACK is not installed."""
+    try:
+        return resolve("executorch.backends.xnnpack.partition.config.xnnpack_config", "why")
+    except ImportError:
+        return None
 
 
 def partitioner_modules() -> tuple[Any, ...]:

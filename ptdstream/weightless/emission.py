@@ -17,7 +17,7 @@ from typing import Any
 
 from .binding import unbound_constants
 from .errors import QuantizationNeedsValuesError, UnboundConstantError
-from .lowering import bind_found, contexts_holding, open_contexts, release_file_pages, trim_heap
+from .lowering import bind_found, contexts_holding, open_contexts, release_dead_programs, release_file_pages
 from .quantization import quantized_constants
 
 __all__ = ["checking_emit"]
@@ -47,7 +47,7 @@ def checking_emit(real: Callable[..., Any]) -> Callable[..., Any]:
             weights.check_unchanged(keys, "before to_executorch emitted the program (nothing emitted)")
         if open_contexts():
             release_file_pages()  # those the last partition's packing read
-            trim_heap()  # what lowering and the passes freed
+            release_dead_programs()  # what lowering and the passes freed, and the programs they replaced
         emitted = real(methods, *args, **kwargs)
         for weights, keys in holders.items():
             weights.check_unchanged(keys, "while to_executorch emitted the program (its result dropped, "

@@ -48,7 +48,11 @@ shared mappings) are unmapped from the process after each
 
 The C heap (:func:`trim_heap`, glibc's ``malloc_trim``) is handed back to the
 system after each ``torch.export``, before and after each ``run_decompositions``
-and before emission: tracing and lowering free many blocks of a few MiB that
+and before emission; before each ``run_decompositions`` and before emission,
+:func:`release_dead_programs` first drops upstream's references to programs no
+step uses any more and collects them (and each ``torch.export``, in any thread
+while a context is open, removes the graph dynamo's capture left in its module
+globals: :mod:`ptdstream.hooks.program_caches`): tracing and lowering free many blocks of a few MiB that
 glibc would otherwise keep resident until the process ends; and a context
 opening fixes glibc's mmap threshold (:func:`fix_heap`), so that the larger
 blocks never sit in the heap at all (at optimum's usual flags, without it about
@@ -65,10 +69,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from ..hooks.program_caches import counting_export, forget_node_caches
 from ..system.heap import fix_mmap_threshold, malloc_trim
 from ..upstream import adapter
 from ..upstream.patching import shadowed
@@ -77,7 +83,7 @@ from .errors import BindingError
 from .storage_less import meta_to_storage_less
 
 __all__ = ["TRIM_HEAP", "bind_found", "binding_at_lowering", "contexts_holding", "fix_heap", "open_contexts", "opened",
-           "release_file_pages", "trim_heap"]
+           "release_dead_programs", "release_file_pages", "trim_heap"]
 
 _local = threading.local()  # .stack: the WeightsFrom contexts open in this thread, innermost last
 _lock = threading.Lock()
@@ -90,6 +96,18 @@ TRIM_HEAP = True
 def trim_heap() -> None:
     """:func:`ptdstream.system.heap.malloc_trim` when :data:`TRIM_HEAP` (the weightless route's steps call it)."""
     if TRIM_HEAP:
+        malloc_trim()
+
+
+def release_dead_programs() -> None:
+    """Drop upstream's references to programs no step uses any more
+    (:func:`ptdstream.hooks.program_caches.forget_node_caches`), collect the
+    cycles a replaced program leaves (``gc.collect``: a graph, its module and its
+    nodes refer to one another, so they wait for the oldest generation's collection
+    otherwise) and :func:`trim_heap`, when :data:`TRIM_HEAP` (all three)."""
+    if TRIM_HEAP:
+        forget_node_caches()
+        gc.collect()
         malloc_trim()
 
 
@@ -200,7 +218,7 @@ def _lowering(real: Callable[..., Any]) -> Callable[..., Any]:
         if not open_contexts():
             return real(self, *args, **kwargs)
         bind_found({"forward": self})
-        trim_heap()  # what tracing freed
+        release_dead_programs()  # the programs the last steps replaced, before this one makes another
         try:
             return real(self, *args, **kwargs)
         finally:
@@ -216,13 +234,15 @@ def _exporting(real: Callable[..., Any]) -> Callable[..., Any]:
         import torch
 
         if not open_contexts():
-            return real(mod, *args, **kwargs)
+            with counting_export():
+                return real(mod, *args, **kwargs)
         if isinstance(mod, torch.nn.Module):
             meta_to_storage_less(mod)
             open_contexts()[-1].move_large_buffers(mod)
         builder = adapter.dynamo_builder_module()
         try:
-            with shadowed(builder, "_clone_input", _not_cloning_file_tensors(builder._clone_input)):
+            with counting_export(), \
+                    shadowed(builder, "_clone_input", _not_cloning_file_tensors(builder._clone_input)):
                 return real(mod, *args, **kwargs)
         finally:
             release_file_pages()  # those tracing read (a subclass's own clone, say)

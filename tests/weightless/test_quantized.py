@@ -876,3 +876,36 @@ def test_quantize_twice_fails_inside_the_block_as_upstream_does(tmp_path):
             quantize_(model, config)
         assert weights.quantized_keys == ["0.weight"]
     assert str(ours.value) == str(upstream.value)
+
+
+def test_upstreams_references_to_finished_programs_are_dropped_and_the_bytes_are_upstreams(tmp_path):
+    """A strict export (as optimum's) inside the context: dynamo's captured graph is not left in its
+    module globals, and after emission neither ``is_same_node``'s cache nor XNNPACK's refusal log
+    holds a node (hooks.program_caches); the .pte is executorch's own."""
+    import torch._dynamo.functional_export as functional_export
+    from executorch.backends.xnnpack.partition.config import xnnpack_config
+    from executorch.exir.backend import utils as backend_utils
+
+    torch.manual_seed(0)
+    state = state_of(Biased())
+    ckpt = save_checkpoint("safetensors", state, tmp_path / "ckpt")
+    real = _loaded(Biased, state)
+    _quantize(real)
+    want = _xnnpack(torch.export.export(real, TOKENS, strict=True)).buffer
+    captured = [n for n in vars(functional_export) if n.startswith("__compiled_fn_")]
+    assert captured  # upstream leaves the reference's captured graph there (torch 2.13)
+
+    with weights_from(ckpt) as weights:
+        with torch.device("meta"):
+            model = Biased().eval()
+        model = weights.model(model)
+        _quantize(model)
+        program = torch.export.export(model, TOKENS, strict=True)
+        assert [n for n in vars(functional_export) if n.startswith("__compiled_fn_")] == captured
+        manager = _xnnpack(program)
+        assert backend_utils.is_same_node.cache_info().currsize == 0
+        assert xnnpack_config.why.node is None
+        (tmp_path / "out").mkdir()
+        ptdstream.save(manager, str(tmp_path / "out" / "model.pte"))
+    with open(tmp_path / "out" / "model.pte", "rb") as f:
+        assert _sha(f.read()) == _sha(want)
