@@ -9,10 +9,11 @@ for the rest of the process:
   captured graph in that module's globals as ``__compiled_fn_<n>_<uuid>``, a name
   used only while the capture runs, and never removes it: one per
   ``torch.export`` (optimum exports a causal LM twice) and per XNNPACK
-  partition's re-export. :func:`capture_globals` before an export and
-  :func:`forget_captured_graphs` after it remove those the export added, once no
-  other export counted by :func:`counting_export` is in flight (the names are
-  process-wide).
+  partition's re-export. :func:`counting_export` around each export removes,
+  when the last export it counts returns, every ``__compiled_fn_`` name added to
+  that module since the first began (the names are process-wide: one added by a
+  capture it does not count, running meanwhile, goes too; such a capture passes
+  its function to the code it runs, so it completes as it would).
 * ``is_same_node`` (``exir/backend/utils.py``), an unbounded ``lru_cache`` over
   pairs of nodes that ``to_backend``'s graph check fills with every node of the
   edge program and its partitioned copy.

@@ -234,7 +234,11 @@ def _exporting(real: Callable[..., Any]) -> Callable[..., Any]:
         import torch
 
         if not open_contexts():
-            with counting_export():
+            with _lock:
+                anywhere = bool(_everywhere)
+            if not anywhere:  # a reference to this wrapper kept past the last exit: upstream's behaviour
+                return real(mod, *args, **kwargs)
+            with counting_export():  # another thread's context: its count keeps the names this one needs
                 return real(mod, *args, **kwargs)
         if isinstance(mod, torch.nn.Module):
             meta_to_storage_less(mod)

@@ -119,3 +119,32 @@ def test_a_rewrite_while_another_thread_emits_is_refused_after_the_emission(tmp_
     assert message.endswith(") now), while to_executorch emitted the program (its result dropped, nothing written): "
                             "4 bound key(s) come from it: 'l1.weight', 'l1.bias', 'l2.weight', 'l2.bias'; a "
                             "checkpoint must not change until the save: export again from an unchanged checkpoint")
+
+
+def _captured_names() -> list[str]:
+    import torch._dynamo.functional_export as functional_export
+
+    return [n for n in vars(functional_export) if n.startswith("__compiled_fn_")]
+
+
+def test_captured_graphs_are_dropped_in_a_thread_without_a_context_only_while_one_is_open(tmp_path):
+    """hooks.program_caches through the export patch: a strict export in another thread, while a
+    context is open, leaves no captured graph behind; the patched function kept past the last exit
+    behaves as upstream's (the name stays)."""
+    from torch.export import _trace
+
+    torch.manual_seed(0)
+    real = Mlp().eval()
+    x = example_inputs(real)
+    ckpt = save_checkpoint("safetensors", state_of(real), tmp_path / "ckpt")
+    before = _captured_names()
+    with weights_from(ckpt):
+        patched = _trace._export
+        with ThreadPoolExecutor(1) as pool:
+            program = pool.submit(torch.export.export, real, x, strict=True).result()
+        assert _captured_names() == before
+    assert torch.equal(program.module()(*x), real(*x))
+    assert patched is not _trace._export  # the patch is gone, a reference to it kept
+    patched(real, x, {}, strict=True)
+    added = [n for n in _captured_names() if n not in before]
+    assert len(added) == 1  # upstream's behaviour outside every context
