@@ -38,6 +38,7 @@ __all__ = ["CAPTURED_PREFIX", "capture_globals", "counting_export", "forget_capt
 #: the names dynamo's capture gives the graphs it installs (``OutputGraph.install_global``)
 CAPTURED_PREFIX = "__compiled_fn_"
 
+
 class _InFlight:
     """The exports :func:`counting_export` counts, and the capture globals before the first."""
 

@@ -284,31 +284,30 @@ def fx_graph_module_module():
     return resolve("torch.fx.graph_module")
 
 
+def _installed(module: str, attribute: str = "") -> Any:
+    """:func:`resolve`, or None when the package is not installed (an optional one)."""
+    try:
+        return resolve(module, attribute)
+    except ImportError:
+        return None
+
+
 def dynamo_capture_module() -> Any:
     """dynamo's export capture (``torch/_dynamo/functional_export.py``), whose module
     globals receive each captured graph as ``__compiled_fn_*``; None when it is not importable."""
-    try:
-        return resolve("torch._dynamo.functional_export")
-    except ImportError:
-        return None
+    return _installed("torch._dynamo.functional_export")
 
 
 def same_node_cache() -> Any:
     """executorch's ``is_same_node`` (``exir/backend/utils.py``, an ``lru_cache``);
     None when executorch is not installed."""
-    try:
-        return resolve("executorch.exir.backend.utils", "is_same_node")
-    except ImportError:
-        return None
+    return _installed("executorch.exir.backend.utils", "is_same_node")
 
 
 def xnnpack_refusal_log() -> Any:
     """XNNPACK's ``WhyNoPartition`` (``backends/xnnpack/partition/config/xnnpack_config.py``:
     ``why``, its ``node`` the last one refused); None when XNNPACK is not installed."""
-    try:
-        return resolve("executorch.backends.xnnpack.partition.config.xnnpack_config", "why")
-    except ImportError:
-        return None
+    return _installed("executorch.backends.xnnpack.partition.config.xnnpack_config", "why")
 
 
 def partitioner_modules() -> tuple[Any, ...]:

@@ -108,7 +108,7 @@ def release_dead_programs() -> None:
     if TRIM_HEAP:
         forget_node_caches()
         gc.collect()
-        malloc_trim()
+        trim_heap()
 
 
 def fix_heap() -> None:
@@ -236,9 +236,9 @@ def _exporting(real: Callable[..., Any]) -> Callable[..., Any]:
         if not open_contexts():
             with _lock:
                 anywhere = bool(_everywhere)
-            if not anywhere:  # a reference to this wrapper kept past the last exit: upstream's behaviour
-                return real(mod, *args, **kwargs)
-            with counting_export():  # another thread's context: its count keeps the names this one needs
+            # another thread's context: counted, so that its removal waits for this capture; none open
+            # anywhere (a reference to this wrapper kept past the last exit): upstream's behaviour
+            with counting_export() if anywhere else contextlib.nullcontext():
                 return real(mod, *args, **kwargs)
         if isinstance(mod, torch.nn.Module):
             meta_to_storage_less(mod)
